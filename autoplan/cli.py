@@ -1,0 +1,96 @@
+"""The `autoplan` command line: a thin click group over the library.
+
+Each subcommand lives in `autoplan/commands/<name>.py` as a click command named
+`command`, imported only when invoked so `autoplan --help` stays fast. `main()` turns
+user errors into one paragraph on stderr and exit status 2 (`--debug` shows the
+traceback), and "nothing fits" into exit status 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import click
+
+from autoplan import __version__
+from autoplan.errors import NoFeasiblePlan, UserError
+
+COMMANDS = {
+    "analyze": "Trace a model on the meta device: parameters, FLOPs, activations, structure.",
+    "models": "List the built-in model catalog.",
+    "gpus": "List the known GPUs and their aliases.",
+    "estimate": "Predict step time, MFU and memory per GPU for one parallel configuration.",
+    "validate": "Compare the cost model with published training runs (or a generated run).",
+    "plan": "Find the fastest (or cheapest) parallel plan with CP-SAT and explain it.",
+    "generate": "Write a runnable torchrun job directory for a plan.",
+    "report": "Time, GPU-hours and cost across GPU types and cluster sizes, with charts.",
+    "calibrate": "Measure this cluster (run under torchrun) and write a hardware file.",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name in COMMANDS if _command_module_exists(name)]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS or not _command_module_exists(name):
+            return None
+        return importlib.import_module(f"autoplan.commands.{name}").command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _command_module_exists(name: str) -> bool:
+    return importlib.util.find_spec(f"autoplan.commands.{name}") is not None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autoplan")
+@click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Plan how to split a model across GPUs before paying for them.
+
+    MODEL, wherever a command takes one, is a Python file, an HF-style config.json,
+    or a catalog name (see `autoplan models`).
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def _say_error(kind: str, message: str) -> None:
+    paragraph = textwrap.fill(" ".join(str(message).split()), width=100)
+    click.echo(f"{kind}: {paragraph}", err=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        cli.main(args=args, prog_name="autoplan", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        _say_error("error", "aborted")
+        sys.exit(1)
+    except click.ClickException as exc:
+        if debug:
+            raise
+        exc.show()
+        sys.exit(2)
+    except UserError as exc:
+        if debug:
+            raise
+        _say_error("error", str(exc))
+        sys.exit(2)
+    except NoFeasiblePlan as exc:
+        if debug:
+            raise
+        click.echo(str(exc), err=True)
+        sys.exit(1)
+    sys.exit(0)

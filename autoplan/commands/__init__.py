@@ -1,0 +1,1 @@
+"""One module per CLI subcommand, each exposing `command` (a click.Command)."""

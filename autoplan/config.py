@@ -1,0 +1,57 @@
+"""ParallelConfig: one point of the search space, the input of every cost function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+OFFLOAD = ("none", "optimizer", "params", "both")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees, sharding, batching, schedule, recomputation and precision of a training step.
+
+    dp * tp * pp * cp == world size. EP is carved from dp * cp (Megatron / torchtitan):
+    ep divides dp * cp and the experts. `global_batch` is in sequences of `seq_len` tokens.
+    `stage_layers` is the number of blocks per pipeline stage (virtual stages in schedule
+    order for interleaved); None means as even as possible. `stage_recompute` gives per
+    stage (blocks recomputed fully, blocks recomputed selectively); None means `recompute`
+    applies to every block.
+    """
+
+    global_batch: int
+    seq_len: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    offload: str = "none"
+    micro_batch: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    vpp: int = 1
+    precision: str = "bf16"
+    sequence_parallel: bool = True
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate * dp_shard
+    stage_layers: tuple[int, ...] | None = None
+    stage_recompute: tuple[tuple[int, int], ...] | None = field(default=None)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    def with_(self, **changes) -> "ParallelConfig":
+        return replace(self, **changes)

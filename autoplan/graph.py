@@ -1,0 +1,124 @@
+"""ModelGraph: what `trace` learns about a model, and all that later stages read.
+
+A ModelGraph is a value object. `trace.trace_model` builds it; `cost`, `solve` and
+`analyze` only read it. Every number is for the traced batch and sequence length
+(`batch_size`, `seq_len`) in the traced dtype (`dtype_bytes` per float element);
+consumers rescale: FLOPs and activation bytes are linear in the batch, and a new
+sequence length means tracing again (attention is quadratic in it).
+
+Op kinds (`OpInfo.kind`):
+    linear, matmul, conv, attention, embedding, norm, elementwise, moe_router,
+    expert, loss, view, other
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One op of the traced graph (an fx node, or a module costed from its structure)."""
+
+    name: str
+    module: str  # owning module path, "" for the root
+    kind: str
+    target: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shape: tuple[int, ...]
+    dtype: str
+    parameters: int = 0  # parameters owned by a leaf-module op
+    flops: int = 0  # forward FLOPs as torch.utils.flop_counter counts them
+    elementwise_flops: int = 0  # one per output element of pointwise work, reported apart
+    bytes_read: int = 0
+    bytes_written: int = 0
+    saved_bytes: int = 0  # activation bytes this op saves for backward (no parameters)
+    gemm_mnk: tuple[int, int, int] | None = None  # (M, N, K) of a matmul-like op
+    fallback: bool = False  # costed from module structure, not traced
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """A group of identical blocks (layers of a ModuleList/Sequential) or a one-off segment.
+
+    All per-copy numbers are measured on the first copy and stand for every copy.
+    `pre` (before the first block: embeddings) and `post` (after the last block: final
+    norm, output head, loss) are BlockInfo with count 1 and kind "pre" / "post".
+    """
+
+    name: str
+    paths: tuple[str, ...]  # module path of each copy, execution order
+    kind: str  # "dense" | "moe" | "pre" | "post"
+    parameters: int  # per copy
+    forward_flops: int  # per copy, traced batch/seq
+    attention_flops: int  # part of forward_flops inside attention cores (quadratic in seq)
+    elementwise_flops: int
+    saved_bytes: int  # per copy: activations saved for backward, no recomputation
+    saved_bytes_selective: int  # per copy: with the attention core recomputed
+    input_bytes: int  # per copy: the block input, all that full recomputation keeps
+    memory_traffic_bytes: int  # per copy: bytes read + written by memory-bound ops
+    hidden: int  # last dim of the block input
+    kv_bytes: int = 0  # per copy: K and V bytes entering attention (CP ring exchange)
+    heads: int = 0
+    kv_heads: int = 0
+    ffn: int = 0  # width of the dense MLP (or of one expert for MoE)
+    experts: int = 0
+    top_k: int = 0
+    expert_parameters: int = 0  # per copy: parameters inside routed experts (EP shards them)
+    tp_parameters: int = 0  # per copy: parameters inside TP-shardable linears
+    gemm_shapes: tuple[tuple[int, int, int, int], ...] = ()  # (M, N, K, flops) per matmul-like op
+
+    @property
+    def count(self) -> int:
+        return len(self.paths)
+
+
+@dataclass
+class ModelGraph:
+    """The costed graph of one model at one (batch, seq)."""
+
+    graph: nx.DiGraph  # node = op name, attribute "op": OpInfo; edges = data flow
+    segments: list[BlockInfo]  # pre, block groups in execution order, post
+    layer_order: list[tuple[str, str]]  # (block path, segment name) for every block copy
+    batch_size: int
+    seq_len: int
+    dtype_bytes: int
+    parameters: int  # unique parameters, tied weights counted once
+    embedding_parameters: int
+    vocab: int
+    tensor_parallel: list[dict] = field(default_factory=list)
+    context_parallel: list[str] = field(default_factory=list)
+    expert_parallel: list[dict] = field(default_factory=list)
+    fallback_modules: list[str] = field(default_factory=list)
+    tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style
+    fingerprint: str = ""
+    model_name: str = ""
+
+    @property
+    def blocks(self) -> list[BlockInfo]:
+        return [s for s in self.segments if s.kind not in ("pre", "post")]
+
+    @property
+    def pre(self) -> BlockInfo:
+        return self.segments[0]
+
+    @property
+    def post(self) -> BlockInfo:
+        return self.segments[-1]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_order)
+
+    def segment(self, name: str) -> BlockInfo:
+        return next(s for s in self.segments if s.name == name)
+
+    def layer_blocks(self) -> list[BlockInfo]:
+        """BlockInfo of every block copy, in execution order (len == num_layers)."""
+        by_name = {s.name: s for s in self.segments}
+        return [by_name[name] for _, name in self.layer_order]
+
+    def forward_flops(self) -> int:
+        return sum(s.forward_flops * s.count for s in self.segments)

@@ -1,0 +1,142 @@
+"""Plan: the one serialisable value every later stage consumes (estimate, generate, report, runtime).
+
+A plan file (plan.json) holds the parallel configuration, what the runtime needs to apply
+it without re-analysing the model (module paths of each pipeline stage, TP style per
+module, attention modules for CP, MoE modules for EP, recomputation per block), the
+hardware it was made for, its predicted estimate, a format version and a fingerprint of
+the model. This module imports only the standard library so that `autoplan.runtime`
+can read plans on training nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+class PlanFormatError(ValueError):
+    """A file that is not a plan of this format version."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """How to build the model again: a catalog name, an HF config.json, or a Python file."""
+
+    source: str  # "catalog" | "config" | "file"
+    name: str  # catalog name, or a display name (file stem)
+    path: str | None = None  # config.json or model.py path, as the user gave it
+    fingerprint: str = ""  # sha256 over the model's parameter names, shapes and dtypes
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    gpu: str
+    world_size: int
+    gpus_per_node: int
+    global_batch: int
+    seq_len: int
+    dp: int = 1
+    dp_replicate: int = 1  # HSDP replicas; dp_shard = dp // dp_replicate
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    offload: str = "none"  # none | optimizer | params | both
+    precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8
+    micro_batch: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
+    vpp: int = 1
+    sequence_parallel: bool = True
+    # pipeline: block module paths of each (virtual) stage, in stage order; the
+    # modules before the first block go with stage 0, those after the last with the last.
+    stages: list[list[str]] = field(default_factory=list)
+    recompute: dict[str, str] = field(default_factory=dict)  # block path -> none|selective|full
+    tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style
+    cp_modules: list[str] = field(default_factory=list)  # attention modules calling SDPA
+    ep_modules: list[str] = field(default_factory=list)  # MoE modules
+    optimizer: dict[str, Any] = field(
+        default_factory=lambda: {
+            "name": "adamw",
+            "lr": 3e-4,
+            "betas": [0.9, 0.95],
+            "weight_decay": 0.1,
+            "warmup_steps": 10,
+            "max_steps": 1000,
+            "grad_clip": 1.0,
+        }
+    )
+    estimate: dict[str, Any] = field(default_factory=dict)  # predicted numbers (estimate --json keys)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanFormatError("a plan is a JSON object")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise PlanFormatError(
+                f"plan format_version is {version!r}, this autoplan reads version {FORMAT_VERSION}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        missing = sorted(k for k in ("model", "gpu", "world_size", "gpus_per_node",
+                                     "global_batch", "seq_len") if k not in data)
+        if unknown or missing:
+            raise PlanFormatError(f"plan keys do not match: unknown {unknown}, missing {missing}")
+        kwargs = dict(data)
+        kwargs["model"] = ModelRef(**data["model"])
+        plan = cls(**kwargs)
+        plan.check()
+        return plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"{path} is not JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def check(self) -> None:
+        """Internal consistency; raises PlanFormatError naming every mismatch."""
+        problems = []
+        if self.dp * self.tp * self.pp * self.cp != self.world_size:
+            problems.append(
+                f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} != world_size {self.world_size}"
+            )
+        if self.dp % self.dp_replicate:
+            problems.append(f"dp_replicate {self.dp_replicate} does not divide dp {self.dp}")
+        if (self.dp * self.cp) % self.ep:
+            problems.append(f"ep {self.ep} does not divide dp*cp = {self.dp * self.cp}")
+        if self.global_batch % (self.dp * self.micro_batch):
+            problems.append(
+                f"global_batch {self.global_batch} is not a multiple of dp*micro_batch "
+                f"= {self.dp * self.micro_batch}"
+            )
+        if self.stages and len(self.stages) != self.pp * self.vpp:
+            problems.append(f"{len(self.stages)} stages listed, pp*vpp = {self.pp * self.vpp}")
+        if problems:
+            raise PlanFormatError("; ".join(problems))
