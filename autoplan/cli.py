@@ -9,6 +9,7 @@ traceback), and "nothing fits" into exit status 1.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import textwrap
 
@@ -41,8 +42,9 @@ class LazyGroup(click.Group):
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name]) for name in self.list_commands(ctx)]
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 def _command_module_exists(name: str) -> bool:

@@ -6,6 +6,11 @@ A ModelGraph is a value object. `trace.trace_model` builds it; `cost`, `solve` a
 consumers rescale: FLOPs and activation bytes are linear in the batch, and a new
 sequence length means tracing again (attention is quadratic in it).
 
+Tracing runs in bf16 (`dtype_bytes` == 2): activation bytes are those of bf16/fp16
+mixed-precision training (dropout masks 1 byte, fp32 upcasts kept as traced); scale
+float activations by 2 for fp32 training. Routed experts are never TP-sharded (EP
+shards them): `tp_parameters`/`tp_flops` cover only what TP divides.
+
 Op kinds (`OpInfo.kind`):
     linear, matmul, conv, attention, embedding, norm, elementwise, moe_router,
     expert, loss, view, other
@@ -68,6 +73,7 @@ class BlockInfo:
     top_k: int = 0
     expert_parameters: int = 0  # per copy: parameters inside routed experts (EP shards them)
     tp_parameters: int = 0  # per copy: parameters inside TP-shardable linears
+    tp_flops: int = 0  # per copy: forward FLOPs that TP divides (sharded linears + attention cores)
     gemm_shapes: tuple[tuple[int, int, int, int], ...] = ()  # (M, N, K, flops) per matmul-like op
 
     @property
@@ -89,7 +95,8 @@ class ModelGraph:
     embedding_parameters: int
     vocab: int
     tensor_parallel: list[dict] = field(default_factory=list)
-    context_parallel: list[str] = field(default_factory=list)
+    context_parallel: list[str] = field(default_factory=list)  # attention modules calling SDPA
+    cp_buffers: dict[str, int] = field(default_factory=dict)  # position tables sliced by seq -> dim
     expert_parallel: list[dict] = field(default_factory=list)
     fallback_modules: list[str] = field(default_factory=list)
     tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style

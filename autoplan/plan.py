@@ -59,6 +59,7 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)  # block path -> none|selective|full
     tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style
     cp_modules: list[str] = field(default_factory=list)  # attention modules calling SDPA
+    cp_buffers: dict[str, int] = field(default_factory=dict)  # buffer path -> its sequence dim (RoPE tables)
     ep_modules: list[str] = field(default_factory=list)  # MoE modules
     optimizer: dict[str, Any] = field(
         default_factory=lambda: {

@@ -1,0 +1,44 @@
+"""`autoplan analyze MODEL`: trace on meta and summarise parameters, FLOPs, activations, structure."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from autoplan.commands.options import json_option, model_argument
+from autoplan.errors import UserError
+
+
+def analyze_model(spec: str, batch_size: int, seq_len: int | None):
+    """Load MODEL (file, config.json or catalog name) and trace it: (LoadedModel, ModelGraph)."""
+    from autoplan.sources import load_model
+    from autoplan.trace import trace_model
+
+    loaded = load_model(spec, seq_len=seq_len)
+    seq = seq_len or loaded.default_seq_len or 2048
+    if batch_size <= 0 or seq <= 0:
+        raise UserError(f"--batch-size and --seq-len must be positive, got {batch_size} and {seq}")
+    graph = trace_model(loaded.module, loaded.example_inputs(batch_size, seq), name=loaded.ref.name)
+    return loaded, graph
+
+
+@click.command("analyze")
+@model_argument
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Sequences per step.")
+@click.option("--seq-len", type=int, default=None,
+              help="Tokens per sequence (default: the model's, else 2048).")
+@json_option
+def command(model: str, batch_size: int, seq_len: int | None, as_json: bool) -> None:
+    """Trace MODEL on the meta device: parameters, FLOPs, activation memory, structure and
+    the parallelism it allows. Nothing is allocated and no weights are loaded."""
+    from autoplan.analyze import render, summarize
+
+    _, graph = analyze_model(model, batch_size, seq_len)
+    summary = summarize(graph)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    from rich.console import Console
+
+    render(summary, Console())

@@ -1,0 +1,76 @@
+"""Op kinds and per-op arithmetic for the tracer: what an fx node is and its GEMM shape."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_VIEW_FUNCS = {"view", "reshape", "transpose", "permute", "contiguous", "size", "flatten",
+               "unflatten", "squeeze", "unsqueeze", "expand", "chunk", "split", "getitem",
+               "getattr", "type_as", "to", "float", "half", "bfloat16", "dim", "t"}
+_MATMUL_FUNCS = {"matmul", "bmm", "mm", "baddbmm", "addmm", "einsum"}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _name(target) -> str:
+    if target is operator.matmul:
+        return "matmul"
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def classify(node: fx.Node, target: str, module: nn.Module | None) -> str:
+    """Kind of one fx node: linear, matmul, conv, attention, embedding, norm, elementwise, loss, view."""
+    if node.op == "call_module":
+        sub = module.get_submodule(str(node.target)) if module is not None else None
+        if isinstance(sub, nn.Linear):
+            return "linear"
+        if isinstance(sub, nn.Embedding):
+            return "embedding"
+        if isinstance(sub, _NORMS):
+            return "norm"
+        if isinstance(sub, _CONVS):
+            return "conv"
+        if isinstance(sub, nn.MultiheadAttention):
+            return "attention"
+        return "elementwise"
+    name = _name(node.target)
+    if node.target is F.scaled_dot_product_attention or name == "scaled_dot_product_attention":
+        return "attention"
+    if node.target is F.linear:
+        return "linear"
+    if node.target is F.embedding:
+        return "embedding"
+    if name in ("layer_norm", "rms_norm", "group_norm", "batch_norm"):
+        return "norm"
+    if name in ("cross_entropy", "nll_loss", "mse_loss"):
+        return "loss"
+    if name in _MATMUL_FUNCS:
+        return "matmul"
+    if name in _VIEW_FUNCS:
+        return "view"
+    return "elementwise"
+
+
+def gemm_mnk(kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+             flops: int) -> tuple[int, int, int] | None:
+    """(M, N, K) of a matmul-like op: M = rows of the output, N = its columns, K from the FLOPs."""
+    if kind not in ("linear", "matmul", "attention", "conv") or not outputs or flops <= 0:
+        return None
+    out = outputs[0]
+    if out.dim() == 0:
+        return None
+    n = int(out.shape[-1])
+    m = max(1, out.numel() // max(n, 1))
+    k = max(1, flops // max(2 * m * n, 1))
+    return m, n, k
