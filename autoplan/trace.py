@@ -66,7 +66,7 @@ def _trace_with_fallbacks(root: nn.Module, prefix: str, leaves: set[str],
         except Exception as exc:
             failed = tracer.failed
             if failed is None or failed[0] == prefix or failed[0] in fallbacks:
-                where = failed[0] if failed else (prefix or "the model's forward")
+                where = failed[0] if failed else prefix
                 raise UserError(
                     f"cannot trace the forward of {where or 'the root module'}: "
                     f"{type(exc).__name__}: {exc}. autoplan traces with torch.fx on the meta "
@@ -104,6 +104,17 @@ class _Recorder:
         if base.dim() >= 2 and base.shape[-1] == base.shape[-2] == self.seq_len:
             self.saved_quadratic[self.current] = self.saved_quadratic.get(self.current, 0) + nbytes
         return tensor
+
+
+def _is_dropout(node: fx.Node, root: nn.Module) -> bool:
+    if node.op == "call_module":
+        sub = root.get_submodule(str(node.target))
+        return isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0 and sub.training
+    if getattr(node.target, "__name__", "") == "dropout":
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        return bool(training) and not (isinstance(p, (int, float)) and p == 0)
+    return False
 
 
 def _shape(value) -> tuple[int, ...]:
@@ -158,7 +169,8 @@ class _CostInterpreter(fx.Interpreter):
         before = self.counter.get_total_flops()
         self.rec.current = name
         fused_attention = classify(node, "", None) == "attention" and node.op == "call_function"
-        self.rec.suspend += fused_attention
+        dropout = _is_dropout(node, self.module)
+        self.rec.suspend += fused_attention or dropout
         try:
             result = super().run_node(node)
         except _NodeFailed:
@@ -166,9 +178,15 @@ class _CostInterpreter(fx.Interpreter):
         except Exception as exc:
             raise _NodeFailed(self._owner(node)[0], name, exc) from exc
         finally:
-            self.rec.suspend -= fused_attention
+            self.rec.suspend -= fused_attention or dropout
         if fused_attention:
             self._save_like_flash_attention(inputs, result)
+        if dropout and torch.is_grad_enabled() and _tensors(result) and _tensors(result)[0].requires_grad:
+            # GPU dropout (native_dropout) saves a 1-byte mask; CPU/meta save a float one
+            out = _tensors(result)[0]
+            self.rec.saved[name] = self.rec.saved.get(name, 0) + out.numel()
+            if out.dim() >= 2 and out.shape[-1] == out.shape[-2] == self.rec.seq_len:
+                self.rec.saved_quadratic[name] = self.rec.saved_quadratic.get(name, 0) + out.numel()
         self.rec.current = None
         flops = self.counter.get_total_flops() - before
         module, target = self._owner(node)

@@ -15,8 +15,10 @@ def analyze_model(spec: str, batch_size: int, seq_len: int | None):
     from autoplan.sources import load_model
     from autoplan.trace import trace_model
 
+    if seq_len is not None and seq_len <= 0:
+        raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     loaded = load_model(spec, seq_len=seq_len)
-    seq = seq_len or loaded.default_seq_len or 2048
+    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
     if batch_size <= 0 or seq <= 0:
         raise UserError(f"--batch-size and --seq-len must be positive, got {batch_size} and {seq}")
     graph = trace_model(loaded.module, loaded.example_inputs(batch_size, seq), name=loaded.ref.name)

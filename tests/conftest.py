@@ -1,0 +1,38 @@
+"""Shared fixtures. Multi-rank launching lives in tests/runtime/conftest.py (one fixture)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture
+def run_cli():
+    """Run the autoplan CLI in-process: returns (exit_code, stdout, stderr)."""
+    from click.testing import CliRunner
+
+    from autoplan.cli import main
+
+    def _run(*args: str) -> tuple[int, str, str]:
+        runner = CliRunner()
+        result = runner.invoke(_entry, list(args), catch_exceptions=False)
+        return result.exit_code, result.stdout, result.stderr
+
+    import click
+
+    @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @click.pass_context
+    def _entry(ctx):
+        main(ctx.args)
+
+    return _run

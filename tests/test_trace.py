@@ -1,0 +1,205 @@
+"""trace_model: exact parameters, FlopCounterMode-equal FLOPs, Korthikanti activations, facts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoplan.errors import UserError
+from autoplan.models import build_model
+from autoplan.trace import trace_model
+
+
+def tokens(batch: int, seq: int) -> tuple[torch.Tensor]:
+    return (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
+
+
+def meta_flops(module: nn.Module, inputs) -> int:
+    with FlopCounterMode(display=False) as counter:
+        module(*inputs)
+    return counter.get_total_flops()
+
+
+class MathAttentionBlock(nn.Module):
+    """GPT block exactly as Korthikanti et al. 2022 count it: explicit softmax attention,
+    attention dropout, 4h GeLU MLP, dropout after attention and MLP, two LayerNorms."""
+
+    def __init__(self, h: int, a: int) -> None:
+        super().__init__()
+        self.a = a
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.ln1(x)
+        q, k, v = (p(y).view(b, s, self.a, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        att = F.dropout(F.softmax(q @ k.transpose(-1, -2) * 0.125, dim=-1), 0.1, self.training)
+        y = (att @ v).transpose(1, 2).reshape(b, s, h)
+        x = x + F.dropout(self.o(y), 0.1, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), 0.1, self.training)
+
+
+class Stack(nn.Module):
+    def __init__(self, h: int = 64, a: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MathAttentionBlock(h, a) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_korthikanti_activation_bytes_per_gpt_block():
+    # Korthikanti et al. 2022 Eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer, 16-bit activations,
+    # 1-byte dropout masks. Tolerance 5% (issue 3): the traced block also saves LayerNorm
+    # mean/rstd (8 fp32 bytes per token per norm, 0.7% here) which the formula ignores.
+    h, a, s, b = 64, 4, 128, 2
+    with torch.device("meta"):
+        model = Stack(h, a)
+    graph = trace_model(model, (torch.empty(b, s, h, device="meta"),))
+    block = graph.segment("blocks")
+    expected = s * b * h * (34 + 5 * a * s / h)
+    assert block.count == 3
+    assert block.saved_bytes == pytest.approx(expected, rel=0.05)
+    # selective recomputation (attention core) keeps 34sbh (Korthikanti Eq. 6 with t=1)
+    assert block.saved_bytes_selective == pytest.approx(34 * s * b * h, rel=0.05)
+    # full recomputation keeps the block input only: 2sbh
+    assert block.input_bytes == 2 * s * b * h
+
+
+@pytest.mark.parametrize("config", [
+    dict(model_type="llama", hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
+         num_key_value_heads=2, intermediate_size=160, vocab_size=300),
+    dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+         num_key_value_heads=8, intermediate_size=200, vocab_size=128, tie_word_embeddings=True),
+])
+def test_parameters_exact_and_flops_match_flop_counter(config):
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, tokens(2, 48))
+    assert graph.parameters == sum(p.numel() for p in model.parameters())
+    # issue 2: within 1% of FlopCounterMode for the same inputs (here it is exact)
+    assert graph.forward_flops() == pytest.approx(meta_flops(model, tokens(2, 48)), rel=0.01)
+    assert graph.num_layers == config["num_hidden_layers"]
+
+
+def test_tied_weights_counted_once():
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  intermediate_size=128, vocab_size=1000, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, tokens(1, 16))
+    untied = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    assert graph.parameters == untied - 1000 * 64
+
+
+def test_moe_falls_back_and_costs_routed_tokens_exactly():
+    config = dict(model_type="mixtral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=96, vocab_size=128,
+                  num_local_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, tokens(2, 32))
+    assert graph.fallback_modules == ["layers.0.mlp", "layers.1.mlp"]
+    assert [e["experts"] for e in graph.expert_parallel] == [4, 4]
+    # Real tensors on CPU: FlopCounterMode counts what routing actually ran (dropless, so
+    # every token visits top_k experts): the structural cost must equal it exactly.
+    torch.manual_seed(0)
+    real = build_model(config)
+    real.init_weights()
+    ids = torch.randint(0, 128, (2, 32))
+    # On CPU, SDPA runs a kernel FlopCounterMode has no formula for (torch-cpu-facts item 3),
+    # so compare everything but attention; attention FLOPs are pinned on meta elsewhere.
+    attention = sum(b.attention_flops * b.count for b in graph.blocks)
+    assert attention == 2 * 4 * 2 * 4 * 32 * 32 * 16  # layers * 4*b*heads*s*s*head_dim
+    assert graph.forward_flops() - attention == meta_flops(real, (ids,))
+
+
+class DataDependentRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent branch at the top level: nothing to fall back to
+            return self.lin(x)
+        return x
+
+
+def test_untraceable_root_is_a_user_error_naming_the_module():
+    with torch.device("meta"):
+        model = DataDependentRoot()
+    with pytest.raises(UserError, match="root module"):
+        trace_model(model, (torch.empty(2, 8, device="meta"),))
+
+
+def test_tensor_parallel_pairs_and_styles():
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, tokens(1, 16))
+    pairs = {p["kind"]: p for p in graph.tensor_parallel}
+    assert pairs["attention"]["column"] == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    assert pairs["attention"]["divides"] == {"heads": 4, "kv_heads": 2}
+    assert pairs["mlp"]["row"] == "mlp.down_proj" and pairs["mlp"]["divides"] == {"ffn": 128}
+    assert graph.tp_styles["layers.1.self_attn.o_proj"] == "rowwise"
+    assert graph.tp_styles["embed_tokens"] == "vocab_embedding"
+    assert graph.tp_styles["lm_head"] == "vocab_head"
+    assert graph.context_parallel == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert graph.cp_buffers == {"rope_cos": 0, "rope_sin": 0}
+
+
+class FusedQKV(nn.Module):
+    def __init__(self, h=32, a=4):
+        super().__init__()
+        self.a = a
+        self.c_attn, self.c_proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.c_attn(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.a, -1).transpose(1, 2) for t in (q, k, v))
+        return self.c_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, h))
+
+
+class FusedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList(FusedQKV() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.h:
+            x = x + layer(x)
+        return x
+
+
+def test_fused_qkv_is_not_offered_for_tensor_parallelism():
+    with torch.device("meta"):
+        model = FusedStack()
+    graph = trace_model(model, (torch.empty(1, 8, 32, device="meta"),))
+    assert graph.tensor_parallel == []
+    assert graph.context_parallel == ["h.0", "h.1"]
+
+
+def test_llama_70b_shape_traces_in_one_block_pass():
+    config = dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                  max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, tokens(1, 4096))
+    assert graph.parameters == 70_553_706_496
+    # 6NT-style sanity: forward ~ 2 * N_nonemb * T + attention (Kaplan et al. 2020)
+    n_nonemb = graph.parameters - graph.embedding_parameters
+    attention = 80 * 4 * 4096 * 4096 * 8192
+    assert graph.forward_flops() == pytest.approx(2 * n_nonemb * 4096 + attention, rel=0.01)
+    assert math.isclose(graph.segment("layers").count, 80)
