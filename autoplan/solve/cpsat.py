@@ -1,0 +1,229 @@
+"""CP-SAT model of one outer configuration: layer-to-stage partition and recomputation per stage.
+
+Decision variables (K = pp * vpp pipeline chunks; chunk k runs on rank k mod pp):
+    cut[k]          first block of chunk k (cut[0] = 0, cut[K] = L, each chunk >= 1 block)
+    n[k, g]         blocks of group g in chunk k (groups are contiguous runs of identical
+                    blocks, so n[k, g] = clamp_g(cut[k+1]) - clamp_g(cut[k]))
+    full[k, g], sel[k, g]   of those, blocks recomputed fully / selectively
+Constraints:
+    add_partition_constraints()   contiguous, non-empty chunks covering all blocks
+    add_memory_constraints()      per rank: states + in-flight x activations + fixed <= capacity
+Objective (add_time_objective()):
+    minimise  slots * T_max + D_max    with  T_max >= per-micro-batch time of each rank,
+    D_max >= non-overlapped per-rank step-end time (DP sync, optimizer), slots = m + bubble.
+All coefficients come from `Tables`, computed by `autoplan.cost` in Python before the
+model is built (integers: nanoseconds and KiB). The solver derives no cost formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+MODES = ("none", "selective", "full")
+TIME_UNIT_S = 1e-9  # objective and times in nanoseconds
+MEMORY_UNIT_B = 1024  # memory in KiB
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """Per-block coefficients of one group of identical blocks (one rank's share)."""
+
+    name: str
+    lo: int  # first block index of the group's run
+    hi: int  # one past the last
+    time_ns: dict[str, int]  # per micro-batch, by recompute mode
+    state_kib: int  # parameters + gradients + optimizer states on the rank
+    activation_kib: dict[str, int]  # per micro-batch in flight, by recompute mode
+    sync_ns: int = 0  # non-overlapped step-end time this block adds (DP sync, optimizer)
+
+
+@dataclass(frozen=True)
+class Tables:
+    """Everything the CP-SAT model of one outer configuration needs."""
+
+    num_layers: int
+    pp: int
+    vpp: int
+    groups: list[GroupTable]
+    slots: float  # micro-batches + bubble, in units of one rank's per-micro-batch time
+    in_flight: list[float]  # per rank: micro-batches of activations held at peak
+    capacity_kib: int
+    fixed_time_ns: list[int]  # per chunk: pre (chunk 0) / post (last chunk) time per micro-batch
+    fixed_state_kib: list[int]  # per rank: pre/post states, buffers, overhead
+    fixed_activation_kib: list[int]  # per rank: pre/post activations per micro-batch in flight
+    fixed_sync_ns: list[int] = field(default_factory=list)  # per rank
+    modes: tuple[str, ...] = MODES
+
+    @property
+    def chunks(self) -> int:
+        return self.pp * self.vpp
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A solution: blocks per chunk and, per chunk and group, recomputed block counts."""
+
+    cuts: tuple[int, ...]  # K + 1 boundaries
+    full: tuple[tuple[int, ...], ...]  # [chunk][group]
+    selective: tuple[tuple[int, ...], ...]
+    objective_ns: float
+    status: str
+
+
+def _count(tables: Tables, cut_lo: int, cut_hi: int, group: GroupTable) -> int:
+    lo, hi = max(cut_lo, group.lo), min(cut_hi, group.hi)
+    return max(0, hi - lo)
+
+
+def objective_scale(tables: Tables) -> int:
+    """slots is fractional (bubble (p-1)/v or (p-1)/3): the integer objective is scaled by this."""
+    return 12 * tables.vpp
+
+
+def memory_coefficients(tables: Tables, rank: int, group: GroupTable) -> tuple[int, int, int]:
+    """KiB per block on `rank`: (per block, extra per fully recomputed, extra per selective)."""
+    inflight, a = tables.in_flight[rank], group.activation_kib
+    return (group.state_kib + round(inflight * a["none"]), round(inflight * (a["full"] - a["none"])),
+            round(inflight * (a["selective"] - a["none"])))
+
+
+def fixed_memory_kib(tables: Tables, rank: int) -> int:
+    return tables.fixed_state_kib[rank] + round(tables.in_flight[rank] * tables.fixed_activation_kib[rank])
+
+
+def objective_ns(tables: Tables, cuts, full, selective) -> float:
+    """The objective of a given partition, computed from the tables (used by the exhaustive
+    cross-check and to report a fixed partition); equal to the CP-SAT objective.
+    Infinite when the partition does not fit in memory."""
+    times = [0] * tables.pp
+    syncs = list(tables.fixed_sync_ns or [0] * tables.pp)
+    mems = [fixed_memory_kib(tables, r) for r in range(tables.pp)]
+    for k in range(tables.chunks):
+        rank = k % tables.pp
+        times[rank] += tables.fixed_time_ns[k]
+        for g, group in enumerate(tables.groups):
+            n = _count(tables, cuts[k], cuts[k + 1], group)
+            f, s = full[k][g], selective[k][g]
+            if f + s > n:
+                return float("inf")
+            t = group.time_ns
+            times[rank] += n * t["none"] + f * (t["full"] - t["none"]) + s * (t["selective"] - t["none"])
+            syncs[rank] += n * group.sync_ns
+            per_block, per_full, per_sel = memory_coefficients(tables, rank, group)
+            mems[rank] += n * per_block + f * per_full + s * per_sel
+    if any(m > tables.capacity_kib for m in mems):
+        return float("inf")
+    scale = objective_scale(tables)
+    return (round(tables.slots * scale) * max(times) + scale * max(syncs)) / scale
+
+
+def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1,
+                    hint: Partition | None = None) -> Partition | None:
+    """Best partition and recomputation for one outer configuration, or None if nothing fits."""
+    model = cp_model.CpModel()
+    v = _add_variables(model, tables)
+    add_partition_constraints(model, tables, v)
+    add_memory_constraints(model, tables, v)
+    add_time_objective(model, tables, v)
+    if hint is not None:
+        for k, value in enumerate(hint.cuts):
+            model.add_hint(v["cut"][k], value)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = 0
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    K, G = tables.chunks, len(tables.groups)
+    return Partition(
+        cuts=tuple(solver.value(v["cut"][k]) for k in range(K + 1)),
+        full=tuple(tuple(solver.value(v["full"][k, g]) for g in range(G)) for k in range(K)),
+        selective=tuple(tuple(solver.value(v["sel"][k, g]) for g in range(G)) for k in range(K)),
+        objective_ns=solver.objective_value / objective_scale(tables),
+        status=solver.status_name(status),
+    )
+
+
+def _add_variables(model: cp_model.CpModel, tables: Tables) -> dict:
+    K, L = tables.chunks, tables.num_layers
+    v: dict = {"cut": {}, "n": {}, "full": {}, "sel": {}}
+    for k in range(K + 1):
+        v["cut"][k] = model.new_int_var(0, L, f"cut_{k}")
+    for k in range(K):
+        for g, group in enumerate(tables.groups):
+            size = group.hi - group.lo
+            v["n"][k, g] = model.new_int_var(0, size, f"n_{k}_{g}")
+            allow_full = "full" in tables.modes
+            allow_sel = "selective" in tables.modes
+            v["full"][k, g] = model.new_int_var(0, size if allow_full else 0, f"full_{k}_{g}")
+            v["sel"][k, g] = model.new_int_var(0, size if allow_sel else 0, f"sel_{k}_{g}")
+    return v
+
+
+def _clamp(model: cp_model.CpModel, x, lo: int, hi: int, top: int, name: str):
+    low = model.new_int_var(lo, max(lo, top), f"{name}_lo")
+    model.add_max_equality(low, [x, lo])
+    clamped = model.new_int_var(lo, hi, name)
+    model.add_min_equality(clamped, [low, hi])
+    return clamped
+
+
+def add_partition_constraints(model: cp_model.CpModel, tables: Tables, v: dict) -> None:
+    # contiguous chunks of at least one block, covering blocks 0..L-1 in order
+    K, L = tables.chunks, tables.num_layers
+    model.add(v["cut"][0] == 0)
+    model.add(v["cut"][K] == L)
+    for k in range(K):
+        model.add(v["cut"][k + 1] >= v["cut"][k] + 1)
+    for g, group in enumerate(tables.groups):
+        clamped = [_clamp(model, v["cut"][k], group.lo, group.hi, L, f"c_{k}_{g}")
+                   for k in range(K + 1)]
+        for k in range(K):
+            model.add(v["n"][k, g] == clamped[k + 1] - clamped[k])
+            model.add(v["full"][k, g] + v["sel"][k, g] <= v["n"][k, g])
+            if tables.modes == ("full",):
+                model.add(v["full"][k, g] == v["n"][k, g])
+            if tables.modes == ("selective",):
+                model.add(v["sel"][k, g] == v["n"][k, g])
+
+
+def _rank_chunks(tables: Tables, rank: int) -> list[int]:
+    return [k for k in range(tables.chunks) if k % tables.pp == rank]
+
+
+def add_memory_constraints(model: cp_model.CpModel, tables: Tables, v: dict) -> None:
+    # per rank: states of its blocks + in-flight micro-batches x their activations + fixed
+    for rank in range(tables.pp):
+        terms = []
+        for k in _rank_chunks(tables, rank):
+            for g, group in enumerate(tables.groups):
+                per_block, per_full, per_sel = memory_coefficients(tables, rank, group)
+                terms += [v["n"][k, g] * per_block, v["full"][k, g] * per_full,
+                          v["sel"][k, g] * per_sel]
+        model.add(sum(terms) + fixed_memory_kib(tables, rank) <= tables.capacity_kib)
+
+
+def add_time_objective(model: cp_model.CpModel, tables: Tables, v: dict) -> None:
+    # minimise slots * (slowest rank's time per micro-batch) + slowest rank's step-end time
+    bound = sum(max(g.time_ns.values()) * (g.hi - g.lo) for g in tables.groups) + sum(tables.fixed_time_ns)
+    t_max = model.new_int_var(0, bound, "t_max")
+    sync_bound = sum(g.sync_ns * (g.hi - g.lo) for g in tables.groups) + max(tables.fixed_sync_ns or [0])
+    d_max = model.new_int_var(0, sync_bound, "d_max")
+    for rank in range(tables.pp):
+        time_terms, sync_terms = [], []
+        for k in _rank_chunks(tables, rank):
+            time_terms.append(tables.fixed_time_ns[k])
+            for g, group in enumerate(tables.groups):
+                t = group.time_ns
+                time_terms.append(v["n"][k, g] * t["none"])
+                time_terms.append(v["full"][k, g] * (t["full"] - t["none"]))
+                time_terms.append(v["sel"][k, g] * (t["selective"] - t["none"]))
+                sync_terms.append(v["n"][k, g] * group.sync_ns)
+        model.add(t_max >= sum(time_terms))
+        fixed_sync = tables.fixed_sync_ns[rank] if tables.fixed_sync_ns else 0
+        model.add(d_max >= sum(sync_terms) + fixed_sync)
+    scale = objective_scale(tables)
+    model.minimize(round(tables.slots * scale) * t_max + scale * d_max)

@@ -1,0 +1,216 @@
+"""The search space: every legal outer configuration, and a reason for each value ruled out.
+
+Rules (each a small predicate returning a reason string, reused by the explanation):
+- dp * tp * pp * cp == N; EP is carved from dp * cp (Megatron / torchtitan) and divides
+  the expert count.
+- tp divides the attention heads, the KV heads and the MLP width of every block, and
+  divides the GPUs of a node (a TP group never straddles nodes: its all-reduces are on
+  the critical path).
+- cp needs SDPA attention (ring attention), divides seq_len / 2 (zig-zag halves), and
+  the tp x cp group either fits in a node or spans whole nodes.
+- pp <= number of blocks (stages may hold different block counts); interleaved needs
+  pp * vpp <= blocks and micro-batches a multiple of pp.
+- micro-batch divides the global batch per DP rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from autoplan.config import PRECISIONS, ParallelConfig
+from autoplan.errors import UserError
+from autoplan.graph import ModelGraph
+
+FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int,
+           "micro_batch": int, "mb": int, "vpp": int, "schedule": str, "offload": str,
+           "recompute": str, "precision": str}
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asks `plan` for."""
+
+    num_gpus: int
+    gpus_per_node: int
+    global_batch: int
+    seq_len: int
+    precisions: tuple[str, ...] = ("bf16",)
+    fixed: dict = field(default_factory=dict)
+    objective: str = "time"  # time | cost
+    max_micro_batch: int = 16
+    allow_offload: bool = True
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_fix(items: tuple[str, ...]) -> dict:
+    """`--fix tp=8 --fix zero=1` -> {"tp": 8, "zero": 1}; contradictions are user errors."""
+    fixed: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in FIXABLE:
+            raise UserError(f"--fix {item!r} is not KEY=VALUE with KEY one of {', '.join(sorted(FIXABLE))}")
+        key = "micro_batch" if key == "mb" else key
+        try:
+            parsed = FIXABLE[key](value.strip())
+        except ValueError:
+            raise UserError(f"--fix {item!r}: {key} takes an integer") from None
+        if key in fixed and fixed[key] != parsed:
+            raise UserError(f"--fix gives {key} twice with different values ({fixed[key]} and {parsed}); keep one")
+        fixed[key] = parsed
+    return fixed
+
+
+def tp_reason(graph: ModelGraph, tp: int, gpus_per_node: int) -> str | None:
+    if tp == 1:
+        return None
+    if not graph.tensor_parallel:
+        return "the model has no column/row linear pairs to shard"
+    if gpus_per_node % tp:
+        return f"tp={tp} would straddle nodes of {gpus_per_node} GPUs"
+    for block in graph.blocks:
+        for name, value in (("heads", block.heads), ("kv heads", block.kv_heads), ("MLP width", block.ffn)):
+            if value and value % tp:
+                return f"tp={tp} does not divide the {value} {name} of {block.name}"
+    return None
+
+
+def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: int) -> str | None:
+    if cp == 1:
+        return None
+    if not graph.context_parallel:
+        return "context parallelism needs attention through F.scaled_dot_product_attention"
+    if seq_len % (2 * cp):
+        return f"cp={cp} does not divide seq_len {seq_len} into 2*cp zig-zag chunks"
+    group = tp * cp
+    if group > gpus_per_node and group % gpus_per_node:
+        return f"tp*cp={group} would split a node of {gpus_per_node} GPUs unevenly"
+    return None
+
+
+def pp_reason(graph: ModelGraph, pp: int, vpp: int) -> str | None:
+    if pp * vpp > max(graph.num_layers, 1):
+        return f"pp*vpp={pp * vpp} exceeds the {graph.num_layers} blocks"
+    return None
+
+
+def ep_reason(graph: ModelGraph, ep: int, dp: int, cp: int) -> str | None:
+    if ep == 1:
+        return None
+    experts = [b.experts for b in graph.blocks if b.experts]
+    if not experts:
+        return "expert parallelism needs MoE layers"
+    if (dp * cp) % ep:
+        return f"ep={ep} does not divide dp*cp={dp * cp}"
+    if any(e % ep for e in experts):
+        return f"ep={ep} does not divide the {experts[0]} experts"
+    return None
+
+
+def schedules(pp: int, num_microbatches: int, num_layers: int) -> list[tuple[str, int]]:
+    """(schedule, vpp) options for a pipeline of pp stages."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    options = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1)]
+    if num_microbatches % pp == 0:
+        options += [("interleaved-1f1b", v) for v in (2, 4) if pp * v <= num_layers]
+    return options
+
+
+def outer_configs(graph: ModelGraph, request: Request) -> Iterator[ParallelConfig]:
+    """Every legal configuration without the partition and per-stage recomputation."""
+    n, fixed = request.num_gpus, request.fixed
+    pick = lambda key, values: [fixed[key]] if key in fixed else values  # noqa: E731
+    for tp in pick("tp", divisors(min(n, request.gpus_per_node))):
+        if n % tp or tp_reason(graph, tp, request.gpus_per_node):
+            continue
+        for cp in pick("cp", divisors(n // tp)):
+            if (n // tp) % cp or cp_reason(graph, cp, tp, request.seq_len, request.gpus_per_node):
+                continue
+            for pp in pick("pp", divisors(n // (tp * cp))):
+                if (n // (tp * cp)) % pp or pp_reason(graph, pp, 1):
+                    continue
+                dp = n // (tp * cp * pp)
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                yield from _inner(graph, request, dp, tp, pp, cp)
+
+
+def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: int):
+    fixed = request.fixed
+    pick = lambda key, values: [fixed[key]] if key in fixed else values  # noqa: E731
+    if request.global_batch % dp:
+        return
+    per_rank = request.global_batch // dp
+    moe = any(b.experts for b in graph.blocks)
+    eps = [e for e in divisors(dp * cp) if not ep_reason(graph, e, dp, cp)] if moe else [1]
+    zeros = [0, 1, 2, 3] if dp > 1 else [0]
+    for ep in pick("ep", eps):
+        for zero in pick("zero", zeros):
+            for mb in pick("micro_batch", [d for d in divisors(per_rank) if d <= request.max_micro_batch]):
+                if per_rank % mb:
+                    continue
+                m = per_rank // mb
+                for schedule, vpp in _schedule_options(pp, m, graph.num_layers, fixed):
+                    for precision in request.precisions:
+                        for offload in _offloads(zero, fixed, request.allow_offload):
+                            yield ParallelConfig(
+                                global_batch=request.global_batch, seq_len=request.seq_len,
+                                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                                offload=offload, micro_batch=mb, schedule=schedule, vpp=vpp,
+                                precision=precision, sequence_parallel=tp > 1,
+                                recompute=fixed.get("recompute", "none"),
+                            )
+
+
+def _schedule_options(pp: int, m: int, layers: int, fixed: dict) -> list[tuple[str, int]]:
+    options = schedules(pp, m, layers)
+    if "schedule" in fixed:
+        options = [(s, v) for s, v in options if s == fixed["schedule"]]
+    if "vpp" in fixed:
+        options = [(s, v) for s, v in options if v == fixed["vpp"]]
+    return options
+
+
+def _offloads(zero: int, fixed: dict, allow: bool) -> list[str]:
+    if "offload" in fixed:
+        return [fixed["offload"]]
+    if not allow:
+        return ["none"]
+    options = ["none", "optimizer"]
+    if zero == 3:
+        options += ["params", "both"]
+    return options
+
+
+def check_fixed(graph: ModelGraph, request: Request) -> None:
+    """A --fix outside the space is a user error naming the rule it breaks."""
+    fixed, n = request.fixed, request.num_gpus
+    for key in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "vpp"):
+        if key in fixed and fixed[key] < 1:
+            raise UserError(f"--fix {key}={fixed[key]}: degrees and sizes are positive integers")
+        if key in ("dp", "tp", "pp", "cp") and key in fixed and n % fixed[key]:
+            raise UserError(f"--fix {key}={fixed[key]} does not divide the {n} GPUs")
+    reason = None
+    if "tp" in fixed:
+        reason = tp_reason(graph, fixed["tp"], request.gpus_per_node)
+    if not reason and "cp" in fixed:
+        reason = cp_reason(graph, fixed["cp"], fixed.get("tp", 1), request.seq_len, request.gpus_per_node)
+    if not reason and "pp" in fixed:
+        reason = pp_reason(graph, fixed["pp"], fixed.get("vpp", 1))
+    if not reason and "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
+        reason = f"zero={fixed['zero']} is not a ZeRO stage (0-3)"
+    if not reason and "precision" in fixed and fixed["precision"] not in PRECISIONS:
+        reason = f"precision {fixed['precision']!r} is not one of {', '.join(PRECISIONS)}"
+    if not reason:
+        product = 1
+        for key in ("dp", "tp", "pp", "cp"):
+            product *= fixed.get(key, 1)
+        if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and product != n:
+            reason = f"dp*tp*pp*cp = {product} != {n} GPUs"
+    if reason:
+        raise UserError(f"--fix is outside the search space: {reason}. Drop or change that --fix.")
