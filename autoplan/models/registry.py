@@ -17,6 +17,24 @@ def _llama(config: dict[str, Any]) -> nn.Module:
     return build_llama(config)
 
 
+def _gpt2(config: dict[str, Any]) -> nn.Module:
+    from autoplan.models.gpt2 import build_gpt2
+
+    return build_gpt2(config)
+
+
+def _gpt_neox(config: dict[str, Any]) -> nn.Module:
+    from autoplan.models.gpt_neox import build_gpt_neox
+
+    return build_gpt_neox(config)
+
+
+def _deepseek(config: dict[str, Any]) -> nn.Module:
+    from autoplan.models.deepseek import build_deepseek
+
+    return build_deepseek(config)
+
+
 MODEL_TYPES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "llama": _llama,
     "mistral": _llama,
@@ -24,6 +42,11 @@ MODEL_TYPES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "mixtral": _llama,
     "qwen2_moe": _llama,
     "qwen3_moe": _llama,
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "nemotron": _gpt_neox,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
 }
 
 

@@ -1,0 +1,324 @@
+"""MODEL on every command: a Python model file, an HF-style config.json, or a catalog name.
+
+`load_model(spec)` returns the model built on the meta device (no weights allocated) with a
+`ModelRef` that says how to build it again (`build_from_ref`, used by generated jobs), and
+the inputs to trace it with (`LoadedModel.example_inputs`).
+
+Python files (`*.py`) are executed once, as a module, under `torch.device("meta")`. The model
+is, in this order: what `build_model()` returns; a module-level `model`; or the one
+`nn.Module` subclass defined in the file that is constructible without arguments and is not
+a submodule of another such class (a file with `Block(dim)` and `GPT()` picks GPT; one with
+`MLP()` and `GPT()` whose GPT holds an MLP also picks GPT). If `build_model` takes a
+`seq_len` parameter it receives the requested sequence length.
+
+Inputs: the file's `example_inputs(batch_size, seq_len)` if defined; otherwise, by the model's
+first leaf module in registration order (`model.modules()`): nn.Embedding -> token ids
+(batch, seq) int64; nn.Linear -> float32 (batch, seq, in_features). Anything else must define
+example_inputs. Catalog and config models take token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from autoplan import catalog
+from autoplan.errors import UserError
+from autoplan.models import MODEL_TYPES, ConfigError, build_model
+from autoplan.plan import ModelRef
+
+InputsFn = Callable[[int, int], tuple[torch.Tensor, ...]]
+
+
+@dataclass
+class LoadedModel:
+    module: nn.Module  # on the meta device
+    ref: ModelRef
+    config: dict[str, Any] | None  # HF-style config for catalog/config sources, None for files
+    default_seq_len: int | None  # the model's training sequence length when known
+    inputs_fn: InputsFn = field(repr=False, default=None)  # type: ignore[assignment]
+
+    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+        """Meta tensors to trace the model with, for this batch size and sequence length."""
+        with torch.device("meta"):
+            try:
+                inputs = self.inputs_fn(batch_size, seq_len)
+            except UserError:
+                raise
+            except Exception as exc:  # the user's example_inputs failed
+                raise UserError(f"example_inputs({batch_size}, {seq_len}) in {self.ref.path} raised "
+                                f"{type(exc).__name__}: {exc}{_user_line(exc, self.ref.path)}; "
+                                "fix that function") from None
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise UserError(f"example_inputs in {self.ref.path} returned {type(inputs).__name__}; "
+                            "return a tuple of tensors (one per forward argument)")
+        return tuple(t if t.is_meta else t.to("meta") for t in inputs)
+
+
+def load_model(spec: str, *, seq_len: int | None = None) -> LoadedModel:
+    """Build MODEL (file, config.json or catalog name) on meta. Bad input raises UserError."""
+    spec = str(spec)
+    if Path(spec).is_dir() and (Path(spec) / "config.json").is_file():  # an HF model directory
+        spec = str(Path(spec) / "config.json")
+    if spec.endswith(".py"):
+        return _load_file(Path(spec), spec, seq_len)
+    if spec.endswith(".json"):
+        return _load_config_file(Path(spec), spec, seq_len)
+    return _load_catalog(spec, seq_len)
+
+
+def build_from_ref(ref: ModelRef, *, seq_len: int | None = None, verify: bool = True) -> nn.Module:
+    """Build the model a plan refers to again (generated train.py), on the meta device.
+
+    The caller materialises it (`to_empty(device=...)` then `init_weights()` or
+    `reset_parameters()`), after sharding. `seq_len` is passed to a file's
+    `build_model(seq_len=...)` as in `load_model`. With `verify`, a model whose fingerprint
+    differs from the plan's (the file or config changed since planning) is a UserError.
+    """
+    if ref.source == "catalog":
+        config = catalog.load_catalog_config(ref.name)
+        model = _build_config(config, f"catalog model {ref.name!r}")
+    elif ref.source == "config":
+        config = _public(_read_config(Path(ref.path or ""), ref.path or ""))
+        model = _build_config(config, ref.path or "")
+    elif ref.source == "file":
+        config = None
+        model = _find_model(_exec_file(Path(ref.path or ""), ref.path or ""), ref.path or "", seq_len)
+    else:
+        raise UserError(f"model source {ref.source!r} is not one of catalog, config, file")
+    if verify and ref.fingerprint and fingerprint(model, config) != ref.fingerprint:
+        raise UserError(
+            f"the model built from {ref.path or ref.name} does not match the plan (fingerprint "
+            "differs): it changed since the plan was made. Make the plan again, or restore the model."
+        )
+    return model
+
+
+def fingerprint(model: nn.Module, config: dict[str, Any] | None) -> str:
+    """sha256 over sorted (parameter name, shape, dtype) and the config (if any)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        digest.update(f"{name}|{tuple(param.shape)}|{param.dtype}\n".encode())
+    if config is not None:
+        digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- catalog and config.json
+
+
+def _token_inputs(batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    return (torch.zeros(batch_size, seq_len, dtype=torch.int64, device="meta"),)
+
+
+def _build_config(config: dict[str, Any], where: str) -> nn.Module:
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UserError(
+            f"{where}: model_type {model_type!r} is not one autoplan builds "
+            f"({', '.join(sorted(MODEL_TYPES))}). Set model_type to one of these, or give a Python "
+            "model file (.py) for other architectures."
+        )
+    try:
+        with torch.device("meta"):
+            return build_model(config)
+    except ConfigError as exc:
+        raise UserError(f"{where}: invalid config: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{where}: config for model_type {model_type!r} is missing or has a bad "
+                        f"value ({type(exc).__name__}: {exc}); compare it with an HF config.json "
+                        "of that family") from None
+
+
+def _check_seq_len(config: dict[str, Any], seq_len: int | None, where: str) -> None:
+    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    if seq_len is not None and isinstance(limit, int) and seq_len > limit:
+        raise UserError(f"{where}: sequence length {seq_len} exceeds the model's {limit} positions "
+                        "(max_position_embeddings / n_positions); use a shorter --seq-len or raise "
+                        "that field in the config")
+
+
+def _loaded_from_config(config: dict[str, Any], ref: ModelRef, where: str,
+                        default_seq_len: int | None, seq_len: int | None) -> LoadedModel:
+    _check_seq_len(config, seq_len, where)
+    model = _build_config(config, where)
+    ref = ModelRef(ref.source, ref.name, ref.path, fingerprint(model, config))
+    return LoadedModel(model, ref, config, default_seq_len, _token_inputs)
+
+
+def _load_catalog(spec: str, seq_len: int | None) -> LoadedModel:
+    name = catalog.canonical_name(spec)
+    config = catalog.load_catalog_config(name)
+    meta = catalog.catalog_metadata(name)
+    return _loaded_from_config(config, ModelRef("catalog", name), f"catalog model {name!r}",
+                               meta["seq_len"], seq_len)
+
+
+def _read_config(path: Path, spec: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"config file {spec} does not exist; check the path (or give a catalog name, "
+                        "see `autoplan models`)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{spec} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+                        f"{exc.colno}; fix the file") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{spec} holds a JSON {type(config).__name__}; an HF config is a JSON object "
+                        "with model_type and the architecture fields")
+    return config
+
+
+def _public(config: dict[str, Any]) -> dict[str, Any]:
+    """The config without autoplan's private keys ("_source", "_autoplan"): what builders see."""
+    return {key: value for key, value in config.items() if not key.startswith("_")}
+
+
+def _load_config_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
+    config = _read_config(path, spec)
+    name = path.parent.name if path.stem == "config" and path.parent.name else path.stem
+    extra = config.get("_autoplan", {}) if isinstance(config.get("_autoplan"), dict) else {}
+    config = _public(config)
+    return _loaded_from_config(config, ModelRef("config", name, spec), spec, extra.get("seq_len"),
+                               seq_len)
+
+
+# ---------------------------------------------------------------- Python files
+
+
+def _user_line(exc: BaseException, path: str | None) -> str:
+    """' (line N)' of the deepest traceback frame inside the user's file, if any."""
+    if not path:
+        return ""
+    target = str(Path(path).resolve())
+    lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__)
+             if frame.filename and str(Path(frame.filename).resolve()) == target]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def _exec_file(path: Path, spec: str) -> Any:
+    """Execute the file once as a fresh module under the meta device; return the module."""
+    if not path.is_file():
+        raise UserError(f"model file {spec} does not exist; check the path")
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module_name = f"autoplan_user_model_{path.stem.replace('-', '_')}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+    sys.modules[module_name] = module  # dataclasses, pickling and inspect look the module up
+    sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
+    try:
+        with torch.device("meta"):
+            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except SyntaxError as exc:
+        sys.modules.pop(module_name, None)
+        raise UserError(f"syntax error in {spec} at line {exc.lineno}: {exc.msg}; fix the file") from None
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise UserError(f"running {spec} failed{_user_line(exc, spec)}: {type(exc).__name__}: {exc}. "
+                        "The file is executed once on the meta device; fix the error") from None
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    return module
+
+
+def _required_args(cls: type) -> list[str]:
+    try:
+        signature = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return []
+    return [name for name, p in list(signature.parameters.items())[1:]
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                   p.KEYWORD_ONLY)]
+
+
+def _call_build_model(module: Any, spec: str, seq_len: int | None) -> nn.Module:
+    builder = module.build_model
+    kwargs = {}
+    try:
+        if seq_len is not None and "seq_len" in inspect.signature(builder).parameters:
+            kwargs["seq_len"] = seq_len
+    except (TypeError, ValueError):
+        pass
+    try:
+        with torch.device("meta"):
+            model = builder(**kwargs)
+    except Exception as exc:
+        raise UserError(f"build_model() in {spec} raised {type(exc).__name__}: {exc}"
+                        f"{_user_line(exc, spec)}; fix it (it runs on the meta device)") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"build_model() in {spec} returned {type(model).__name__}, not an "
+                        "nn.Module; return the model")
+    return model
+
+
+def _from_classes(module: Any, spec: str) -> nn.Module:
+    classes = [obj for obj in vars(module).values()
+               if isinstance(obj, type) and issubclass(obj, nn.Module)
+               and obj.__module__ == module.__name__]
+    if not classes:
+        raise UserError(f"no model found in {spec}: define build_model() returning an nn.Module, a "
+                        "module-level `model`, or one nn.Module subclass constructible without arguments")
+    constructible = [cls for cls in classes if not _required_args(cls)]
+    if not constructible:
+        needs = "; ".join(f"{cls.__name__}({', '.join(_required_args(cls))})" for cls in classes)
+        raise UserError(f"no model in {spec} can be built without arguments ({needs}). Give the "
+                        "constructor arguments defaults, or define build_model() that builds the model")
+    instances = {}
+    for cls in constructible:
+        try:
+            with torch.device("meta"):
+                instances[cls] = cls()
+        except Exception as exc:
+            raise UserError(f"{cls.__name__}() in {spec} raised {type(exc).__name__}: {exc}"
+                            f"{_user_line(exc, spec)}; fix the constructor or define build_model()") from None
+    inner = {type(sub) for obj in instances.values() for sub in obj.modules() if sub is not obj}
+    roots = [cls for cls in constructible if cls not in inner]
+    if len(roots) != 1:
+        names = ", ".join(cls.__name__ for cls in (roots or constructible))
+        raise UserError(f"several candidate models in {spec} ({names}); define build_model() that "
+                        "returns the one to plan for, or a module-level `model`")
+    return instances[roots[0]]
+
+
+def _find_model(module: Any, spec: str, seq_len: int | None) -> nn.Module:
+    if callable(getattr(module, "build_model", None)):
+        return _call_build_model(module, spec, seq_len)
+    if hasattr(module, "model"):
+        if not isinstance(module.model, nn.Module):
+            raise UserError(f"`model` in {spec} is a {type(module.model).__name__}, not an nn.Module; "
+                            "assign the model instance to it, or define build_model()")
+        return module.model
+    return _from_classes(module, spec)
+
+
+def _default_inputs_fn(model: nn.Module, spec: str) -> InputsFn:
+    first = next((m for m in model.modules() if not list(m.children())), None)
+    if isinstance(first, nn.Embedding):
+        return _token_inputs
+    if isinstance(first, nn.Linear):
+        features = first.in_features
+        return lambda batch, seq: (torch.zeros(batch, seq, features, device="meta"),)
+    kind = type(first).__name__ if first is not None else "no submodule"
+    raise UserError(f"cannot tell what inputs the model in {spec} takes (its first module is {kind}); "
+                    "define example_inputs(batch_size, seq_len) in the file returning a tuple of tensors")
+
+
+def _load_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
+    module = _exec_file(path, spec)
+    model = _find_model(module, spec, seq_len)
+    user_inputs = getattr(module, "example_inputs", None)
+    inputs_fn = user_inputs if callable(user_inputs) else _default_inputs_fn(model, spec)
+    ref = ModelRef("file", path.stem, spec, fingerprint(model, None))
+    return LoadedModel(model, ref, None, None, inputs_fn)
