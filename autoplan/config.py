@@ -19,7 +19,8 @@ class ParallelConfig:
     `stage_layers` is the number of blocks per pipeline stage (virtual stages in schedule
     order for interleaved); None means as even as possible. `stage_recompute` gives per
     stage (blocks recomputed fully, blocks recomputed selectively); None means `recompute`
-    applies to every block.
+    applies to every block. `layer_recompute` (one mode per block, execution order) is what
+    the solver writes and a plan file stores; it takes precedence over both.
     """
 
     global_batch: int
@@ -40,6 +41,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: dp = dp_replicate * dp_shard
     stage_layers: tuple[int, ...] | None = None
     stage_recompute: tuple[tuple[int, int], ...] | None = field(default=None)
+    layer_recompute: tuple[str, ...] | None = None  # per block in execution order; wins over the above
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,156 @@
+"""`autoplan estimate`: step time, throughput, MFU and per-GPU memory of one configuration."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from autoplan.commands import options as o
+from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
+from autoplan.errors import UserError
+
+
+def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep: int, zero: int,
+                        offload: str, micro_batch: int, global_batch: int, seq_len: int,
+                        recompute: str, schedule: str | None, vpp: int, precision: str,
+                        sequence_parallel: bool) -> ParallelConfig:
+    """ParallelConfig from the command line; dp defaults to N / (tp x pp x cp) when it divides."""
+    for name, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--vpp", vpp),
+                        ("--micro-batch", micro_batch), ("--global-batch", global_batch)):
+        if value is None or value < 1:
+            raise UserError(f"{name} must be a positive integer, got {value}")
+    if dp is None:
+        model_parallel = tp * pp * cp
+        if gpus % model_parallel:
+            raise UserError(f"tp x pp x cp = {tp} x {pp} x {cp} = {model_parallel} does not divide "
+                            f"--gpus {gpus}; choose degrees whose product divides the GPU count")
+        dp = gpus // model_parallel
+    if schedule is None:
+        schedule = "interleaved-1f1b" if vpp > 1 else "1f1b"
+    return ParallelConfig(global_batch=global_batch, seq_len=seq_len, dp=dp, tp=tp, pp=pp, cp=cp,
+                          ep=ep, zero_stage=zero, offload=offload, micro_batch=micro_batch,
+                          recompute=recompute, schedule=schedule, vpp=vpp, precision=precision,
+                          sequence_parallel=sequence_parallel and tp > 1)
+
+
+def estimate_plan_file(path: str):
+    """Estimate of a plan.json with its own stages and per-block recomputation."""
+    from autoplan.cost import estimate_partition
+    from autoplan.plan import Plan, PlanFormatError
+    from autoplan.solve.api import load_graph, resolve_cluster
+
+    try:
+        plan = Plan.load(path)
+    except (PlanFormatError, FileNotFoundError, OSError) as exc:
+        raise UserError(f"cannot read plan {path}: {exc}; give a plan.json written by `autoplan plan -o`") from None
+    spec = plan.model.path or plan.model.name
+    graph, _, _ = load_graph(spec, plan.seq_len)
+    cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node)
+    config = ParallelConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, dp=plan.dp,
+                            tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, zero_stage=plan.zero_stage,
+                            offload=plan.offload, micro_batch=plan.micro_batch,
+                            schedule=plan.schedule, vpp=plan.vpp, precision=plan.precision,
+                            sequence_parallel=plan.sequence_parallel, dp_replicate=plan.dp_replicate,
+                            stage_layers=tuple(len(s) for s in plan.stages) if plan.stages else None)
+    by_path = {path: graph.segment(name) for path, name in graph.layer_order}
+    if plan.stages:
+        unknown = [p for stage in plan.stages for p in stage if p not in by_path]
+        if unknown:
+            raise UserError(f"plan {path} names blocks the model does not have ({', '.join(unknown[:3])}); "
+                            "was it made for another model?")
+        layers = [[(by_path[p], plan.recompute.get(p, "none")) for p in stage] for stage in plan.stages]
+    else:
+        layers = [[(by_path[p], plan.recompute.get(p, "none")) for p, _ in graph.layer_order]]
+    return estimate_partition(graph, config, cluster, layers), plan
+
+
+def render(est, console) -> None:
+    """A readable breakdown of one Estimate."""
+    from rich.table import Table
+
+    status = "[green]fits[/green]" if est.feasible else f"[red]does not fit[/red]: {est.reason}"
+    console.print(f"Configuration {status}")
+    summary = Table(show_header=False, box=None)
+    rows = [("step time", f"{est.step_time_s:.3f} s"),
+            ("tokens/s", f"{est.tokens_per_s:,.0f}  ({est.tokens_per_s_per_gpu:,.0f} per GPU)"),
+            ("MFU / HFU", f"{est.mfu:.1%} / {est.hfu:.1%}  ({est.tflops_per_gpu:.0f} TFLOP/s per GPU "
+                          f"of {est.peak_flops_per_gpu / 1e12:.0f} peak)"),
+            ("pipeline bubble", f"{est.bubble_fraction:.1%} of the step"),
+            ("memory per GPU", f"{est.memory_gib_per_gpu:.1f} GiB (worst stage {est.worst_rank_stage})")]
+    for key, value in rows:
+        summary.add_row(key, value)
+    console.print(summary)
+    table = Table(title="where the memory goes (GiB, worst rank)")
+    for key in est.memory_breakdown_gib:
+        table.add_column(key, justify="right")
+    table.add_row(*(f"{v:.2f}" for v in est.memory_breakdown_gib.values()))
+    console.print(table)
+    table = Table(title="where the step time goes (s)")
+    for key in est.time_breakdown_s:
+        table.add_column(key, justify="right")
+    table.add_row(*(f"{v:.3f}" for v in est.time_breakdown_s.values()))
+    console.print(table)
+    if est.comm_breakdown_s:
+        table = Table(title="exposed communication per step (s)")
+        for key in est.comm_breakdown_s:
+            table.add_column(key, justify="right")
+        table.add_row(*(f"{v:.3f}" for v in est.comm_breakdown_s.values()))
+        console.print(table)
+
+
+@click.command("estimate")
+@click.argument("model", metavar="MODEL", required=False)
+@o.gpu_option
+@o.hardware_option
+@click.option("--gpus", type=int, default=None, help="Number of GPUs (ranks).")
+@o.gpus_per_node_option
+@click.option("--dp", type=int, default=None, help="Data-parallel degree (default: N / (tp x pp x cp)).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
+@click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel degree.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (carved from dp x cp).")
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage.")
+@click.option("--offload", type=click.Choice(OFFLOAD), default="none", show_default=True)
+@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--global-batch", type=int, default=None, help="Global batch in sequences.")
+@o.seq_len_option
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
+              help="Pipeline schedule (default 1f1b, interleaved-1f1b with --vpp > 1).")
+@click.option("--vpp", type=int, default=1, show_default=True, help="Virtual stages per rank (interleaved).")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
+@click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
+              help="Megatron sequence parallelism with TP.")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
+              help="Estimate a plan.json (its config, stages and per-block recomputation).")
+@o.json_option
+def command(model, gpu, hardware, gpus, gpus_per_node, dp, tp, pp, cp, ep, zero, offload, micro_batch,
+            global_batch, seq_len, recompute, schedule, vpp, precision, sequence_parallel, plan_path,
+            as_json) -> None:
+    """Predict step time, tokens/s, MFU and memory per GPU of MODEL under one configuration."""
+    from autoplan.cost import estimate
+
+    if plan_path:
+        est, _ = estimate_plan_file(plan_path)
+    else:
+        from autoplan.solve.api import load_graph, resolve_cluster
+
+        if not model:
+            raise UserError("give MODEL (a catalog name, config.json or model.py), or --plan plan.json")
+        if gpus is None:
+            raise UserError("give the number of GPUs with --gpus N")
+        if global_batch is None:
+            raise UserError("give the global batch in sequences with --global-batch G")
+        cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node)
+        graph, _, seq = load_graph(model, seq_len)
+        config = config_from_options(gpus, dp, tp, pp, cp, ep, zero, offload, micro_batch,
+                                     global_batch, seq, recompute, schedule, vpp, precision,
+                                     sequence_parallel)
+        est = estimate(graph, config, cluster)
+    if as_json:
+        click.echo(json.dumps(est.to_dict(), indent=2))
+        return
+    from rich.console import Console
+
+    render(est, Console())

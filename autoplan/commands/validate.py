@@ -1,0 +1,57 @@
+"""`autoplan validate RUNS.json`: predicted vs measured throughput and memory of published runs."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from autoplan.commands.options import json_option
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+@click.command("validate")
+@click.argument("runs_file", metavar="RUNS.json", type=click.Path(dir_okay=False))
+@json_option
+def command(runs_file: str, as_json: bool) -> None:
+    """Estimate every run of RUNS.json (format of cost_models/validation/published_runs.json)
+    and compare predicted with measured tokens/s per GPU and memory per GPU.
+
+    Settings a run leaves unstated (micro-batch, recomputation, ZeRO stage, sequence
+    parallelism) take the best value under the cost model; the table says which.
+    """
+    from autoplan.validation import validate_file
+
+    report = validate_file(runs_file)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"cost model vs {runs_file}")
+    for name, justify in (("run", "left"), ("pred tok/s/GPU", "right"), ("meas tok/s/GPU", "right"),
+                          ("error", "right"), ("pred GiB", "right"), ("meas GiB", "right"),
+                          ("assumed", "left")):
+        table.add_column(name, justify=justify)
+    for run in report["runs"]:
+        if run.get("skipped"):
+            table.add_row(run["id"], "skipped", "", "", "", "", run["skipped"])
+            continue
+        p, m, e = run["predicted"], run["measured"], run["error"]
+        fits = "" if p["feasible"] else " (OOM)"
+        table.add_row(run["id"], f"{p['tokens_per_s_per_gpu']:,.0f}",
+                      f"{m['tokens_per_s_per_gpu']:,.0f}" if m["tokens_per_s_per_gpu"] else "-",
+                      _pct(e.get("tokens_per_s_per_gpu")), f"{p['memory_gib_per_gpu']:.1f}{fits}",
+                      f"{m['memory_gib_per_gpu']:.1f}" if m.get("memory_gib_per_gpu") else "-",
+                      ", ".join(f"{k}={v}" for k, v in run["assumed"].items()))
+    console.print(table)
+    s = report["summary"]
+    console.print(
+        f"{s['count']} runs, {s['skipped']} skipped, {s['predicted_infeasible']} predicted infeasible; "
+        f"tokens/s/GPU error: median {s['median_abs_rel_error']:.1%}, max {s['max_abs_rel_error']:.1%}, "
+        f"{s['within_25pct_fraction']:.0%} within 25%")

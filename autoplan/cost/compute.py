@@ -1,0 +1,164 @@
+"""Compute time of one block copy on one rank, per micro-batch.
+
+- GEMMs: FLOPs / (peak(dtype) x efficiency(FLOPs, smallest dim, dtype)); the efficiency
+  curve is measured data of the GPU file (hardware.md B.4: cuBLASLt GEMM sweeps, MAMF).
+- Attention core: causal FlashAttention computes half of the non-causal FLOPs the graph
+  counts (Dao 2023, FlashAttention-2 §3.1.1 skips masked blocks) at the GPU file's
+  measured FlashAttention fraction of peak (hardware.md B.4); it stays in 16-bit under
+  fp8 training (Transformer Engine runs FP8 GEMMs only).
+- Memory-bound ops (norms, elementwise, embedding, loss, MoE permutation): bytes / (HBM
+  bandwidth x the GPU file's STREAM fraction) (roofline; hardware.md B.4).
+- Backward: 2x the forward GEMM FLOPs (input and weight gradients, Narayanan et al. 2021
+  §5.1), 2.5x for FlashAttention (5 matmuls in backward vs 2 forward, Dao 2023 §3.1.2),
+  2x the memory traffic (reads the output gradient and the saved input, writes one grad).
+- TP divides GEMM FLOPs (column-parallel splits N, row-parallel splits K: Shoeybi et al.
+  2019 §3) and attention heads; CP divides the tokens of a rank; routed experts keep their
+  per-rank FLOPs under EP but see ep x more tokens per expert (dropless, balanced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import hw
+from autoplan.cost.profile import BlockProfile
+
+BACKWARD_GEMM_FACTOR = 2.0  # Narayanan et al. 2021 §5.1
+BACKWARD_ATTENTION_FACTOR = 2.5  # Dao 2023 (FlashAttention-2) §3.1.2
+BACKWARD_MEMORY_FACTOR = 2.0  # roofline: grad in + saved input read, one grad written
+CAUSAL_FRACTION = 0.5  # causal mask: half of the score matrix is computed
+# Cross-entropy over the vocabulary in fp32 (Megatron vocab_parallel_cross_entropy; Korthikanti
+# et al. 2022 App. B keep fp32 logits): forward reads the 16-bit logits (2 B) and makes four
+# fp32 passes, each reading and writing 4 B (upcast, max-subtract, exp-sum, normalise);
+# backward reads the saved fp32 softmax and writes the 16-bit gradient.
+LOSS_FWD_BYTES_PER_LOGIT = 2 + 4 * (4 + 4)
+LOSS_BWD_BYTES_PER_LOGIT = 4 + 2
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Seconds per micro-batch on one rank, and FLOPs it executes."""
+
+    gemm_fwd_s: float
+    attention_fwd_s: float
+    memory_fwd_s: float
+    fwd_s: float
+    bwd_s: float
+    fwd_flops: float  # graph-counted forward FLOPs on this rank (for MFU)
+
+
+def activation_dtype_bytes(precision: str) -> int:
+    """Bytes per activation element: fp8 training keeps 16-bit activations (TE)."""
+    return 4 if precision == "fp32" else 2
+
+
+def gemm_precision(precision: str) -> str:
+    return "fp16" if precision == "fp16" else precision
+
+
+def _sharded_gemm(g, scale_tokens: float, tp: int, ep: int, hidden: int,
+                  routed: float, experts: int) -> tuple[float, float, float, float]:
+    """(M, N, K, FLOPs) on one rank."""
+    m = g.m * scale_tokens
+    flops = g.flops * scale_tokens
+    n, k = float(g.n), float(g.k)
+    if g.expert:
+        m = m * ep  # a local expert receives tokens of every EP rank (balanced)
+        if tp > 1:
+            flops /= tp
+            if ep == 1:
+                n = n / tp  # expert weights TP-sharded
+            else:
+                m = m / tp  # expert-TP 1: the TP ranks' tokens are split before dispatch
+        return m, n, k, flops
+    if tp > 1:
+        flops /= tp
+        if g.n == hidden:
+            k = k / tp  # row-parallel: output is the residual width
+        else:
+            n = n / tp
+    return m, n, k, flops
+
+
+def materialized_attention_s(attention_flops: float, head_dim: int, heads: int, seq_len: int,
+                             batch: float, gpu, precision: str, act_bytes: int) -> tuple[float, float]:
+    """(GEMM seconds, memory seconds) of an unfused attention core: QK^T and AV as batched
+    GEMMs over the full (non-causal) score matrix, then scale/mask/softmax and dropout over
+    its b*a*s^2 elements: 5 bytes per element kept (Korthikanti et al. 2022 Eq. 1: softmax
+    output 2, dropout mask 1, dropout output 2) plus the score matrix written and read
+    (2 + 2), i.e. 9 bytes per element per forward."""
+    per_gemm = 2.0 * seq_len * seq_len * head_dim
+    peak = hw.peak_flops_per_s(gpu, "fp32" if precision == "fp32" else "bf16")
+    gemm = attention_flops / (peak * hw.matmul_fraction(gpu, per_gemm, head_dim, "bf16"))
+    elements = batch * heads * seq_len * seq_len
+    return gemm, elements * (4 + 5) * act_bytes / 2 / hw.hbm_bytes_per_s(gpu)
+
+
+def block_times(profile: BlockProfile, hidden: int, experts: int, config: ParallelConfig,
+                gpu, traced_batch: int, traced_dtype_bytes: int, heads: int = 0,
+                seq_len: int = 0, flash_attention: bool = True) -> BlockTimes:
+    """Forward and backward seconds of one block copy per micro-batch on one rank.
+
+    `flash_attention=False` costs the attention core unfused (materialized s x s scores,
+    as Megatron-LM before FlashAttention, Dao et al. 2022)."""
+    tp, cp = config.tp, config.cp
+    ep = config.ep if experts else 1
+    scale = config.micro_batch / traced_batch / cp  # tokens on this rank vs traced
+    precision = gemm_precision(config.precision)
+    peak = hw.peak_flops_per_s(gpu, precision)
+    gemm_s = 0.0
+    flops = 0.0
+    for g in profile.gemms:
+        m, n, k, f = _sharded_gemm(g, scale, tp, ep, hidden, profile.routed_tokens_per_token,
+                                   experts)
+        flops += f
+        # efficiency of one kernel call: one expert's GEMM for routed experts
+        call_flops = 2.0 * m * n * k if g.expert else f
+        gemm_s += f / (peak * hw.matmul_fraction(gpu, call_flops, min(m, n, k), precision))
+    attention = profile.attention_flops * scale / tp
+    flops += attention
+    attention_s = 0.0
+    attention_memory_s = 0.0
+    if attention and not flash_attention and heads and seq_len:
+        attention_s, attention_memory_s = materialized_attention_s(
+            attention, profile.head_dim, heads / tp, seq_len, config.micro_batch / cp, gpu,
+            config.precision, activation_dtype_bytes(config.precision))
+    elif attention:
+        peak16 = hw.peak_flops_per_s(gpu, "fp32" if config.precision == "fp32" else "bf16")
+        attention_s = attention * CAUSAL_FRACTION / (
+            peak16 * hw.attention_fraction(gpu, attention * CAUSAL_FRACTION, profile.head_dim))
+    memory = profile.memory_bytes * scale * activation_dtype_bytes(config.precision) / traced_dtype_bytes
+    # without sequence parallelism the norms/dropouts run replicated on every TP rank
+    memory /= tp if config.sequence_parallel else 1
+    memory_s = memory / hw.hbm_bytes_per_s(gpu) + attention_memory_s
+    fwd = gemm_s + attention_s + memory_s
+    attention_bwd = (BACKWARD_ATTENTION_FACTOR if flash_attention else BACKWARD_GEMM_FACTOR)
+    bwd = (BACKWARD_GEMM_FACTOR * gemm_s + attention_bwd * attention_s
+           + BACKWARD_MEMORY_FACTOR * memory_s)
+    return BlockTimes(gemm_s, attention_s + attention_memory_s, memory_s, fwd, bwd, flops)
+
+
+def loss_times_s(tokens: float, vocab: int, tp: int, gpu) -> tuple[float, float]:
+    """(forward, backward) seconds of the fp32 cross-entropy over `tokens` x vocab/tp logits."""
+    logits = tokens * vocab / tp
+    bw = hw.hbm_bytes_per_s(gpu)
+    return logits * LOSS_FWD_BYTES_PER_LOGIT / bw, logits * LOSS_BWD_BYTES_PER_LOGIT / bw
+
+
+def recompute_time_s(times: BlockTimes, recompute: str) -> float:
+    """Extra forward work per micro-batch: all of it (full), the attention core (selective)."""
+    if recompute == "full":
+        return times.fwd_s
+    if recompute == "selective":
+        return times.attention_fwd_s
+    return 0.0
+
+
+def recompute_flops(times: BlockTimes, profile: BlockProfile, config: ParallelConfig,
+                    traced_batch: int, recompute: str) -> float:
+    if recompute == "full":
+        return times.fwd_flops
+    if recompute == "selective":
+        return profile.attention_flops * config.micro_batch / traced_batch / config.cp / config.tp
+    return 0.0

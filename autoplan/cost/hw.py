@@ -1,0 +1,54 @@
+"""The one place the cost model reads hardware numbers (autoplan.hardware GPU / Cluster, SI units)."""
+
+from __future__ import annotations
+
+from autoplan.cost.comm import Fabric
+
+
+def peak_flops_per_s(gpu, precision: str) -> float:
+    """Dense peak FLOP/s; UserError for a precision the GPU lacks (fp8 on A100)."""
+    return gpu.peak_flops(precision)
+
+
+def matmul_fraction(gpu, flops: float, min_dim: float, precision: str) -> float:
+    """Achieved / peak for one GEMM (measured curve of the GPU file, hardware.md B.4)."""
+    return gpu.matmul_efficiency(max(flops, 1.0), max(int(min_dim), 1), precision)
+
+
+def attention_fraction(gpu, flops: float = 0.0, head_dim: int = 128) -> float:
+    """FlashAttention achieved / 16-bit peak: the GPU file's measurement where it has one,
+    else a GEMM whose smallest dimension is the head dimension (the attention matmuls'
+    inner dimension) on the measured matmul curve."""
+    measured = gpu.efficiency.attention_fraction
+    if measured:
+        return measured
+    return gpu.matmul_efficiency(max(flops, 1.0), head_dim, "bf16")
+
+
+def hbm_bytes_per_s(gpu) -> float:
+    """Achieved HBM bandwidth of memory-bound kernels: datasheet x STREAM fraction (B.4)."""
+    return gpu.hbm_bandwidth_bytes_per_s * gpu.efficiency.hbm_fraction
+
+
+def memory_bytes(gpu) -> float:
+    return gpu.memory_bytes
+
+
+def fabric(cluster) -> Fabric:
+    """Link numbers of a Cluster (its overrides of the GPU's typical system included)."""
+    gpu = cluster.gpu
+    eff = gpu.efficiency
+    return Fabric(
+        gpus_per_node=cluster.gpus_per_node,
+        scaleup_domain=cluster.scaleup_domain_gpus,
+        intra_bytes_per_s=cluster.intra_node_bandwidth_bytes_per_s,
+        intra_busbw_fraction=eff.intra_node_busbw_fraction,
+        intra_allreduce_busbw_fraction=eff.intra_node_allreduce_busbw_fraction,
+        nvls_min_gpus=eff.nvls_min_gpus if eff.nvls_min_gpus else 10**9,
+        intra_step_latency_s=cluster.intra_node_latency_s,
+        base_latency_s=gpu.collective_base_latency_s,
+        nic_bytes_per_s=cluster.inter_node_bandwidth_bytes_per_s,
+        inter_busbw_fraction=eff.inter_node_busbw_fraction,
+        inter_alltoall_fraction=eff.inter_node_alltoall_busbw_fraction,
+        inter_step_latency_s=cluster.inter_node_latency_s,
+    )

@@ -1,0 +1,216 @@
+"""Per-block cost on one rank: time per micro-batch and memory (the solver's linear terms).
+
+`layer_cost` is what a solver sums over the blocks it places on a stage; `stage_cost`
+(stages.py) and `step_time_s` (step.py) are built from it, and `estimate` from those, so a
+solver's total equals `estimate` for the same partition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Mapping
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import comm, compute, hw, memory
+from autoplan.cost.profile import block_profile
+from autoplan.graph import BlockInfo, ModelGraph
+
+COMM_KINDS = ("tp", "cp", "ep", "zero3", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One block copy on one rank. Times per micro-batch; bytes per rank."""
+
+    name: str
+    recompute: str
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    comm_s: Mapping[str, float]  # exposed seconds per micro-batch, by kind
+    comm_total_s: Mapping[str, float]  # before overlap, by kind (for reports)
+    model_flops: float  # fwd + bwd FLOPs per micro-batch on this rank, no recomputation
+    hardware_flops: float  # with recomputation
+    weight_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # per micro-batch in flight
+    dense_params: float  # parameters on this rank (after TP) replicated over dp x cp
+    expert_params: float  # routed-expert parameters on this rank (after EP)
+    zero3_gather_params: float = 0.0  # parameters gathered per block under ZeRO-3
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.recompute_s + sum(self.comm_s.values())
+
+    @property
+    def state_bytes(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def _frozen(d: dict) -> Mapping[str, float]:
+    return MappingProxyType(dict(d))
+
+
+def _tokens_per_rank(graph: ModelGraph, config: ParallelConfig) -> float:
+    return config.micro_batch * graph.seq_len / config.cp
+
+
+def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
+              groups: comm.Groups, recompute: str) -> float:
+    """Tensor-parallel collectives of one block per micro-batch, not overlapped.
+
+    Megatron TP: 2 all-reduces in forward and 2 in backward per transformer layer (Shoeybi
+    et al. 2019 §3); with sequence parallelism each becomes an all-gather + reduce-scatter
+    of the same volume (Korthikanti et al. 2022 §4.2.2). Full recomputation repeats the
+    forward ones. Embedding: 1 in forward; output layer: 1 each way.
+    """
+    if config.tp <= 1:
+        return 0.0
+    act = compute.activation_dtype_bytes(config.precision)
+    payload = _tokens_per_rank(graph, config) * block.hidden * act
+    if config.sequence_parallel:
+        one = 2 * comm.allgather_time_s(payload, groups.tp, fabric)
+    else:
+        one = comm.allreduce_time_s(payload, groups.tp, fabric)
+    if block.kind == "pre":
+        count = 1
+    elif block.kind == "post":
+        count = 2
+    else:
+        count = 4 + (2 if recompute == "full" else 0)
+    return count * one
+
+
+def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
+              groups: comm.Groups, attention_fwd_s: float) -> tuple[float, float]:
+    """(total, exposed) ring K/V exchange per micro-batch (Liu et al. 2023 Ring Attention).
+
+    cp - 1 steps pass this rank's K/V chunk on in forward; backward passes K/V and their
+    gradients. Each step overlaps with one block of attention compute.
+    """
+    if config.cp <= 1 or not block.kv_bytes:
+        return 0.0, 0.0
+    act = compute.activation_dtype_bytes(config.precision)
+    kv_local = (block.kv_bytes * config.micro_batch / graph.batch_size / config.cp / config.tp
+                * act / graph.dtype_bytes)
+    step = comm.p2p_time_s(kv_local, groups.cp.nodes > 1, fabric)
+    fwd = (config.cp - 1) * step
+    bwd = 2 * fwd
+    attn_bwd = attention_fwd_s * compute.BACKWARD_ATTENTION_FACTOR
+    exposed = max(0.0, fwd - attention_fwd_s) + max(0.0, bwd - attn_bwd)
+    return fwd + bwd, exposed
+
+
+def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
+              groups: comm.Groups, recompute: str) -> float:
+    """Expert-parallel all-to-all: dispatch + combine in forward and in backward (GShard,
+    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped."""
+    if config.ep <= 1 or not block.experts:
+        return 0.0
+    act = compute.activation_dtype_bytes(config.precision)
+    # expert-TP 1: the TP ranks split their tokens before dispatch (sequence-parallel shard)
+    tokens = _tokens_per_rank(graph, config) / config.tp
+    one = comm.moe_dispatch_time_s(tokens, block.top_k, block.hidden * act, groups.ep, fabric)
+    return (4 + (2 if recompute == "full" else 0)) * one
+
+
+def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
+                 groups: comm.Groups, fwd_s: float, bwd_s: float) -> tuple[float, float]:
+    """(total, exposed) ZeRO-3 per micro-batch: all-gather weights in forward and backward,
+    reduce-scatter gradients (Rajbhandari et al. 2020 §5.3), each prefetched under the
+    block's own compute (FSDP); what compute cannot hide is exposed."""
+    if config.zero_stage < 3:
+        return 0.0, 0.0
+    w = memory.weight_bytes_per_param(config.precision)
+    g = memory.grad_reduce_bytes_per_param(config.precision)
+
+    def collective(bytes_per_param: float) -> float:
+        return (comm.allgather_time_s(params.dense * bytes_per_param, groups.dp, fabric)
+                + comm.allgather_time_s(params.expert * bytes_per_param, groups.expert_dp, fabric))
+
+    gather, scatter = collective(w), collective(g)
+    total = 2 * gather + scatter  # AG forward, AG backward, RS of the gradients
+    exposed = max(0.0, gather - fwd_s) + max(0.0, gather + scatter - bwd_s)
+    return total, exposed
+
+
+def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
+               recompute: str = "none", *, flash_attention: bool = True) -> LayerCost:
+    """Cost of one copy of `block` on one rank under `config` with `recompute`.
+
+    Per micro-batch: forward, backward and recomputation seconds, exposed communication by
+    kind; per rank: weight/gradient/optimizer bytes and activation bytes per micro-batch
+    in flight. Pre/post segments take recompute "none". `flash_attention=False` costs an
+    unfused attention core (time and s^2 activations), as runs before FlashAttention had.
+    """
+    gpu = cluster.gpu
+    fabric = hw.fabric(cluster)
+    groups = comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
+    profile = block_profile(graph, block)
+    times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
+                                graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
+                                flash_attention)
+    if block.kind == "post" and not profile.has_loss and graph.vocab:
+        loss_fwd, loss_bwd = compute.loss_times_s(_tokens_per_rank(graph, config), graph.vocab,
+                                                  config.tp, gpu)
+        times = replace(times, memory_fwd_s=times.memory_fwd_s + loss_fwd,
+                        fwd_s=times.fwd_s + loss_fwd, bwd_s=times.bwd_s + loss_bwd)
+    rc = recompute if block.kind not in ("pre", "post") else "none"
+    recompute_s = compute.recompute_time_s(times, rc)
+    rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc)
+    params = block_params(block, graph, config)
+    total: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    tp = tp_comm_s(graph, block, config, fabric, groups, rc)
+    total["tp"] = exposed["tp"] = tp
+    cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s)
+    total["cp"], exposed["cp"] = cp_total, cp_exposed
+    ep = ep_comm_s(graph, block, config, fabric, groups, rc)
+    total["ep"] = ep
+    # With pipelining, the all-to-all of one micro-batch runs under another's compute
+    # (DeepSeek-V3 DualPipe, §3.2.1; Megatron-Core 1F1B A2A overlap): only what compute
+    # cannot hide is exposed. Without PP there is no other micro-batch to hide it under.
+    exposed["ep"] = max(0.0, ep - times.fwd_s - times.bwd_s) if config.pp > 1 else ep
+    z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, times.fwd_s + recompute_s,
+                                      times.bwd_s)
+    total["zero3"], exposed["zero3"] = z_total, z_exposed
+    dense_states = memory.model_state_bytes(params.dense, config.precision, config.zero_stage,
+                                            config.dp * config.cp, config.offload)
+    expert_states = memory.model_state_bytes(
+        params.expert, config.precision, config.zero_stage,
+        comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep), config.offload)
+    activation = memory.block_activation_bytes(graph, block, config, rc, flash_attention)
+    return LayerCost(
+        name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
+        recompute_s=recompute_s,
+        comm_s=_frozen({k: v for k, v in exposed.items() if v}),
+        comm_total_s=_frozen({k: v for k, v in total.items() if v}),
+        model_flops=3 * times.fwd_flops, hardware_flops=3 * times.fwd_flops + rc_flops,
+        weight_bytes=dense_states["parameters"] + expert_states["parameters"],
+        grad_bytes=dense_states["gradients"] + expert_states["gradients"],
+        optimizer_bytes=dense_states["optimizer"] + expert_states["optimizer"],
+        activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
+        zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
+    )
+
+
+def block_params(block: BlockInfo, graph: ModelGraph, config: ParallelConfig) -> memory.BlockParams:
+    """Parameters of this block on one rank. The vocabulary-parallel embedding and output
+    layer are TP-sharded (Megatron); a tied output layer on a different pipeline stage
+    than the embedding keeps its own copy of the embedding matrix."""
+    if block.kind in ("pre", "post"):
+        params = float(block.parameters)
+        if block.kind == "post" and config.pp > 1 and _tied(graph):
+            params += graph.embedding_parameters
+        return memory.BlockParams(params / config.tp, 0.0)
+    return memory.block_params_per_rank(block, config.tp, config.ep)
+
+
+def _tied(graph: ModelGraph) -> bool:
+    """The output head shares the embedding matrix (post holds fewer than vocab x hidden)."""
+    post = graph.post
+    return graph.vocab > 0 and post.parameters < graph.vocab * max(post.hidden, 1)
+
+

@@ -1,0 +1,182 @@
+"""Memory per rank: model states, activations, communication buffers.
+
+Sources:
+- Model states (Rajbhandari et al. 2020, ZeRO, §3 and Figure 1): mixed-precision Adam keeps
+  2 (16-bit weights) + 2 (16-bit gradients) + K = 12 (fp32 master weights, momentum,
+  variance) bytes per parameter = 16 B; ZeRO-1 divides the K part by the data-parallel
+  degree N_d, ZeRO-2 also the gradients, ZeRO-3 also the weights. fp32 training: 4 + 4 + 8.
+- Activations (Korthikanti et al. 2022, §4): the graph's bytes saved for backward, with
+  tensor parallelism dividing everything but the LayerNorm/dropout/residual-width tensors
+  (their 10sbh of 34sbh) unless sequence parallelism is on (then all of it, Eq. 4),
+  context parallelism dividing the tokens, selective recomputation dropping the attention
+  core's s^2 tensors (Eq. 6), full recomputation keeping only the block input (2sbh).
+  FlashAttention never materialises the s^2 tensors (Dao et al. 2022, §3.1), so with it
+  "none" and "selective" save the same bytes.
+- Last stage: fp32 logits for the loss (Korthikanti et al. 2022 App. B, the 4sbV term).
+- Buffers: ZeRO-3 keeps the gathered weights of the current and the prefetched block
+  (FSDP/DeepSpeed prefetch); pipeline stages keep one send and one receive buffer of one
+  micro-batch's boundary activation (Narayanan et al. 2021 §4.1: b*s*h per transfer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.config import ParallelConfig
+from autoplan.graph import BlockInfo, ModelGraph
+
+ADAM_MIXED_OPTIMIZER_BYTES = 12  # ZeRO §3: fp32 master + momentum + variance
+ADAM_FP32_OPTIMIZER_BYTES = 8  # momentum + variance; the fp32 weights are the master copy
+FP32_BYTES = 4
+
+
+def weight_bytes_per_param(precision: str) -> int:
+    """16-bit weights for bf16/fp16/fp8 training (fp8 GEMMs cast on the fly), 4 for fp32."""
+    return 4 if precision == "fp32" else 2
+
+
+def grad_reduce_bytes_per_param(precision: str) -> int:
+    """Gradients are reduced across data-parallel ranks in fp32 by default: Megatron-LM's fp32
+    main_grad buffers, PyTorch FSDP MixedPrecision(reduce_dtype=float32) as torchtitan
+    (mixed_precision_reduce = "float32") and Composer's DEFAULT mixed precision set it."""
+    return FP32_BYTES
+
+
+def optimizer_bytes_per_param(precision: str) -> int:
+    return ADAM_FP32_OPTIMIZER_BYTES if precision == "fp32" else ADAM_MIXED_OPTIMIZER_BYTES
+
+
+def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degree: int,
+                      offload: str = "none") -> dict[str, float]:
+    """{parameters, gradients, optimizer} bytes on one rank for `params` parameters it holds.
+
+    16 B/param for mixed-precision Adam without ZeRO; ZeRO-1/2/3 divide the optimizer /
+    + gradients / + weights by `shard_degree` (ZeRO §5.1, Figure 1).
+    """
+    w = weight_bytes_per_param(precision)
+    n = max(shard_degree, 1)
+    weights = params * w / (n if zero_stage >= 3 else 1)
+    grads = params * w / (n if zero_stage >= 2 else 1)
+    optimizer = params * optimizer_bytes_per_param(precision) / (n if zero_stage >= 1 else 1)
+    if offload in ("optimizer", "both"):
+        optimizer = 0.0
+    if offload in ("params", "both"):
+        weights = 0.0
+    return {"parameters": weights, "gradients": grads, "optimizer": optimizer}
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Parameters of one block copy held by one rank."""
+
+    dense: float  # replicated over the dense data-parallel group
+    expert: float  # replicated over the expert data-parallel group
+
+
+def block_params_per_rank(block: BlockInfo, tp: int, ep: int) -> BlockParams:
+    """TP shards tp_parameters (Megatron column/row-parallel linears); EP shards experts.
+
+    Routed experts are not TP-sharded when EP > 1 (expert-TP = 1, Megatron default with EP).
+    """
+    expert = float(block.expert_parameters)
+    non_expert = float(block.parameters) - expert
+    tp_params = min(float(block.tp_parameters), non_expert)
+    dense = tp_params / tp + (non_expert - tp_params)
+    if expert:
+        expert = expert / ep if ep > 1 else expert / tp
+    return BlockParams(dense, expert)
+
+
+def _scale(graph: ModelGraph, config: ParallelConfig) -> float:
+    """Rescale traced saved bytes to this micro-batch, CP shard and activation dtype."""
+    act_bytes = FP32_BYTES if config.precision == "fp32" else 2
+    return config.micro_batch / graph.batch_size / config.cp * act_bytes / graph.dtype_bytes
+
+
+def replicated_saved_bytes(graph: ModelGraph, block: BlockInfo) -> float:
+    """Bytes saved by residual-width tensors that TP without SP keeps on every rank.
+
+    Norm inputs, dropout masks on the residual stream, and the inputs of column-parallel
+    linears (the norm outputs): Korthikanti et al. 2022's 10sbh for a GPT block.
+    """
+    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
+    g = graph.graph
+    names = [n for n in g.nodes if n.startswith(prefix)] if prefix else []
+    if not names:
+        return 5.0 * block.input_bytes  # Korthikanti: 10sbh = 5 x the 2sbh block input
+    total = 0.0
+    for name in names:
+        op = g.nodes[name]["op"]
+        width = op.output_shape[-1] if op.output_shape else 0
+        if op.kind == "norm":
+            total += op.saved_bytes
+        elif op.kind == "elementwise" and "dropout" in op.target.lower() and width == block.hidden:
+            total += op.saved_bytes
+        elif op.kind == "linear" and any(g.nodes[p]["op"].kind == "norm" for p in g.predecessors(name)):
+            total += op.saved_bytes  # input of a column-parallel linear = a norm output
+    return min(total, float(block.saved_bytes))
+
+
+def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
+                           recompute: str, flash_attention: bool = True) -> float:
+    """Activation bytes one block copy keeps per micro-batch in flight on one rank."""
+    scale = _scale(graph, config)
+    tp = config.tp
+    if recompute == "full":
+        return block.input_bytes * scale / (tp if config.sequence_parallel else 1)
+    quadratic_free = recompute == "selective" or flash_attention
+    saved = float(block.saved_bytes_selective if quadratic_free else block.saved_bytes)
+    saved -= fused_norm_excess_bytes(graph, block)
+    if tp == 1:
+        return saved * scale
+    if config.sequence_parallel:
+        return saved * scale / tp
+    replicated = min(replicated_saved_bytes(graph, block), saved)
+    return (replicated + (saved - replicated) / tp) * scale
+
+
+def fused_norm_excess_bytes(graph: ModelGraph, block: BlockInfo) -> float:
+    """Bytes the traced (decomposed) norms save beyond what a fused norm kernel keeps."""
+    from autoplan.cost.profile import block_profile
+
+    return block_profile(graph, block).norm_saved_excess
+
+
+def logits_bytes(graph: ModelGraph, config: ParallelConfig) -> float:
+    """fp32 logits of one micro-batch on the last stage (vocab split over TP, tokens over CP)."""
+    tokens = config.micro_batch * graph.seq_len / config.cp
+    return tokens * graph.vocab * FP32_BYTES / config.tp
+
+
+def pipeline_buffer_bytes(graph: ModelGraph, config: ParallelConfig) -> float:
+    """One send + one receive buffer of a micro-batch boundary activation."""
+    if config.pp <= 1:
+        return 0.0
+    act = FP32_BYTES if config.precision == "fp32" else 2
+    per = config.micro_batch * graph.seq_len / config.cp * _hidden(graph) * act
+    if config.sequence_parallel:
+        per /= config.tp
+    return 2 * per
+
+
+def zero3_buffer_bytes(max_block_params_per_rank: float, config: ParallelConfig) -> float:
+    """Gathered weights of the running and the prefetched block under ZeRO-3."""
+    if config.zero_stage < 3:
+        return 0.0
+    return 2 * max_block_params_per_rank * weight_bytes_per_param(config.precision)
+
+
+def _hidden(graph: ModelGraph) -> int:
+    blocks = graph.blocks
+    return blocks[0].hidden if blocks else graph.pre.hidden
+
+
+# CUDA context + PyTorch/NCCL kernels and workspaces per process: "~1GB, although it can be
+# much higher" (pytorch/pytorch#12873 as summarised in skrl docs, trainers/parallel), 781 MB
+# measured at process start in pytorch/pytorch#34323. A software constant, not a GPU number.
+RUNTIME_OVERHEAD_BYTES = 2**30
+
+
+def runtime_overhead_bytes() -> float:
+    """Fixed per-rank overhead: CUDA context, kernels, NCCL/cuBLAS workspaces."""
+    return float(RUNTIME_OVERHEAD_BYTES)

@@ -1,0 +1,127 @@
+"""Step time from stage costs: steady state x micro-batches, pipeline bubble, DP sync, optimizer.
+
+- Steady state + bubble: the slowest physical stage sets the pace; a flush costs
+  (m + bubble_stage_times) x its time per micro-batch (Narayanan et al. 2021 Eq. 1;
+  the "(m-1) x max stage" form of Alpa/Metis/Galvatron for balanced stages).
+- DP gradient sync: all-reduce (ZeRO-0) or reduce-scatter + all-gather of the updated
+  weights (ZeRO-1/2, Megatron distributed optimizer) of each rank's parameters, started
+  bucket by bucket during the last micro-batch's backward: only what that backward cannot
+  hide, and at least the last bucket (one block), is exposed (PyTorch DDP, Li et al. 2020
+  §3.2.3; Megatron --overlap-grad-reduce). ZeRO-3 syncs per micro-batch (layers.py).
+- Optimizer: Adam is memory-bound; it reads and writes the fp32 master weight, momentum
+  and variance (8 B each way), reads the 16-bit gradient and writes the 16-bit weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import comm, hw, memory, pipeline
+from autoplan.cost.stages import StageCost
+from autoplan.graph import ModelGraph
+
+ADAM_UPDATE_BYTES_MIXED = 3 * 4 * 2 + 2 + 2  # fp32 master/m/v read+write, grad read, weight write
+ADAM_UPDATE_BYTES_FP32 = 3 * 4 * 2 + 4  # weight/m/v read+write, grad read
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    compute_s: float  # forward + backward + optimizer on the critical path
+    recompute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    bubble_fraction: float
+    dp_sync_s: float  # exposed DP gradient/weight sync
+    optimizer_s: float
+    comm_breakdown_s: Mapping[str, float]  # exposed seconds per step, by kind
+    stage_time_s: tuple[float, ...]  # per physical stage, per micro-batch
+    bottleneck_stage: int
+
+
+def rank_stage_times(stage_costs: Sequence[StageCost], pp: int) -> list[float]:
+    """Seconds per micro-batch of every physical stage (sum of its virtual stages)."""
+    times = [0.0] * pp
+    for s in stage_costs:
+        times[s.physical_stage] += s.time_s
+    return times
+
+
+def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> float:
+    """Exposed DP sync of one physical stage's parameters after the last micro-batch."""
+    if config.zero_stage >= 3:
+        return 0.0
+    fabric = hw.fabric(cluster)
+    groups = comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
+    if groups.dp.size <= 1 and groups.expert_dp.size <= 1:
+        return 0.0
+    w = memory.weight_bytes_per_param(config.precision)
+    g = memory.grad_reduce_bytes_per_param(config.precision)
+    dense = sum(s.dense_params for s in stages)
+    expert = sum(s.expert_params for s in stages)
+
+    def sync(dense_params: float, expert_params: float) -> float:
+        if config.zero_stage == 0:
+            return (comm.allreduce_time_s(dense_params * g, groups.dp, fabric)
+                    + comm.allreduce_time_s(expert_params * g, groups.expert_dp, fabric))
+        # reduce-scatter the gradients, all-gather the updated 16-bit weights
+        return (comm.allgather_time_s(dense_params * g, groups.dp, fabric)
+                + comm.allgather_time_s(expert_params * g, groups.expert_dp, fabric)
+                + comm.allgather_time_s(dense_params * w, groups.dp, fabric)
+                + comm.allgather_time_s(expert_params * w, groups.expert_dp, fabric))
+
+    total = sync(dense, expert)
+    largest = max(s.largest_block_params for s in stages)
+    share = expert / (dense + expert) if dense + expert else 0.0
+    last_bucket = sync(largest * (1 - share), largest * share)
+    window = sum(s.bwd_s for s in stages)
+    return max(total - window, last_bucket)
+
+
+def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> float:
+    """Adam step on one rank's (sharded) parameters, memory-bound."""
+    if config.offload in ("optimizer", "both"):
+        return 0.0
+    dense = sum(s.dense_params for s in stages)
+    expert = sum(s.expert_params for s in stages)
+    if config.zero_stage >= 1:
+        dense /= config.dp * config.cp
+        expert /= comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
+    per_param = ADAM_UPDATE_BYTES_FP32 if config.precision == "fp32" else ADAM_UPDATE_BYTES_MIXED
+    return (dense + expert) * per_param / hw.hbm_bytes_per_s(cluster.gpu)
+
+
+def step_time_s(stage_costs: Sequence[StageCost], config: ParallelConfig, cluster,
+                graph: ModelGraph) -> StepTime:
+    """Step time of one optimizer step from the stages' per-micro-batch costs."""
+    m = config.num_microbatches
+    times = rank_stage_times(stage_costs, config.pp)
+    bottleneck = max(range(config.pp), key=lambda r: times[r])
+    t_max = times[bottleneck]
+    bubble = pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp) * t_max
+    tails = []
+    for r in range(config.pp):
+        mine = [s for s in stage_costs if s.physical_stage == r]
+        tails.append((dp_sync_s(mine, config, cluster), optimizer_s(mine, config, cluster)))
+    dp_exposed, opt = max(tails, key=lambda t: t[0] + t[1])
+    mine = [s for s in stage_costs if s.physical_stage == bottleneck]
+    fwd_bwd = sum(s.fwd_s + s.bwd_s for s in mine)
+    recompute = sum(s.recompute_s for s in mine)
+    kinds: dict[str, float] = {}
+    for s in mine:
+        for k, v in s.comm_s.items():
+            kinds[k] = kinds.get(k, 0.0) + m * v
+    if dp_exposed:
+        kinds["dp"] = kinds.get("dp", 0.0) + dp_exposed
+    exposed = sum(kinds.values())
+    step = m * t_max + bubble + dp_exposed + opt
+    return StepTime(
+        step_s=step, compute_s=m * fwd_bwd + opt, recompute_s=m * recompute,
+        exposed_comm_s=exposed, bubble_s=bubble,
+        bubble_fraction=bubble / step if step else 0.0, dp_sync_s=dp_exposed, optimizer_s=opt,
+        comm_breakdown_s=MappingProxyType(kinds), stage_time_s=tuple(times),
+        bottleneck_stage=bottleneck,
+    )

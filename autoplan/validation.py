@@ -1,0 +1,203 @@
+"""Check the cost model against published training runs (`autoplan validate`).
+
+Each run of a runs file (format of cost_models/validation/published_runs.json) is turned
+into model -> HF-style config (catalog.config_from_published) -> traced ModelGraph ->
+ParallelConfig on the run's cluster, and estimated. Settings a run does not state
+(micro-batch, recomputation, ZeRO stage, sequence parallelism) take the value the cost
+model finds fastest among the feasible ones; the report says which. A run the model cannot
+express is reported as skipped with the reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from autoplan.config import ParallelConfig
+from autoplan.errors import UserError
+
+
+@dataclass
+class RunResult:
+    id: str
+    predicted: dict[str, Any] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)
+    error: dict[str, Any] = field(default_factory=dict)
+    assumed: dict[str, Any] = field(default_factory=dict)
+    skipped: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"id": self.id, "predicted": self.predicted, "measured": self.measured,
+               "error": self.error, "assumed": self.assumed}
+        if self.skipped:
+            out["skipped"] = self.skipped
+        return out
+
+
+def load_runs(path: str | Path) -> list[dict[str, Any]]:
+    """The runs of a runs file; UserError if it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"runs file {path} does not exist; give a JSON file like "
+                        "cost_models/validation/published_runs.json") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"runs file {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list):
+        raise UserError(f"runs file {path} must be an object with a \"runs\" list "
+                        "(see cost_models/validation/published_runs.json)")
+    return runs
+
+
+def _divisors_up_to(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def recompute_implied_by_truth(run: dict[str, Any]) -> str | None:
+    """'full' when the run's throughput was derived from a FLOP count that includes a
+    recomputation forward (e.g. Narayanan et al. 2021 Eq. 3): the source ran with it, and
+    the truth is only consistent with it."""
+    truth = run.get("truth", {})
+    how = f"{truth.get('how', '')} {run.get('flops_accounting', '')}".lower()
+    if truth.get("path") == "tflops_via_source_formula" and (
+            "incl. recompute" in how or "assumes activation recomputation" in how):
+        return "full"
+    return None
+
+
+def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
+    """The run's configuration, one per combination of values for its unstated settings."""
+    p = run["parallel"]
+    seq = run["model"]["seq_len"]
+    gb = int(p["global_batch_seqs"])
+    dp = int(p["dp"])
+    pp = int(p.get("pp") or 1)
+    vpp = int(p.get("vpp") or 1)
+    tp = int(p.get("tp") or 1)
+    base = dict(global_batch=gb, seq_len=seq, dp=dp, tp=tp, pp=pp, cp=int(p.get("cp") or 1),
+                ep=int(p.get("ep") or 1), vpp=vpp, precision=run["precision_key"],
+                schedule="interleaved-1f1b" if vpp > 1 else "1f1b")
+    options: dict[str, list[Any]] = {}
+    per_dp = gb // dp
+    if p.get("micro_batch") is None:
+        options["micro_batch"] = _divisors_up_to(per_dp, 16)
+    else:
+        base["micro_batch"] = int(p["micro_batch"])
+    if p.get("recompute") is None:
+        implied = recompute_implied_by_truth(run)
+        if implied:
+            base["recompute"] = implied
+        else:
+            options["recompute"] = ["none", "selective", "full"]
+    else:
+        base["recompute"] = p["recompute"]
+    if p.get("zero_stage") is None:
+        options["zero_stage"] = [0, 1]
+    else:
+        base["zero_stage"] = int(p["zero_stage"])
+    if p.get("sequence_parallel") is None:
+        options["sequence_parallel"] = [True, False] if tp > 1 else [False]
+    else:
+        base["sequence_parallel"] = bool(p["sequence_parallel"]) and tp > 1
+    combos: list[dict[str, Any]] = [{}]
+    for key, values in options.items():
+        combos = [{**c, key: v} for c in combos for v in values]
+    return [(ParallelConfig(**{**base, **c}), c) for c in combos]
+
+
+def _graph_for_run(run: dict[str, Any]):
+    from autoplan.catalog import config_from_published
+    from autoplan.trace import graph_for_config
+
+    config = config_from_published(run["model"])
+    return graph_for_config(config, 1, int(run["model"]["seq_len"]))
+
+
+def _cluster_for_run(run: dict[str, Any]):
+    from autoplan.hardware import load_gpu, make_cluster
+
+    hardware = run["hardware"]
+    gpu = load_gpu(hardware["gpu_key"])
+    per_node = hardware.get("gpus_per_node") or None
+    return make_cluster(gpu, int(hardware["n_gpus"]), gpus_per_node=per_node)
+
+
+# FlashAttention (Dao et al., arXiv:2205.14135, May 2022): runs published before it used an
+# unfused attention core (Megatron's fused scale-mask-softmax over a materialised s x s matrix)
+FLASH_ATTENTION_ARXIV = (22, 5, 14135)
+
+
+def uses_flash_attention(run: dict[str, Any]) -> bool:
+    """False when the run's source is an arXiv paper older than FlashAttention."""
+    import re
+
+    text = f"{run.get('source', '')} {run.get('source_locator', '')}"
+    match = re.search(r"arXiv:(\d{2})(\d{2})\.(\d{4,5})", text)
+    if not match:
+        return True
+    return tuple(int(g) for g in match.groups()) >= FLASH_ATTENTION_ARXIV
+
+
+def validate_run(run: dict[str, Any]) -> RunResult:
+    """Estimate one published run; the best value under the model for unstated settings."""
+    from autoplan.cost import estimate
+
+    truth = run.get("truth", {})
+    result = RunResult(id=str(run.get("id", "?")))
+    result.measured = {"tokens_per_s_per_gpu": truth.get("tokens_per_s_per_gpu"),
+                       "memory_gib_per_gpu": truth.get("mem_gib_per_gpu")}
+    try:
+        graph = _graph_for_run(run)
+        cluster = _cluster_for_run(run)
+        candidates = candidate_configs(run)
+        flash = uses_flash_attention(run)
+        best = None
+        for config, assumed in candidates:
+            est = estimate(graph, config, cluster, flash_attention=flash)
+            key = (est.feasible, est.tokens_per_s_per_gpu if est.feasible else -est.memory_gib_per_gpu)
+            if best is None or key > best[0]:
+                best = (key, est, assumed)
+    except (UserError, KeyError, ValueError) as exc:
+        result.skipped = f"{type(exc).__name__}: {exc}"
+        return result
+    _, est, assumed = best
+    if run["parallel"].get("recompute") is None and recompute_implied_by_truth(run):
+        assumed = {**assumed, "recompute": "full (implied by the source's FLOP accounting)"}
+    result.assumed = {**assumed, **({} if flash else {"attention": "unfused (predates FlashAttention)"})}
+    result.predicted = {"tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu,
+                        "memory_gib_per_gpu": est.memory_gib_per_gpu, "feasible": est.feasible,
+                        "step_time_s": est.step_time_s,
+                        "time_breakdown_s": est.time_breakdown_s}
+    measured = result.measured["tokens_per_s_per_gpu"]
+    if measured:
+        result.error["tokens_per_s_per_gpu"] = est.tokens_per_s_per_gpu / measured - 1
+    mem = result.measured["memory_gib_per_gpu"]
+    if mem:
+        result.error["memory_gib_per_gpu"] = est.memory_gib_per_gpu / mem - 1
+    return result
+
+
+def summarize(results: Iterable[RunResult]) -> dict[str, Any]:
+    results = list(results)
+    errors = [abs(r.error["tokens_per_s_per_gpu"]) for r in results
+              if not r.skipped and "tokens_per_s_per_gpu" in r.error]
+    return {
+        "count": len(results),
+        "compared": len(errors),
+        "skipped": sum(1 for r in results if r.skipped),
+        "predicted_infeasible": sum(1 for r in results if r.predicted and not r.predicted["feasible"]),
+        "median_abs_rel_error": statistics.median(errors) if errors else None,
+        "max_abs_rel_error": max(errors) if errors else None,
+        "within_25pct_fraction": sum(e <= 0.25 for e in errors) / len(errors) if errors else None,
+    }
+
+
+def validate_file(path: str | Path) -> dict[str, Any]:
+    """{"runs": [...], "summary": {...}} for every run of a runs file."""
+    results = [validate_run(run) for run in load_runs(path)]
+    return {"runs": [r.to_dict() for r in results], "summary": summarize(results)}

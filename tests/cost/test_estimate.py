@@ -1,0 +1,123 @@
+"""estimate(): consistency with layer/stage costs, MFU accounting, bad input, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import estimate, layer_cost, partition, stage_cost, step_time_s
+from autoplan.errors import UserError
+
+
+def _config(**kw):
+    base = dict(global_batch=16, seq_len=1024, dp=2, tp=2, pp=2, micro_batch=1)
+    return ParallelConfig(**{**base, **kw})
+
+
+def test_estimate_equals_sum_of_stage_costs(make_gpt_graph, h100_cluster):
+    graph = make_gpt_graph(layers=8, seq=1024)
+    config = _config(recompute="selective")
+    cluster = h100_cluster(8)
+    est = estimate(graph, config, cluster)
+    stages = [stage_cost(graph, config, cluster, i, layers) for i, layers in enumerate(partition(graph, config))]
+    step = step_time_s(stages, config, cluster, graph)
+    assert est.step_time_s == step.step_s
+    # a stage's time per micro-batch is the sum of its layers' (plus pipeline p2p)
+    first = stages[0]
+    assert first.fwd_s == pytest.approx(sum(c.fwd_s for c in first.layers))
+    lc = layer_cost(graph.blocks[0], graph, config, cluster, "selective")
+    assert lc.recompute_s > 0 and lc.activation_bytes > 0
+
+
+def test_model_flops_per_token_is_6n_plus_attention(make_gpt_graph, h100_cluster):
+    # MFU counts 3 x forward FLOPs: 6 x matmul params + 12 l h s (non-causal attention, x3)
+    layers, h, s, v = 4, 1024, 1024, 32000
+    graph = make_gpt_graph(layers=layers, hidden=h, seq=s, vocab=v)
+    est = estimate(graph, _config(global_batch=8, dp=8, tp=1, pp=1), h100_cluster(8))
+    matmul = layers * 12 * h * h + h * v
+    assert est.model_flops_per_token == pytest.approx(6 * matmul + 12 * layers * h * s, rel=1e-6)
+    assert est.hfu == pytest.approx(est.mfu)  # no recomputation
+
+
+def test_full_recompute_costs_one_more_forward(make_gpt_graph, h100_cluster):
+    graph = make_gpt_graph(layers=4, seq=1024)
+    cluster = h100_cluster(8)
+    config = _config(global_batch=8, dp=8, tp=1, pp=1)
+    lc_none = layer_cost(graph.blocks[0], graph, config, cluster, "none")
+    lc_full = layer_cost(graph.blocks[0], graph, config, cluster, "full")
+    assert lc_full.recompute_s == pytest.approx(lc_none.fwd_s)
+    assert lc_full.bwd_s == pytest.approx(2 * lc_none.fwd_s, rel=0.3)  # 2x GEMMs, 2.5x attention
+    assert lc_full.activation_bytes == graph.blocks[0].input_bytes
+
+
+def test_zero_stages_shrink_memory(make_gpt_graph, h100_cluster):
+    graph = make_gpt_graph(layers=8, hidden=2048, seq=1024)
+    cluster = h100_cluster(8)
+    mem = [estimate(graph, _config(global_batch=8, dp=8, tp=1, pp=1, zero_stage=z), cluster)
+           .memory_breakdown_gib for z in range(4)]
+    assert mem[1]["optimizer"] == pytest.approx(mem[0]["optimizer"] / 8)
+    assert mem[2]["gradients"] == pytest.approx(mem[0]["gradients"] / 8)
+    assert mem[3]["parameters"] == pytest.approx(mem[0]["parameters"] / 8)
+
+
+def test_infeasible_when_memory_exceeds_the_gpu(make_gpt_graph, h100_cluster):
+    graph = make_gpt_graph(layers=48, hidden=8192, heads=64, seq=4096)
+    est = estimate(graph, ParallelConfig(global_batch=8, seq_len=4096, dp=8), h100_cluster(8))
+    assert not est.feasible and "GiB" in est.reason
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(dp=3), "product"),
+    (dict(tp=3, dp=1, pp=1), "heads"),
+    (dict(ep=2), "experts"),
+    (dict(micro_batch=3), "micro-batch"),
+    (dict(vpp=2), "interleaved"),
+    (dict(pp=16, dp=1, tp=1), "stages"),
+])
+def test_inconsistent_config_is_a_user_error(make_gpt_graph, h100_cluster, changes, words):
+    graph = make_gpt_graph(layers=8, heads=16, seq=1024)
+    with pytest.raises(UserError, match=words):
+        estimate(graph, _config(**changes), h100_cluster(8))
+
+
+def test_fp8_on_a100_is_a_user_error(make_gpt_graph):
+    from autoplan.hardware import load_gpu, make_cluster
+
+    graph = make_gpt_graph(layers=4, seq=1024)
+    with pytest.raises(UserError, match="fp8"):
+        estimate(graph, _config(precision="fp8"), make_cluster(load_gpu("a100"), 8))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "autoplan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_json_has_issue_keys():
+    out = _cli("estimate", "tiny-gpt", "--gpu", "h100", "--gpus", "8", "--tp", "2",
+               "--global-batch", "16", "--micro-batch", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key in ("feasible", "reason", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
+                "hfu", "tflops_per_gpu", "bubble_fraction", "memory_gib_per_gpu",
+                "memory_breakdown_gib", "time_breakdown_s", "comm_breakdown_s"):
+        assert key in data
+    assert set(data["memory_breakdown_gib"]) == {"parameters", "gradients", "optimizer",
+                                                 "activations", "buffers", "overhead"}
+    assert set(data["time_breakdown_s"]) == {"compute", "recompute", "exposed_comm", "bubble"}
+    assert data["config"]["dp"] == 4  # omitted dp = N / (tp x pp x cp)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--gpu", "h999", "--gpus", "8"), "Known GPUs"),
+    (("--gpu", "h100", "--gpus", "8", "--tp", "3"), "divide"),
+    (("--gpu", "a100", "--gpus", "8", "--precision", "fp8"), "fp8"),
+])
+def test_cli_bad_input_exits_2(args, words):
+    out = _cli("estimate", "tiny-gpt", *args, "--global-batch", "16")
+    assert out.returncode == 2
+    assert words in out.stderr and "Traceback" not in out.stderr

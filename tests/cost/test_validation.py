@@ -1,0 +1,83 @@
+"""`autoplan validate` on the repo's copy of the published runs: the issue 3 accuracy targets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.validation import candidate_configs, load_runs, uses_flash_attention, validate_file
+
+RUNS = Path(__file__).resolve().parents[2] / "cost_models" / "validation" / "published_runs.json"
+
+
+@pytest.fixture(scope="module")
+def report():
+    return validate_file(RUNS)
+
+
+def test_no_run_skipped_or_predicted_infeasible(report):
+    s = report["summary"]
+    assert s["count"] == len(load_runs(RUNS)) == 110
+    assert s["skipped"] == 0, [r["id"] for r in report["runs"] if r.get("skipped")]
+    assert s["predicted_infeasible"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="issue 3 targets not reached yet: the model over-predicts "
+                   "MPT/Composer and small H100 bf16 runs and host-bound MoE layers (see the report)")
+def test_throughput_error_targets(report):
+    # issue 3 "Numbers it must reach": median |error| <= 10%, >= 90% of runs within 25%.
+    # strict xfail: the day both hold this test fails until the marker is removed.
+    s = report["summary"]
+    assert s["median_abs_rel_error"] <= 0.10
+    assert s["within_25pct_fraction"] >= 0.90
+
+
+def test_throughput_error_does_not_regress(report):
+    # Where the model stands today (median 19%, 60% within 25%); a change that makes it
+    # worse than this fails. Tighten as mechanisms are added.
+    s = report["summary"]
+    assert s["median_abs_rel_error"] <= 0.20
+    assert s["within_25pct_fraction"] >= 0.58
+
+
+def test_unstated_settings_are_reported(report):
+    runs = {r["id"]: r for r in report["runs"]}
+    # Narayanan Table 1 leaves the micro-batch unstated: the chosen one is reported
+    assert "micro_batch" in runs["narayanan21_t1_gpt1.7b_32gpu"]["assumed"]
+    # MPT rows state everything
+    assert runs["mpt_7b_h100_80gb_8gpu_seq2048_gbs48"]["assumed"] == {}
+
+
+def test_candidates_enumerate_only_unstated_settings():
+    run = next(r for r in load_runs(RUNS) if r["id"] == "narayanan21_t1_gpt1.7b_32gpu")
+    configs = candidate_configs(run)
+    assert {c.recompute for c, _ in configs} == {"full"}  # stated
+    assert {c.zero_stage for c, _ in configs} == {0, 1}  # unstated
+    assert not uses_flash_attention(run)  # arXiv:2104 predates FlashAttention (arXiv:2205.14135)
+
+
+def test_cli_json(tmp_path):
+    runs = load_runs(RUNS)[:2]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    out = subprocess.run([sys.executable, "-m", "autoplan", "validate", str(path), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data["summary"]) >= {"median_abs_rel_error", "max_abs_rel_error", "within_25pct_fraction",
+                                    "count", "skipped", "predicted_infeasible"}
+    first = data["runs"][0]
+    assert set(first) >= {"id", "predicted", "measured", "error", "assumed"}
+    assert set(first["predicted"]) >= {"tokens_per_s_per_gpu", "mfu", "memory_gib_per_gpu", "feasible"}
+
+
+def test_bad_runs_file_exits_2(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{\"no_runs\": 1}")
+    out = subprocess.run([sys.executable, "-m", "autoplan", "validate", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "runs" in out.stderr
