@@ -122,6 +122,8 @@ def objective_ns(tables: Tables, cuts, full, selective) -> float:
 def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1,
                     hint: Partition | None = None) -> Partition | None:
     """Best partition and recomputation for one outer configuration, or None if nothing fits."""
+    if len(tables.groups) == 1:
+        return _solve_homogeneous(tables, time_limit_s, workers)
     model = cp_model.CpModel()
     v = _add_variables(model, tables)
     add_partition_constraints(model, tables, v)
@@ -142,7 +144,7 @@ def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1
         cuts=tuple(solver.value(v["cut"][k]) for k in range(K + 1)),
         full=tuple(tuple(solver.value(v["full"][k, g]) for g in range(G)) for k in range(K)),
         selective=tuple(tuple(solver.value(v["sel"][k, g]) for g in range(G)) for k in range(K)),
-        objective_ns=solver.objective_value / objective_scale(tables),
+        objective_ns=round(solver.objective_value) / objective_scale(tables),
         status=solver.status_name(status),
     )
 
@@ -227,3 +229,62 @@ def add_time_objective(model: cp_model.CpModel, tables: Tables, v: dict) -> None
         model.add(d_max >= sum(sync_terms) + fixed_sync)
     scale = objective_scale(tables)
     model.minimize(round(tables.slots * scale) * t_max + scale * d_max)
+
+
+def _solve_homogeneous(tables: Tables, time_limit_s: float, workers: int) -> Partition | None:
+    """All blocks identical: only how many blocks (and recomputed blocks) each rank holds
+    matters, not which of its chunks holds them. Variables per rank instead of per chunk;
+    chunks are filled afterwards (at least one block each). Same objective and memory as
+    the general model (exhaustive cross-check in tests/solve)."""
+    group, pp, vpp, L = tables.groups[0], tables.pp, tables.vpp, tables.num_layers
+    model = cp_model.CpModel()
+    n = [model.new_int_var(vpp, L, f"n_{r}") for r in range(pp)]
+    full = [model.new_int_var(0, L if "full" in tables.modes else 0, f"full_{r}") for r in range(pp)]
+    sel = [model.new_int_var(0, L if "selective" in tables.modes else 0, f"sel_{r}") for r in range(pp)]
+    model.add(sum(n) == L)
+    t = group.time_ns
+    bound = max(t.values()) * L + sum(tables.fixed_time_ns)
+    t_max = model.new_int_var(0, bound, "t_max")
+    d_max = model.new_int_var(0, group.sync_ns * L + max(tables.fixed_sync_ns or [0]), "d_max")
+    for r in range(pp):
+        model.add(d_max >= n[r] * group.sync_ns + (tables.fixed_sync_ns[r] if tables.fixed_sync_ns else 0))
+        model.add(full[r] + sel[r] <= n[r])
+        if tables.modes == ("full",):
+            model.add(full[r] == n[r])
+        if tables.modes == ("selective",):
+            model.add(sel[r] == n[r])
+        per_block, per_full, per_sel = memory_coefficients(tables, r, group)
+        model.add(n[r] * per_block + full[r] * per_full + sel[r] * per_sel
+                  + fixed_memory_kib(tables, r) <= tables.capacity_kib)
+        fixed = sum(tables.fixed_time_ns[k] for k in _rank_chunks(tables, r))
+        model.add(t_max >= n[r] * t["none"] + full[r] * (t["full"] - t["none"])
+                  + sel[r] * (t["selective"] - t["none"]) + fixed)
+    scale = objective_scale(tables)
+    model.minimize(round(tables.slots * scale) * t_max + scale * d_max)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = 0
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    counts = [0] * tables.chunks
+    fulls = [[0] for _ in range(tables.chunks)]
+    sels = [[0] for _ in range(tables.chunks)]
+    for r in range(pp):
+        chunks = _rank_chunks(tables, r)
+        base, extra = divmod(solver.value(n[r]), len(chunks))
+        f_left, s_left = solver.value(full[r]), solver.value(sel[r])
+        for i, k in enumerate(chunks):
+            counts[k] = base + (1 if i < extra else 0)
+            fulls[k][0] = min(f_left, counts[k])
+            f_left -= fulls[k][0]
+            sels[k][0] = min(s_left, counts[k] - fulls[k][0])
+            s_left -= sels[k][0]
+    cuts = [0]
+    for count in counts:
+        cuts.append(cuts[-1] + count)
+    return Partition(
+        cuts=tuple(cuts), full=tuple(tuple(f) for f in fulls), selective=tuple(tuple(x) for x in sels),
+        objective_ns=round(solver.objective_value) / scale, status=solver.status_name(status),
+    )

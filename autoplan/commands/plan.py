@@ -1,0 +1,82 @@
+"""`autoplan plan`: the fastest (or cheapest) plan, its estimate, runners-up and why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from autoplan.commands import options as o
+from autoplan.errors import NoFeasiblePlan, UserError
+
+
+def plan_options(func):
+    """The options shared by `plan` and `generate`."""
+    for option in reversed([
+        o.gpu_option, o.hardware_option, o.gpus_option, o.gpus_per_node_option,
+        o.global_batch_option, o.seq_len_option,
+        click.option("--objective", type=click.Choice(["time", "cost"]), default="time", show_default=True,
+                     help="Minimise step time, or cost per step."),
+        click.option("--fix", multiple=True, metavar="KEY=VALUE",
+                     help="Fix a choice: tp, pp, cp, dp, ep, zero, micro_batch, schedule, vpp, offload, recompute, precision."),
+        click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16", "fp8"]), default="bf16",
+                     show_default=True, help="Training precision; auto lets the solver pick bf16 or fp8."),
+    ]):
+        func = option(func)
+    return func
+
+
+def run_plan(model, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len, objective, fix,
+             precision, top, quiet):
+    from autoplan.solve.api import load_graph, plan_job, resolve_cluster
+    from autoplan.solve.space import parse_fix
+
+    fixed = parse_fix(fix)
+    cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node)
+    graph, ref, seq = load_graph(model, seq_len)
+    if quiet:
+        return plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
+                        precision=precision, objective=objective, top=top)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("searching plans", total=None)
+        job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
+                       precision=precision, objective=objective, top=top,
+                       progress=lambda done, total: progress.update(task, completed=done, total=total))
+    return job
+
+
+@click.command("plan")
+@o.model_argument
+@plan_options
+@click.option("--top", type=int, default=3, show_default=True, help="Runners-up to show.")
+@o.json_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+def command(model, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len, objective, fix,
+            precision, top, as_json, output, force):
+    """Find the provably best parallel plan for MODEL on a cluster and explain it."""
+    from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
+
+    if output and Path(output).exists() and not force:
+        raise UserError(f"{output} exists; pass --force to overwrite it or choose another -o path")
+    job = run_plan(model, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len, objective,
+                   fix, precision, top, quiet=as_json)
+    if job.plan is None:
+        report = infeasible_report(job)
+        if as_json:
+            click.echo(json.dumps(job_json(job, []), indent=2))
+        raise NoFeasiblePlan(report)
+    explanation = explain(job)
+    if output:
+        job.plan.save(output)
+    if as_json:
+        click.echo(json.dumps(job_json(job, explanation), indent=2))
+    else:
+        from rich.console import Console
+
+        render_job(job, explanation, Console())
+        if output:
+            click.echo(f"plan written to {output}")

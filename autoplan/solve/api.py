@@ -1,0 +1,83 @@
+"""One call from a MODEL spec and a cluster to a ranked set of plans (used by plan, generate, report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from autoplan.errors import UserError
+from autoplan.graph import ModelGraph
+from autoplan.plan import ModelRef, Plan
+from autoplan.solve.search import SearchResult, search
+from autoplan.solve.space import Request, check_fixed
+
+
+@dataclass
+class PlanJob:
+    plan: Plan | None  # the best plan, None when nothing fits
+    result: SearchResult
+    graph: ModelGraph
+    model: ModelRef
+    cluster: object
+    request: Request
+
+
+def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None):
+    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K -> Cluster (UserError on bad input)."""
+    from autoplan.hardware import load_gpu, load_hardware_file, make_cluster
+
+    if gpus is None or gpus < 1:
+        raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
+    if hardware:
+        cluster = load_hardware_file(hardware)
+        return make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
+                            cluster.inter_node_bandwidth_bytes_per_s / 1e9)
+    if not gpu:
+        raise UserError("give the GPU type with --gpu NAME (see `autoplan gpus`) or a hardware file with --hardware FILE")
+    return make_cluster(load_gpu(gpu), gpus, gpus_per_node)
+
+
+def precisions_for(precision: str, cluster) -> tuple[str, ...]:
+    """--precision auto lets the solver choose bf16 or, where the GPU has it, fp8."""
+    if precision == "auto":
+        return ("bf16", "fp8") if cluster.gpu.supports("fp8") else ("bf16",)
+    cluster.gpu.peak_flops(precision)  # UserError: fp8 on a GPU without it
+    return (precision,)
+
+
+def load_graph(model_spec: str, seq_len: int | None) -> tuple[ModelGraph, ModelRef, int]:
+    """Load and trace MODEL at batch 1 and the training sequence length."""
+    from autoplan.sources import load_model
+    from autoplan.trace import trace_model
+
+    loaded = load_model(model_spec, seq_len=seq_len)
+    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
+    if seq <= 0:
+        raise UserError(f"--seq-len must be positive, got {seq}")
+    graph = trace_model(loaded.module, loaded.example_inputs(1, seq), name=loaded.ref.name)
+    return graph, loaded.ref, seq
+
+
+def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, seq_len: int,
+             fixed: dict | None = None, precision: str = "bf16", objective: str = "time",
+             top: int = 3, progress: Callable[[int, int], None] | None = None) -> PlanJob:
+    """Search the plan space of `graph` on `cluster`; the best as a Plan plus the ranked result."""
+    from autoplan.solve.plan_build import to_plan
+
+    if global_batch is None or global_batch < 1:
+        raise UserError(f"--global-batch must be a positive number of sequences, got {global_batch}")
+    request = Request(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
+                      global_batch=global_batch, seq_len=seq_len,
+                      precisions=precisions_for(precision, cluster) if "precision" not in (fixed or {})
+                      else (fixed["precision"],),
+                      fixed=dict(fixed or {}), objective=objective)
+    check_fixed(graph, request)
+    result = search(graph, cluster, request, top=top, progress=progress)
+    if result.configurations_considered == 0:
+        raise UserError(
+            f"no configuration of {cluster.num_gpus} GPUs can split a global batch of {global_batch} "
+            f"sequences of {seq_len} tokens into micro-batches"
+            + (f" with --fix {' '.join(f'{k}={v}' for k, v in request.fixed.items())}" if request.fixed else "")
+            + "; use a global batch that is a multiple of the data-parallel degree you want, or drop a --fix")
+    plan = to_plan(result.best, graph, model, cluster) if result.best else None
+    return PlanJob(plan=plan, result=result, graph=graph, model=model, cluster=cluster, request=request)

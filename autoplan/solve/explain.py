@@ -1,0 +1,245 @@
+"""Why this plan: the binding constraint, why the obvious alternatives lose, and sensitivity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import estimate
+from autoplan.solve import space
+from autoplan.solve.cpsat import solve_partition
+from autoplan.solve.search import Candidate, partition_to_config
+from autoplan.solve.tables import block_runs, build_tables
+
+GIB = 2**30
+LINKS = {"tp": "TP all-reduce/all-gather", "cp": "CP ring K/V exchange", "ep": "EP all-to-all",
+         "zero3": "ZeRO-3 parameter gathers", "pp": "pipeline send/recv", "dp": "DP gradient sync"}
+
+
+def solve_config(job, config: ParallelConfig, capacity_extra_kib: int = 0) -> Candidate | str:
+    """Best partition of one configuration, or the reason it does not fit."""
+    tables = build_tables(job.graph, config, job.cluster, job.request.fixed.get("recompute"))
+    if capacity_extra_kib:
+        tables = replace(tables, capacity_kib=tables.capacity_kib + capacity_extra_kib)
+    part = solve_partition(tables, time_limit_s=5)
+    if part is None:
+        return "does not fit in memory"
+    cand_config = partition_to_config(config, part, block_runs(job.graph))
+    if capacity_extra_kib:
+        return Candidate(cand_config, estimate(job.graph, cand_config, job.cluster), part.status)
+    est = estimate(job.graph, cand_config, job.cluster)
+    return Candidate(cand_config, est, part.status) if est.feasible else est.reason
+
+
+def _pct(new: float, old: float) -> str:
+    return f"{(new / old - 1) * 100:+.0f}%"
+
+
+def _main_cause(new, old) -> str:
+    """The time component (or comm kind) that grew the most."""
+    deltas = {k: new.time_breakdown_s.get(k, 0) - old.time_breakdown_s.get(k, 0) for k in old.time_breakdown_s}
+    comm = {k: new.comm_breakdown_s.get(k, 0) - old.comm_breakdown_s.get(k, 0)
+            for k in set(new.comm_breakdown_s) | set(old.comm_breakdown_s)}
+    kind, value = max(deltas.items(), key=lambda kv: kv[1])
+    if kind == "exposed_comm" and comm:
+        ckind, cvalue = max(comm.items(), key=lambda kv: kv[1])
+        return f"{LINKS.get(ckind, ckind)} {_pct(old.step_time_s + cvalue, old.step_time_s)}"
+    return f"{kind.replace('_', ' ')} {_pct(old.step_time_s + value, old.step_time_s)}"
+
+
+def _neighbours(c: ParallelConfig, n: int) -> list[tuple[str, ParallelConfig]]:
+    out = []
+    for key in ("tp", "pp", "cp"):
+        for value in (getattr(c, key) * 2, getattr(c, key) // 2):
+            if value < 1 or value == getattr(c, key):
+                continue
+            degrees = {"tp": c.tp, "pp": c.pp, "cp": c.cp, key: value}
+            rest = degrees["tp"] * degrees["pp"] * degrees["cp"]
+            if n % rest:
+                continue
+            dp = n // rest
+            mb = c.micro_batch if c.global_batch % (dp * c.micro_batch) == 0 else 1
+            if c.global_batch % dp:
+                continue
+            vpp = c.vpp if degrees["pp"] > 1 else 1
+            schedule = c.schedule if degrees["pp"] > 1 else "1f1b"
+            ep = c.ep if (dp * degrees["cp"]) % c.ep == 0 else 1
+            out.append((f"{key}={value}", replace(c, dp=dp, micro_batch=mb, vpp=vpp, schedule=schedule,
+                                                  ep=ep, stage_layers=None, layer_recompute=None,
+                                                  sequence_parallel=degrees["tp"] > 1, **degrees)))
+    if c.dp > 1:
+        for zero in (0, 1, 2, 3):
+            if zero != c.zero_stage:
+                out.append((f"zero={zero}", replace(c, zero_stage=zero, stage_layers=None, layer_recompute=None,
+                                                    offload="none" if zero < 3 and c.offload in ("params", "both") else c.offload)))
+    return out
+
+
+def _illegal(job, c: ParallelConfig) -> str | None:
+    g, r = job.graph, job.request
+    return (space.tp_reason(g, c.tp, r.gpus_per_node) or space.cp_reason(g, c.cp, c.tp, r.seq_len, r.gpus_per_node)
+            or space.pp_reason(g, c.pp, c.vpp) or space.ep_reason(g, c.ep, c.dp, c.cp))
+
+
+def explain(job) -> list[str]:
+    best = job.result.best
+    e, c = best.estimate, best.config
+    lines = []
+    capacity = job.cluster.gpu.memory_bytes / GIB
+    worst = e.worst_rank_stage
+    recomputed = sum(1 for m in (c.layer_recompute or ()) if m != "none")
+    lines.append(
+        f"memory: pipeline stage {worst} is the fullest rank at {e.memory_gib_per_gpu:.1f} of "
+        f"{capacity:.1f} GiB ({(1 - e.memory_gib_per_gpu / capacity) * 100:.0f}% headroom)"
+        + (f"; {recomputed} of {len(c.layer_recompute)} blocks recompute to fit" if recomputed else ""))
+    if e.comm_breakdown_s:
+        kind, seconds = max(e.comm_breakdown_s.items(), key=lambda kv: kv[1])
+        lines.append(f"communication: {LINKS.get(kind, kind)} is the largest exposed communication, "
+                     f"{seconds:.3g} s per step ({seconds / e.step_time_s * 100:.0f}% of the step)")
+    if e.bubble_fraction:
+        lines.append(f"pipeline bubble: {e.bubble_fraction * 100:.1f}% of the step ({c.schedule}, "
+                     f"{c.num_microbatches} micro-batches over {c.pp} stages)")
+    for label, neighbour in _neighbours(c, c.world_size):
+        reason = _illegal(job, neighbour)
+        if reason is None:
+            solved = solve_config(job, neighbour)
+            if isinstance(solved, str):
+                reason = solved
+            else:
+                lines.append(f"{label} instead: {_pct(solved.step_time_s, e.step_time_s)} step time "
+                             f"(mostly {_main_cause(solved.estimate, e)})")
+                continue
+        lines.append(f"{label} instead: not possible, {reason}")
+    lines += _sensitivity(job)
+    return lines
+
+
+def _sensitivity(job) -> list[str]:
+    best = job.result.best
+    c, e = best.config, best.estimate
+    lines = []
+    more = solve_config(job, replace(c, stage_layers=None, layer_recompute=None), capacity_extra_kib=2**20)
+    if isinstance(more, Candidate) and more.step_time_s < e.step_time_s * 0.999:
+        lines.append(f"one more GiB per GPU: {_pct(more.step_time_s, e.step_time_s)} step time "
+                     f"(less recomputation)")
+    else:
+        lines.append("one more GiB per GPU: no change (memory is not what limits the step time)")
+    n2 = c.world_size + job.cluster.gpus_per_node
+    rest = c.tp * c.pp * c.cp
+    if n2 % rest == 0 and c.global_batch % (n2 // rest) == 0:
+        from autoplan.hardware import make_cluster
+
+        bigger = replace(job, cluster=make_cluster(job.cluster.gpu, n2, job.cluster.gpus_per_node))
+        config = replace(c, dp=n2 // rest, micro_batch=1, stage_layers=None, layer_recompute=None,
+                         ep=c.ep if ((n2 // rest) * c.cp) % c.ep == 0 else 1)
+        solved = solve_config(bigger, config)
+        if isinstance(solved, Candidate):
+            lines.append(f"one more node ({n2} GPUs, dp={config.dp}): {_pct(solved.step_time_s, e.step_time_s)} "
+                         f"step time, {_pct(solved.estimate.tokens_per_s_per_gpu, e.tokens_per_s_per_gpu)} tokens/s per GPU")
+    else:
+        lines.append(f"one more node ({n2} GPUs): the global batch of {c.global_batch} does not split over it")
+    return lines
+
+
+def infeasible_report(job) -> str:
+    """Nothing fits: the numbers, the smallest GPU count that fits, and what would help."""
+    r = job.result
+    capacity = job.cluster.gpu.memory_bytes / GIB
+    lines = [
+        f"No plan fits: {r.configurations_considered} configurations searched on "
+        f"{job.cluster.num_gpus} x {job.cluster.gpu.key}.",
+        f"The least memory per GPU any configuration needs is at least {r.least_memory_gib:.1f} GiB; "
+        f"the GPU has {capacity:.1f} GiB.",
+    ]
+    smallest = _smallest_fitting_count(job)
+    if smallest:
+        lines.append(f"The smallest count of {job.cluster.gpu.key} that fits is {smallest} GPUs.")
+    lines.append("Options that reduce memory: --fix offload=both with ZeRO-3 (parameters and optimizer "
+                 "in CPU memory), --precision fp8 where the GPU has it, a shorter --seq-len, a smaller "
+                 "global batch per GPU, or a GPU with more memory.")
+    return "\n".join(lines)
+
+
+def _smallest_fitting_count(job) -> int | None:
+    """Double the GPU count until one of the most memory-frugal configurations fits
+    (micro-batch 1, the highest ZeRO stage and offload, the most model parallelism)."""
+    from autoplan.hardware import make_cluster
+
+    n = job.cluster.num_gpus
+    for _ in range(8):
+        n *= 2
+        try:
+            cluster = make_cluster(job.cluster.gpu, n, job.cluster.gpus_per_node)
+        except Exception:
+            return None
+        request = replace(job.request, num_gpus=n, global_batch=max(job.request.global_batch, n))
+        configs = [c for c in space.outer_configs(job.graph, request) if c.micro_batch == 1]
+        configs.sort(key=lambda c: (-c.zero_stage, c.offload != "both", -(c.tp * c.pp * c.cp)))
+        bigger = replace(job, cluster=cluster, request=request)
+        for config in configs[:12]:
+            if isinstance(solve_config(bigger, config), Candidate):
+                return n
+    return None
+
+
+def candidate_json(cand: Candidate, best: Candidate | None = None) -> dict[str, Any]:
+    c = cand.config
+    out = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
+           "offload": c.offload, "micro_batch": c.micro_batch, "num_microbatches": c.num_microbatches,
+           "schedule": c.schedule, "vpp": c.vpp, "precision": c.precision,
+           "stage_layers": list(c.stage_layers or []),
+           "recompute": {m: sum(1 for x in (c.layer_recompute or ()) if x == m) for m in ("none", "selective", "full")},
+           "step_time_s": cand.step_time_s, "mfu": cand.estimate.mfu,
+           "memory_gib_per_gpu": cand.estimate.memory_gib_per_gpu, "solver_status": cand.status}
+    if best is not None:
+        out["slower_than_best"] = cand.step_time_s / best.step_time_s - 1
+    return out
+
+
+def job_json(job, explanation: list[str]) -> dict[str, Any]:
+    r = job.result
+    return {
+        "plan": job.plan.to_dict() if job.plan else None,
+        "estimate": r.best.estimate.to_dict() if r.best else None,
+        "alternatives": [candidate_json(a, r.best) for a in r.alternatives],
+        "solver": {"status": r.status, "wall_s": r.wall_s,
+                   "configurations_considered": r.configurations_considered,
+                   "configurations_solved": r.configurations_solved},
+        "explanation": explanation,
+    }
+
+
+def render_job(job, explanation: list[str], console) -> None:
+    from rich.table import Table
+
+    r, e, c = job.result, job.result.best.estimate, job.result.best.config
+    head = Table(title=f"autoplan plan: {job.model.name} on {c.world_size} x {job.cluster.gpu.key} "
+                       f"[{r.status}, {r.wall_s:.1f} s, {r.configurations_considered} configurations]",
+                 show_header=False)
+    head.add_row("degrees", f"dp={c.dp} tp={c.tp} pp={c.pp} cp={c.cp} ep={c.ep}")
+    head.add_row("ZeRO / offload", f"{c.zero_stage} / {c.offload}")
+    head.add_row("batching", f"micro-batch {c.micro_batch} x {c.num_microbatches} micro-batches, "
+                             f"global {c.global_batch} x {c.seq_len} tokens")
+    head.add_row("pipeline", f"{c.schedule} vpp={c.vpp}, blocks per stage {list(c.stage_layers or [])}")
+    rc = {m: sum(1 for x in (c.layer_recompute or ()) if x == m) for m in ("selective", "full")}
+    head.add_row("recompute", f"{rc['full']} blocks full, {rc['selective']} selective")
+    head.add_row("precision", c.precision)
+    head.add_row("step time", f"{e.step_time_s:.3f} s")
+    head.add_row("tokens/s per GPU", f"{e.tokens_per_s_per_gpu:,.0f}")
+    head.add_row("MFU / HFU", f"{e.mfu * 100:.1f}% / {e.hfu * 100:.1f}%")
+    head.add_row("memory per GPU", f"{e.memory_gib_per_gpu:.1f} GiB (worst stage {e.worst_rank_stage})")
+    console.print(head)
+    if r.alternatives:
+        alt = Table(title="Runners-up")
+        for col in ("dp/tp/pp/cp/ep", "ZeRO", "mb", "schedule", "step s", "vs best", "GiB"):
+            alt.add_column(col)
+        for a in r.alternatives:
+            ac = a.config
+            alt.add_row(f"{ac.dp}/{ac.tp}/{ac.pp}/{ac.cp}/{ac.ep}", str(ac.zero_stage), str(ac.micro_batch),
+                        f"{ac.schedule}" + (f" v{ac.vpp}" if ac.vpp > 1 else ""), f"{a.step_time_s:.3f}",
+                        _pct(a.step_time_s, e.step_time_s), f"{a.estimate.memory_gib_per_gpu:.1f}")
+        console.print(alt)
+    console.print("[bold]Why:[/]")
+    for line in explanation:
+        console.print(f"  - {line}")

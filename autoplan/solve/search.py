@@ -1,0 +1,172 @@
+"""Search: enumerate outer configurations, bound, solve the partition with CP-SAT, rank.
+
+Branch and bound over the outer configurations (degrees, ZeRO, offload, micro-batch,
+schedule, precision). A family (same degrees, micro-batch and precision) is bounded by
+perfect stage balance without recomputation at its smallest bubble; families are visited
+in bound order and the search stops when the bound reaches the K-th best step time found,
+so every configuration left out provably cannot enter the top K. Within a configuration
+CP-SAT places blocks on stages and chooses recomputation per stage; the step time of each
+solved candidate is then computed exactly by `cost.estimate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import Estimate, estimate
+from autoplan.graph import ModelGraph
+from autoplan.solve.cpsat import Partition, solve_partition
+from autoplan.solve.space import Request, outer_configs
+from autoplan.solve.tables import LayerCostCache, build_tables, lower_bound_ns, memory_lower_bound_kib
+
+GIB_KIB = 2**20
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: ParallelConfig  # with stage_layers and layer_recompute from the solver
+    estimate: Estimate
+    status: str  # CP-SAT status of its partition
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s
+
+    @property
+    def signature(self) -> tuple:
+        """What makes two plans meaningfully different (not only the micro-batch)."""
+        c = self.config
+        return (c.tp, c.pp, c.cp, c.ep, c.zero_stage, c.schedule, c.vpp, c.offload, c.precision)
+
+
+@dataclass
+class SearchResult:
+    best: Candidate | None
+    alternatives: list[Candidate]
+    status: str  # OPTIMAL | FEASIBLE | INFEASIBLE
+    wall_s: float
+    configurations_considered: int
+    configurations_solved: int
+    least_memory_gib: float  # least memory per GPU any configuration could need (lower bound)
+    infeasible_by_memory: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def partition_to_config(config: ParallelConfig, part: Partition, runs: list[tuple[int, int, str]]) -> ParallelConfig:
+    """Solver output -> blocks per chunk and a recompute mode per block (first full, then selective)."""
+    counts = tuple(b - a for a, b in zip(part.cuts, part.cuts[1:]))
+    modes: list[str] = []
+    for k in range(len(counts)):
+        lo, hi = part.cuts[k], part.cuts[k + 1]
+        for g, (glo, ghi, _) in enumerate(runs):
+            n = max(0, min(hi, ghi) - max(lo, glo))
+            f, s = part.full[k][g], part.selective[k][g]
+            modes += ["full"] * f + ["selective"] * s + ["none"] * (n - f - s)
+    return replace(config, stage_layers=counts, layer_recompute=tuple(modes), stage_recompute=None)
+
+
+def _family(c: ParallelConfig) -> tuple:
+    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch, c.precision)
+
+
+def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
+           progress: Callable[[int, int], None] | None = None, time_limit_s: float = 60.0) -> SearchResult:
+    from autoplan.solve.tables import block_runs
+
+    start = time.perf_counter()
+    configs = list(outer_configs(graph, request))
+    families: dict[tuple, list[ParallelConfig]] = defaultdict(list)
+    for c in configs:
+        families[_family(c)].append(c)
+    fixed_rc = request.fixed.get("recompute")
+    cache = LayerCostCache()
+    skipped_memory: list[tuple[float, int]] = []
+    bounds = []
+    for key, members in families.items():
+        # time bound: least ZeRO, no offload, plain 1F1B (their costs only add time) at the
+        # family's smallest bubble; memory bound: most ZeRO and offload (they only save memory)
+        fast = replace(members[0], zero_stage=min(m.zero_stage for m in members), offload="none",
+                       schedule="1f1b", vpp=1)
+        frugal = replace(members[0], zero_stage=max(m.zero_stage for m in members),
+                         offload=max((m.offload for m in members), key=OFFLOAD_ORDER.get),
+                         schedule="1f1b", vpp=1)
+        frugal_tables = build_tables(graph, frugal, cluster, fixed_rc, cache=cache)
+        if memory_lower_bound_kib(frugal_tables) > frugal_tables.capacity_kib:
+            family_least = memory_lower_bound_kib(frugal_tables) / GIB_KIB
+            skipped_memory.append((family_least, len(members)))
+            continue
+        tables = build_tables(graph, fast, cluster, fixed_rc, cache=cache)
+        best_slots = min(build_slots(m) for m in members)
+        bound = best_slots * lower_bound_ns(tables) / tables.slots * 1e-9
+        bounds.append((bound, key))
+    bounds.sort()
+    runs = block_runs(graph)
+    kept: dict[tuple, Candidate] = {}
+    threshold = float("inf")
+    solved, infeasible, all_optimal = 0, sum(n for _, n in skipped_memory), True
+    least_mem = min((m for m, _ in skipped_memory), default=float("inf"))
+    done = 0
+    for bound, key in bounds:
+        if bound >= threshold or time.perf_counter() - start > time_limit_s:
+            break
+        for config in families[key]:
+            done += 1
+            tables = build_tables(graph, config, cluster, fixed_rc, cache=cache)
+            mem_lb = memory_lower_bound_kib(tables)
+            least_mem = min(least_mem, mem_lb / GIB_KIB)
+            if mem_lb > tables.capacity_kib:
+                infeasible += 1
+                continue
+            if lower_bound_ns(tables) * 1e-9 >= threshold:
+                continue
+            part = solve_partition(tables, time_limit_s=max(1.0, time_limit_s / 10))
+            solved += 1
+            if part is None:
+                infeasible += 1
+                continue
+            all_optimal &= part.status == "OPTIMAL"
+            cand_config = partition_to_config(config, part, runs)
+            est = estimate(graph, cand_config, cluster)
+            if not est.feasible:  # rounding at the capacity edge
+                infeasible += 1
+                continue
+            cand = Candidate(cand_config, est, part.status)
+            if cand.signature not in kept or cand.step_time_s < kept[cand.signature].step_time_s:
+                kept[cand.signature] = cand
+            # the bound proves the best plan; runners-up are the best found on the way
+            threshold = min(threshold, cand.step_time_s)
+        if progress:
+            progress(done, len(configs))
+    ranked = sorted(kept.values(), key=rank_key)
+    completed = not bounds or bound >= threshold or done + infeasible_families(skipped_memory) == len(configs)
+    status = "INFEASIBLE" if not ranked else ("OPTIMAL" if all_optimal and completed else "FEASIBLE")
+    return SearchResult(
+        best=ranked[0] if ranked else None, alternatives=ranked[1:top + 1], status=status,
+        wall_s=time.perf_counter() - start, configurations_considered=len(configs),
+        configurations_solved=solved, least_memory_gib=least_mem, infeasible_by_memory=infeasible,
+    )
+
+
+def build_slots(config: ParallelConfig) -> float:
+    from autoplan.cost import pipeline
+
+    return config.num_microbatches + pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp)
+
+
+OFFLOAD_ORDER = {"none": 0, "optimizer": 1, "params": 2, "both": 3}
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Fastest first; among plans equally fast (to 1 us), the simpler one: no offload,
+    lower ZeRO stage, less model parallelism."""
+    cfg = c.config
+    return (round(c.step_time_s, 6), OFFLOAD_ORDER[cfg.offload], cfg.zero_stage,
+            cfg.tp * cfg.pp * cfg.cp, cfg.vpp)
+
+
+def infeasible_families(skipped: list[tuple[float, int]]) -> int:
+    return sum(n for _, n in skipped)

@@ -1,0 +1,133 @@
+"""Cost tables of one outer configuration, computed by `autoplan.cost` for the CP-SAT model.
+
+Per group of identical blocks and recompute mode: time per micro-batch (compute,
+recomputation, exposed TP/CP/EP/ZeRO-3 communication) from `layer_cost`; states and
+activations per rank. Fixed terms: the embedding on chunk 0, the head and fp32 logits on
+the last chunk, pipeline send/recv per chunk, buffers and runtime overhead per rank, and
+the step-end tail (DP sync, optimizer) of the even partition, which the partition barely
+moves. The exact numbers of the chosen plan always come from `cost.estimate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import layer_cost
+from autoplan.cost import memory as cost_memory
+from autoplan.cost import pipeline as cost_pipeline
+from autoplan.cost.stages import num_virtual_stages, partition, pp_p2p_s, stage_cost
+from autoplan.cost.step import step_time_s
+from autoplan.cost import hw as cost_hw
+from autoplan.graph import ModelGraph
+from autoplan.solve.cpsat import MODES, GroupTable, Tables, TIME_UNIT_S, MEMORY_UNIT_B
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds / TIME_UNIT_S)
+
+
+def _kib(nbytes: float) -> int:
+    return round(nbytes / MEMORY_UNIT_B)
+
+
+def block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
+    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order."""
+    runs: list[tuple[int, int, str]] = []
+    for index, (_, name) in enumerate(graph.layer_order):
+        if runs and runs[-1][2] == name and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1, name)
+        else:
+            runs.append((index, index + 1, name))
+    return runs
+
+
+def allowed_modes(config: ParallelConfig, fixed_recompute: str | None) -> tuple[str, ...]:
+    return (fixed_recompute,) if fixed_recompute else MODES
+
+
+class LayerCostCache:
+    """layer_cost results of one search: they do not depend on the schedule, the virtual
+    stages or the partition, which many configurations of a search share."""
+
+    def __init__(self) -> None:
+        self._costs: dict = {}
+
+    def get(self, block, graph: ModelGraph, config: ParallelConfig, cluster, mode: str):
+        key = (block.name, replace(config, schedule="1f1b", vpp=1, stage_layers=None,
+                                   layer_recompute=None, stage_recompute=None, recompute="none"), mode)
+        if key not in self._costs:
+            self._costs[key] = layer_cost(block, graph, config, cluster, mode)
+        return self._costs[key]
+
+
+def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
+                 fixed_recompute: str | None = None, with_tail: bool = False,
+                 cache: LayerCostCache | None = None) -> Tables:
+    cache = cache or LayerCostCache()
+    modes = allowed_modes(config, fixed_recompute)
+    groups = []
+    largest_gather = 0.0
+    for lo, hi, name in block_runs(graph):
+        block = graph.segment(name)
+        costs = {mode: cache.get(block, graph, config, cluster, mode) for mode in MODES}
+        largest_gather = max(largest_gather, costs["none"].zero3_gather_params)
+        groups.append(GroupTable(
+            name=name, lo=lo, hi=hi,
+            time_ns={m: _ns(c.time_s) for m, c in costs.items()},
+            state_kib=_kib(costs["none"].state_bytes),
+            activation_kib={m: _kib(c.activation_bytes) for m, c in costs.items()},
+        ))
+    pre = cache.get(graph.pre, graph, config, cluster, "none")
+    post = cache.get(graph.post, graph, config, cluster, "none")
+    chunks = num_virtual_stages(config)
+    p2p = pp_p2p_s(graph, config, cluster)
+    fixed_time = [p2p] * chunks
+    fixed_time[0] += pre.time_s
+    fixed_time[-1] += post.time_s
+    buffers = (cost_memory.pipeline_buffer_bytes(graph, config)
+               + cost_memory.zero3_buffer_bytes(max(largest_gather, pre.zero3_gather_params,
+                                                    post.zero3_gather_params), config))
+    fixed_state = [cost_memory.runtime_overhead_bytes() + buffers * (chunks // config.pp)
+                   for _ in range(config.pp)]
+    fixed_act = [0.0] * config.pp
+    fixed_state[0] += pre.state_bytes
+    fixed_act[0] += pre.activation_bytes
+    last_rank = (chunks - 1) % config.pp
+    fixed_state[last_rank] += post.state_bytes + cost_memory.logits_bytes(graph, config)
+    fixed_act[last_rank] += post.activation_bytes
+    m = config.num_microbatches
+    in_flight = [cost_pipeline.microbatches_in_flight(config.schedule, config.pp, r, m, config.vpp)
+                 for r in range(config.pp)]
+    tail = _even_partition_tail_s(graph, config, cluster) if with_tail else 0.0
+    return Tables(
+        num_layers=graph.num_layers, pp=config.pp, vpp=chunks // config.pp, groups=groups,
+        slots=m + cost_pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp),
+        in_flight=in_flight, capacity_kib=_kib(cost_hw.memory_bytes(cluster.gpu)),
+        fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
+        fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
+        modes=modes,
+    )
+
+
+def _even_partition_tail_s(graph: ModelGraph, config: ParallelConfig, cluster) -> float:
+    """DP sync + optimizer at the end of the step, for the even partition."""
+    stages = [stage_cost(graph, config, cluster, i, layers)
+              for i, layers in enumerate(partition(graph, config))]
+    step = step_time_s(stages, config, cluster, graph)
+    return step.dp_sync_s + step.optimizer_s
+
+
+def lower_bound_ns(tables: Tables) -> float:
+    """No partition beats perfect balance with no recomputation: slots x mean rank time."""
+    total = sum(min(g.time_ns.values()) * (g.hi - g.lo) for g in tables.groups) + sum(tables.fixed_time_ns)
+    return tables.slots * total / tables.pp + min(tables.fixed_sync_ns or [0])
+
+
+def memory_lower_bound_kib(tables: Tables) -> float:
+    """Least memory the fullest rank can need: states and fixed terms spread perfectly,
+    every block at its smallest activation footprint."""
+    states = sum(g.state_kib * (g.hi - g.lo) for g in tables.groups)
+    acts = sum(min(g.activation_kib.values()) * (g.hi - g.lo) for g in tables.groups)
+    fixed = sum(tables.fixed_state_kib) + sum(f * a for f, a in zip(tables.in_flight, tables.fixed_activation_kib))
+    return (states + min(tables.in_flight) * acts + fixed) / tables.pp

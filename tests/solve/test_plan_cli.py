@@ -1,0 +1,89 @@
+"""`autoplan plan` through the CLI: JSON contract, plan file round trip, bad input, nothing fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+ARGS = ["tiny-gpt", "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--seq-len", "64"]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    from click.testing import CliRunner
+
+    from autoplan.cli import cli
+
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    result = CliRunner().invoke(cli, ["plan", *ARGS, "--json", "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), out
+
+
+def test_json_contract(planned):
+    data, _ = planned
+    assert set(data) >= {"plan", "estimate", "alternatives", "solver", "explanation"}
+    assert data["solver"]["status"] == "OPTIMAL"
+    assert data["solver"]["configurations_considered"] > 1
+    plan = data["plan"]
+    assert plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"] == 4
+    assert sum(len(s) for s in plan["stages"]) == 2  # tiny-gpt has 2 blocks
+    assert set(plan["recompute"]) == {p for s in plan["stages"] for p in s}
+    assert plan["model"]["fingerprint"]
+    assert data["estimate"]["feasible"] is True
+    # the chosen plan is at least as fast as every runner-up
+    assert all(a["step_time_s"] >= data["estimate"]["step_time_s"] for a in data["alternatives"])
+
+
+def test_plan_file_is_the_plan_and_reestimates_exactly(planned, run_cli):
+    data, path = planned
+    assert json.loads(path.read_text()) == data["plan"]
+    code, out, err = run_cli("estimate", "--plan", str(path), "--json")
+    assert code == 0, err
+    again = json.loads(out)
+    assert again["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)
+    assert again["memory_gib_per_gpu"] == pytest.approx(data["estimate"]["memory_gib_per_gpu"], rel=1e-9)
+
+
+def test_fix_is_respected(run_cli):
+    code, out, _ = run_cli("plan", *ARGS, "--fix", "pp=2", "--fix", "tp=2", "--json")
+    assert code == 0
+    plan = json.loads(out)["plan"]
+    assert (plan["pp"], plan["tp"], plan["dp"]) == (2, 2, 1)
+    assert plan["tp_styles"] and len(plan["stages"]) == 2
+
+
+@pytest.mark.parametrize("extra", [
+    ["--fix", "tp=8"],  # more than the heads of tiny-gpt and than the GPUs
+    ["--fix", "tp=2", "--fix", "tp=4"],  # contradictory
+    ["--fix", "banana=3"],
+    ["--fix", "zero=7"],
+])
+def test_bad_fix_exit_2(run_cli, extra):
+    code, _, err = run_cli("plan", *ARGS, *extra)
+    assert code == 2 and err.startswith("error:"), err
+
+
+def test_bad_sizes_exit_2(run_cli):
+    for args in (["tiny-gpt", "--gpu", "cpu", "--gpus", "0", "--global-batch", "8"],
+                 ["tiny-gpt", "--gpu", "cpu", "--gpus", "4", "--global-batch", "-1"],
+                 ["tiny-gpt", "--gpu", "nosuchgpu", "--gpus", "4", "--global-batch", "8"],
+                 ["tiny-gpt", "--gpu", "cpu", "--gpus", "4", "--global-batch", "6", "--fix", "dp=4"]):
+        code, _, err = run_cli("plan", *args)
+        assert code == 2, (args, err)
+        assert "Traceback" not in err
+
+
+def test_nothing_fits_exits_1_with_numbers(run_cli):
+    code, out, err = run_cli("plan", "llama3.1-8b", "--gpu", "a100-sxm4-40gb", "--gpus", "1",
+                             "--global-batch", "8", "--seq-len", "4096")
+    assert code == 1
+    assert "No plan fits" in err and "GiB" in err and "smallest count" in err
+
+
+def test_output_not_overwritten_without_force(run_cli, tmp_path):
+    target = tmp_path / "plan.json"
+    target.write_text("mine")
+    code, _, err = run_cli("plan", *ARGS, "-o", str(target))
+    assert code == 2 and "--force" in err and target.read_text() == "mine"
