@@ -6,10 +6,9 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import estimate
 from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
-from autoplan.solve.search import Candidate, partition_to_config
+from autoplan.solve.search import Candidate, estimate_candidate, partition_to_config
 from autoplan.solve.tables import block_runs, build_tables
 
 GIB = 2**30
@@ -27,8 +26,8 @@ def solve_config(job, config: ParallelConfig, capacity_extra_kib: int = 0) -> Ca
         return "does not fit in memory"
     cand_config = partition_to_config(config, part, block_runs(job.graph))
     if capacity_extra_kib:
-        return Candidate(cand_config, estimate(job.graph, cand_config, job.cluster), part.status)
-    est = estimate(job.graph, cand_config, job.cluster)
+        return Candidate(cand_config, estimate_candidate(job.graph, cand_config, job.cluster), part.status)
+    est = estimate_candidate(job.graph, cand_config, job.cluster)
     return Candidate(cand_config, est, part.status) if est.feasible else est.reason
 
 

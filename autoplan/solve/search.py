@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import Estimate, estimate
+from autoplan.cost import Estimate
 from autoplan.graph import ModelGraph
 from autoplan.solve.cpsat import Partition, solve_partition
 from autoplan.solve.space import Request, outer_configs
@@ -67,6 +67,19 @@ def partition_to_config(config: ParallelConfig, part: Partition, runs: list[tupl
             f, s = part.full[k][g], part.selective[k][g]
             modes += ["full"] * f + ["selective"] * s + ["none"] * (n - f - s)
     return replace(config, stage_layers=counts, layer_recompute=tuple(modes), stage_recompute=None)
+
+
+def estimate_candidate(graph: ModelGraph, config: ParallelConfig, cluster) -> Estimate:
+    """Exact estimate of a solved configuration: its blocks per stage and recompute per block."""
+    from autoplan.cost import estimate_partition
+
+    blocks = graph.layer_blocks()
+    modes = list(config.layer_recompute or [config.recompute] * len(blocks))
+    stages, start = [], 0
+    for count in config.stage_layers or [len(blocks)]:
+        stages.append(list(zip(blocks[start:start + count], modes[start:start + count])))
+        start += count
+    return estimate_partition(graph, config, cluster, stages)
 
 
 def _family(c: ParallelConfig) -> tuple:
@@ -130,7 +143,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
                 continue
             all_optimal &= part.status == "OPTIMAL"
             cand_config = partition_to_config(config, part, runs)
-            est = estimate(graph, cand_config, cluster)
+            est = estimate_candidate(graph, cand_config, cluster)
             if not est.feasible:  # rounding at the capacity edge
                 infeasible += 1
                 continue

@@ -87,3 +87,20 @@ def test_output_not_overwritten_without_force(run_cli, tmp_path):
     target.write_text("mine")
     code, _, err = run_cli("plan", *ARGS, "-o", str(target))
     assert code == 2 and "--force" in err and target.read_text() == "mine"
+
+
+def test_plan_with_recomputation_reestimates_exactly(run_cli, tmp_path):
+    # Memory pressure makes the solver recompute some blocks; the plan file must carry
+    # them per block so `estimate --plan` reproduces the plan's numbers exactly.
+    out = tmp_path / "plan.json"
+    code, stdout, err = run_cli("plan", "llama3.1-8b", "--gpu", "a100-sxm4-40gb", "--gpus", "8",
+                                "--global-batch", "64", "--seq-len", "8192", "--fix", "offload=none",
+                                "--fix", "zero=1", "--json", "-o", str(out))
+    assert code == 0, err
+    data = json.loads(stdout)
+    modes = list(data["plan"]["recompute"].values())
+    assert any(m != "none" for m in modes)
+    assert data["estimate"]["memory_gib_per_gpu"] <= 40.0
+    code, again, err = run_cli("estimate", "--plan", str(out), "--json")
+    assert code == 0, err
+    assert json.loads(again)["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)

@@ -14,11 +14,10 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoplan.cost import estimate
 from autoplan.hardware import load_gpu, make_cluster
 from autoplan.solve.cpsat import solve_partition
 from autoplan.solve.exhaustive import best_objective_ns
-from autoplan.solve.search import partition_to_config, search
+from autoplan.solve.search import estimate_candidate, partition_to_config, search
 from autoplan.solve.space import Request, outer_configs
 from autoplan.solve.tables import block_runs, build_tables
 from autoplan.trace import graph_for_config
@@ -37,7 +36,7 @@ def exhaustive_best_s(graph, cluster, request) -> float:
             assert part is None
             continue
         assert part is not None and part.objective_ns == brute
-        est = estimate(graph, partition_to_config(config, part, runs), cluster)
+        est = estimate_candidate(graph, partition_to_config(config, part, runs), cluster)
         if est.feasible:
             best = min(best, est.step_time_s)
     return best
