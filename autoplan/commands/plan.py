@@ -9,6 +9,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
+from autoplan.importers import compare_with_option
 
 
 def plan_options(func):
@@ -55,8 +56,9 @@ def run_plan(model, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len, o
 @o.json_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@compare_with_option
 def command(model, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len, objective, fix,
-            precision, top, as_json, output, force):
+            precision, top, as_json, output, force, compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
     from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
 
@@ -70,13 +72,25 @@ def command(model, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len, ob
             click.echo(json.dumps(job_json(job, []), indent=2))
         raise NoFeasiblePlan(report)
     explanation = explain(job)
+    comparison = None
+    if compare_with:
+        from autoplan.importers.compare import compare_with_plan
+
+        comparison = compare_with_plan(job, compare_with)
     if output:
         job.plan.save(output)
     if as_json:
-        click.echo(json.dumps(job_json(job, explanation), indent=2))
+        out = job_json(job, explanation)
+        if comparison is not None:
+            out["comparison"] = comparison
+        click.echo(json.dumps(out, indent=2))
     else:
         from rich.console import Console
 
         render_job(job, explanation, Console())
+        if comparison is not None:
+            from autoplan.importers.compare import render_comparison
+
+            render_comparison(comparison, Console())
         if output:
             click.echo(f"plan written to {output}")
