@@ -150,6 +150,8 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
     eps = [e for e in divisors(dp * cp) if not ep_reason(graph, e, dp, cp)] if moe else [1]
     zeros = [0, 1, 2, 3] if dp > 1 else [0]
     for ep in pick("ep", eps):
+        if ep_reason(graph, ep, dp, cp):
+            continue
         for zero in pick("zero", zeros):
             for mb in pick("micro_batch", [d for d in divisors(per_rank) if d <= request.max_micro_batch]):
                 if per_rank % mb:
@@ -181,7 +183,9 @@ def _offloads(zero: int, fixed: dict, allow: bool) -> list[str]:
         return [fixed["offload"]]
     if not allow:
         return ["none"]
-    options = ["none", "optimizer"]
+    options = ["none"]
+    if zero >= 1:  # ZeRO-Offload moves the sharded optimizer step to the CPU
+        options.append("optimizer")
     if zero == 3:
         options += ["params", "both"]
     return options
@@ -202,6 +206,11 @@ def check_fixed(graph: ModelGraph, request: Request) -> None:
         reason = cp_reason(graph, fixed["cp"], fixed.get("tp", 1), request.seq_len, request.gpus_per_node)
     if not reason and "pp" in fixed:
         reason = pp_reason(graph, fixed["pp"], fixed.get("vpp", 1))
+    if not reason and "ep" in fixed and fixed["ep"] > 1:
+        if not any(b.experts for b in graph.blocks):
+            reason = f"ep={fixed['ep']} but the model has no MoE layers"
+        elif any(b.experts % fixed["ep"] for b in graph.blocks if b.experts):
+            reason = f"ep={fixed['ep']} does not divide the experts"
     if not reason and "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         reason = f"zero={fixed['zero']} is not a ZeRO stage (0-3)"
     if not reason and "precision" in fixed and fixed["precision"] not in PRECISIONS:

@@ -1,0 +1,158 @@
+"""`autoplan generate`: write a runnable, readable torchrun job directory for a plan."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+
+from autoplan.commands import options as o
+from autoplan.commands.plan import plan_options, run_plan
+from autoplan.errors import NoFeasiblePlan, UserError
+
+# Options that choose a plan; with --plan the plan is already chosen.
+_CHOOSING = ("hardware", "objective", "fix", "precision")
+
+
+@click.command("generate")
+@o.model_argument
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), default=None,
+              help="Use this plan.json (from `autoplan plan -o`) instead of planning now.")
+@plan_options
+@click.option("-o", "--output", type=click.Path(), default=None,
+              help="Job directory (default: generated/<model>-<gpus>x<gpu> here).")
+@click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
+@click.pass_context
+def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len,
+            objective, fix, precision, output, force):
+    """Write train.py, launch.sh, slurm.sbatch, plan.json, ds_config.json and README.md for MODEL.
+
+    Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
+    """
+    from autoplan.codegen import default_output_dir, model_source, render_job, write_job
+    from autoplan.sources import load_model
+
+    if output and Path(output).exists() and not Path(output).is_dir():
+        raise UserError(f"output path {output} is a file, not a directory; give -o a directory "
+                        "(new or empty) for the job")
+    if plan_file:
+        given = [name for name in _CHOOSING
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise UserError(f"--plan takes the plan as it is, so --{' --'.join(given)} would be "
+                            "ignored; drop them, or plan again without --plan")
+        plan = _load_plan(plan_file)
+        _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len)
+        loaded = load_model(model, seq_len=plan.seq_len)
+        _check_same_model(plan, loaded.ref, model, plan_file)
+    else:
+        if gpus is None or global_batch is None:
+            raise UserError("give the cluster and batch to plan for (--gpu NAME --gpus N "
+                            "--global-batch B, as for `autoplan plan`), or a plan file with --plan FILE")
+        job = run_plan(model, gpu, hardware, gpus, gpus_per_node, global_batch, seq_len, objective,
+                       fix, precision, top=1, quiet=True)
+        if job.plan is None:
+            from autoplan.solve.explain import infeasible_report
+
+            raise NoFeasiblePlan(infeasible_report(job))
+        plan = job.plan
+        loaded = load_model(model, seq_len=plan.seq_len) if plan.model.source == "file" else None
+    model_class = type(loaded.module).__name__ if loaded is not None else ""
+    source = model_source(model, plan.model.source, plan.model.name, model_class)
+    files = render_job(plan, source, command_line=_command_line(ctx, model, plan_file),
+                       price=_price(plan.gpu), gpu_memory_gib=_gpu_memory_gib(plan.gpu))
+    out_dir = Path(output) if output else default_output_dir(plan)
+    write_job(files, out_dir, force)
+    click.echo(f"plan: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} ep={plan.ep} "
+               f"zero={plan.zero_stage} micro-batch={plan.micro_batch} {plan.precision}")
+    click.echo(f"wrote {out_dir}/: {', '.join(sorted(files))}")
+    click.echo(f"launch: {shlex.quote(str(out_dir))}/launch.sh --steps 100")
+
+
+# gpus and global_batch are required by `plan`, but not with --plan
+for _param in command.params:
+    if _param.name in ("gpus", "global_batch"):
+        _param.required = False
+
+
+def _load_plan(path: str):
+    from autoplan.plan import Plan, PlanFormatError
+
+    try:
+        return Plan.load(path)
+    except FileNotFoundError:
+        raise UserError(f"plan file {path} does not exist; make one with `autoplan plan MODEL ... "
+                        "-o plan.json`") from None
+    except (PlanFormatError, TypeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not a plan file of this autoplan ({exc}); make it again with "
+                        "`autoplan plan MODEL ... -o plan.json`") from None
+
+
+def _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len) -> None:
+    """Options given next to --plan must agree with it (they describe the cluster you have)."""
+    problems = []
+    if gpus is not None and gpus != plan.world_size:
+        problems.append(f"--gpus {gpus} but the plan is for a world size of {plan.world_size}")
+    if gpus_per_node is not None and gpus_per_node != plan.gpus_per_node:
+        problems.append(f"--gpus-per-node {gpus_per_node} but the plan has {plan.gpus_per_node}")
+    if global_batch is not None and global_batch != plan.global_batch:
+        problems.append(f"--global-batch {global_batch} but the plan has {plan.global_batch}")
+    if seq_len is not None and seq_len != plan.seq_len:
+        problems.append(f"--seq-len {seq_len} but the plan has {plan.seq_len}")
+    if gpu:
+        from autoplan.hardware import load_gpu
+
+        if load_gpu(gpu).key != plan.gpu:
+            problems.append(f"--gpu {gpu} but the plan is for {plan.gpu}")
+    if problems:
+        raise UserError("the plan file does not match the options: " + "; ".join(problems)
+                        + ". Make a plan for this cluster with `autoplan plan`, or drop the options")
+
+
+def _check_same_model(plan, ref, spec: str, plan_file: str) -> None:
+    same = (ref.fingerprint == plan.model.fingerprint if plan.model.fingerprint
+            else (ref.source, ref.name) == (plan.model.source, plan.model.name))
+    if not same:
+        made_for = plan.model.path or plan.model.name
+        raise UserError(f"{plan_file} was made for the model {made_for!r}, not for {spec!r} (their "
+                        "parameter names, shapes or configs differ); give the model the plan was made "
+                        "for, or make a plan for this one with `autoplan plan`")
+
+
+def _command_line(ctx: click.Context, model: str, plan_file: str | None) -> str:
+    """The generate command (without -o/--force), shell-quoted, for the job's README."""
+    parts = ["autoplan", "generate", model]
+    if plan_file:
+        parts += ["--plan", plan_file]
+    for param in ctx.command.params:
+        if param.name in ("model", "plan_file", "output", "force"):
+            continue
+        if ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
+            continue
+        value = ctx.params[param.name]
+        for item in value if isinstance(value, tuple) else (value,):
+            parts += [param.opts[-1] if param.opts[-1].startswith("--") else param.opts[0], str(item)]
+    return " ".join(shlex.quote(part) for part in parts)
+
+
+def _price(gpu_key: str) -> tuple[float, str] | None:
+    from autoplan.hardware import load_prices
+
+    try:
+        prices = load_prices()
+        if not prices.has(gpu_key):
+            return None
+        entry = prices.entry(gpu_key)
+    except UserError:
+        return None
+    return entry.usd_per_gpu_hour, f"{entry.source}, {entry.date}"
+
+
+def _gpu_memory_gib(gpu_key: str) -> float | None:
+    from autoplan.hardware import load_gpu
+
+    try:
+        return load_gpu(gpu_key).memory_gib
+    except UserError:
+        return None

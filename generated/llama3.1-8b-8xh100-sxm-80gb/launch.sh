@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# llama3.1-8b-8xh100-sxm-80gb: start train.py under torchrun, 8 processes per node on 1 node.
+#
+# One node: ./launch.sh --steps 100 (torchrun picks a free local port).
+# Several nodes: run this script on every node with the same RDZV_ENDPOINT, host:port of a node
+# all of them reach (or MASTER_ADDR and MASTER_PORT), and the same RDZV_ID:
+#   RDZV_ENDPOINT=node0:29500 RDZV_ID=run1 ./launch.sh --steps 100
+# NNODES and NPROC_PER_NODE override the plan's shape. Arguments go on to train.py
+# (python train.py --help lists them).
+set -euo pipefail
+
+JOB_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+NNODES="${NNODES:-1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
+RDZV_ID="${RDZV_ID:-llama3.1-8b-8xh100-sxm-80gb}"
+# fewer fragmentation OOMs near the memory limit (as torchtitan's run_train.sh)
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# NCCL says why a collective failed
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+
+if [[ -n "${RDZV_ENDPOINT:-}" || -n "${MASTER_ADDR:-}" ]]; then
+  RDZV_ENDPOINT="${RDZV_ENDPOINT:-${MASTER_ADDR}:${MASTER_PORT:-29500}}"
+  rendezvous=(--rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT}" --rdzv-id "${RDZV_ID}")
+elif [[ "${NNODES}" == 1 ]]; then
+  rendezvous=(--standalone)
+else
+  echo "launch.sh: ${NNODES} nodes need a rendezvous: set RDZV_ENDPOINT=host:port (a node every" \
+       "node reaches, the same on all of them) and run this script on each node" >&2
+  exit 2
+fi
+
+exec torchrun --nnodes "${NNODES}" --nproc-per-node "${NPROC_PER_NODE}" "${rendezvous[@]}" \
+  "${JOB_DIR}/train.py" "$@"
