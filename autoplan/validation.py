@@ -168,7 +168,7 @@ def validate_run(run: dict[str, Any]) -> RunResult:
     _, est, assumed = best
     if run["parallel"].get("recompute") is None and recompute_implied_by_truth(run):
         assumed = {**assumed, "recompute": "full (implied by the source's FLOP accounting)"}
-    result.assumed = {**assumed, **({} if flash else {"attention": "unfused (predates FlashAttention)"})}
+    result.assumed = {**assumed, **({} if flash else {"attention": "unfused (source predates FlashAttention)"})}
     result.predicted = {"tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu,
                         "memory_gib_per_gpu": est.memory_gib_per_gpu, "feasible": est.feasible,
                         "step_time_s": est.step_time_s,

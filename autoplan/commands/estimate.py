@@ -34,18 +34,45 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
                           sequence_parallel=sequence_parallel and tp > 1)
 
 
+def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None):
+    """--gpu NAME or --hardware FILE with --gpus N -> Cluster (no solver import: estimate stays fast)."""
+    from autoplan.hardware import load_gpu, load_hardware_file, make_cluster
+
+    if gpus is None or gpus < 1:
+        raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
+    if hardware:
+        cluster = load_hardware_file(hardware)
+        return make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
+                            cluster.inter_node_bandwidth_bytes_per_s / 1e9)
+    if not gpu:
+        raise UserError("give the GPU type with --gpu NAME (see `autoplan gpus`) or a hardware file "
+                        "with --hardware FILE")
+    return make_cluster(load_gpu(gpu), gpus, gpus_per_node)
+
+
+def load_graph(spec: str, seq_len: int | None):
+    """Trace MODEL at batch 1 and its training sequence length: (graph, sequence length)."""
+    from autoplan.sources import load_model
+    from autoplan.trace import trace_model
+
+    if seq_len is not None and seq_len <= 0:
+        raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
+    loaded = load_model(spec, seq_len=seq_len)
+    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
+    return trace_model(loaded.module, loaded.example_inputs(1, seq), name=loaded.ref.name), seq
+
+
 def estimate_plan_file(path: str):
     """Estimate of a plan.json with its own stages and per-block recomputation."""
     from autoplan.cost import estimate_partition
     from autoplan.plan import Plan, PlanFormatError
-    from autoplan.solve.api import load_graph, resolve_cluster
 
     try:
         plan = Plan.load(path)
     except (PlanFormatError, FileNotFoundError, OSError) as exc:
         raise UserError(f"cannot read plan {path}: {exc}; give a plan.json written by `autoplan plan -o`") from None
     spec = plan.model.path or plan.model.name
-    graph, _, _ = load_graph(spec, plan.seq_len)
+    graph, _ = load_graph(spec, plan.seq_len)
     cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node)
     config = ParallelConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, dp=plan.dp,
                             tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, zero_stage=plan.zero_stage,
@@ -134,8 +161,6 @@ def command(model, gpu, hardware, gpus, gpus_per_node, dp, tp, pp, cp, ep, zero,
     if plan_path:
         est, _ = estimate_plan_file(plan_path)
     else:
-        from autoplan.solve.api import load_graph, resolve_cluster
-
         if not model:
             raise UserError("give MODEL (a catalog name, config.json or model.py), or --plan plan.json")
         if gpus is None:
@@ -143,7 +168,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, dp, tp, pp, cp, ep, zero,
         if global_batch is None:
             raise UserError("give the global batch in sequences with --global-batch G")
         cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node)
-        graph, _, seq = load_graph(model, seq_len)
+        graph, seq = load_graph(model, seq_len)
         config = config_from_options(gpus, dp, tp, pp, cp, ep, zero, offload, micro_batch,
                                      global_batch, seq, recompute, schedule, vpp, precision,
                                      sequence_parallel)

@@ -37,7 +37,7 @@ def command(runs_file: str, as_json: bool) -> None:
     for name, justify in (("run", "left"), ("pred tok/s/GPU", "right"), ("meas tok/s/GPU", "right"),
                           ("error", "right"), ("pred GiB", "right"), ("meas GiB", "right"),
                           ("assumed", "left")):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, no_wrap=name != "assumed")
     for run in report["runs"]:
         if run.get("skipped"):
             table.add_row(run["id"], "skipped", "", "", "", "", run["skipped"])

@@ -1,5 +1,17 @@
 """Cost model: pure functions from (ModelGraph, ParallelConfig, Cluster) to time and memory.
 
+Public API (seconds, bytes, FLOP/s; `*_gib` only in the Estimate shown to users):
+    estimate(graph, config, cluster, *, flash_attention=True) -> Estimate
+    estimate_partition(graph, config, cluster, stages_layers) -> Estimate
+    layer_cost(block, graph, config, cluster, recompute) -> LayerCost   (per micro-batch / per rank)
+    stage_cost(graph, config, cluster, stage_index, layers) -> StageCost
+    step_time_s(stage_costs, config, cluster, graph) -> StepTime
+    partition(graph, config) -> [[(BlockInfo, recompute)] per virtual stage]
+    check_config(graph, config, cluster)   (UserError on an inconsistent configuration)
+Modules: memory (ZeRO/Korthikanti), compute (GEMM/attention/memory-bound roofline),
+comm (alpha-beta collectives), pipeline (bubbles, in-flight micro-batches), hw (the only
+reader of hardware numbers).
+
 `estimate` is built from `stage_cost` and `step_time_s`, which are built from `layer_cost`;
 a solver that sums layer and stage costs for a partition reproduces `estimate` exactly.
 """
@@ -10,6 +22,7 @@ from autoplan.cost.stages import StageCost, partition, stage_cost, stage_layer_c
 from autoplan.cost.step import StepTime, step_time_s
 
 __all__ = [
-    "Estimate", "LayerCost", "StageCost", "StepTime", "assemble", "check_config", "estimate", "estimate_partition",
-    "layer_cost", "partition", "stage_cost", "stage_layer_counts", "step_time_s",
+    "Estimate", "LayerCost", "StageCost", "StepTime", "assemble", "check_config", "estimate",
+    "estimate_partition", "layer_cost", "partition", "stage_cost", "stage_layer_counts",
+    "step_time_s",
 ]

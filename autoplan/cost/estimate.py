@@ -70,6 +70,9 @@ def check_config(graph: ModelGraph, config: ParallelConfig, cluster) -> None:
     if min(config.dp, config.tp, config.pp, config.cp, config.ep, config.micro_batch, config.vpp) < 1:
         problems.append("every degree, --vpp and the micro-batch must be at least 1")
         raise UserError("Inconsistent parallel configuration: " + "; ".join(problems) + ".")
+    if config.dp % config.dp_replicate:
+        problems.append(f"dp_replicate={config.dp_replicate} must divide dp={config.dp} (HSDP: "
+                        "dp = dp_replicate x dp_shard)")
     blocks = graph.blocks
     heads = max((b.heads for b in blocks), default=0)
     kv_heads = max((b.kv_heads for b in blocks), default=0)

@@ -161,6 +161,9 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
     recompute_s = compute.recompute_time_s(times, rc)
     rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc)
     params = block_params(block, graph, config)
+    accumulate = grad_accumulation_s(params, config, gpu)
+    if accumulate:
+        times = replace(times, bwd_s=times.bwd_s + accumulate)
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
     tp = tp_comm_s(graph, block, config, fabric, groups, rc)
@@ -177,10 +180,12 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
                                       times.bwd_s)
     total["zero3"], exposed["zero3"] = z_total, z_exposed
     dense_states = memory.model_state_bytes(params.dense, config.precision, config.zero_stage,
-                                            config.dp * config.cp, config.offload)
+                                            config.dp_shard * config.cp, config.offload)
+    # HSDP: states are sharded over dp_shard only, replicated over dp_replicate
     expert_states = memory.model_state_bytes(
         params.expert, config.precision, config.zero_stage,
-        comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep), config.offload)
+        max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate),
+        config.offload)
     activation = memory.block_activation_bytes(graph, block, config, rc, flash_attention)
     return LayerCost(
         name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
@@ -194,6 +199,17 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
         activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
         zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
     )
+
+
+def grad_accumulation_s(params: memory.BlockParams, config: ParallelConfig, gpu) -> float:
+    """Accumulating weight gradients into the full fp32 gradient buffer every micro-batch
+    (Megatron main_grad with gradient-accumulation fusion, PyTorch DDP .grad): the buffer is
+    read and written once per micro-batch, memory-bound. Under ZeRO-2/3 the gradients are
+    reduce-scattered per micro-batch instead (counted in the ZeRO-3 collectives)."""
+    if config.zero_stage >= 2:
+        return 0.0
+    per_param = 2 * memory.grad_reduce_bytes_per_param(config.precision)
+    return (params.dense + params.expert) * per_param / hw.hbm_bytes_per_s(gpu)
 
 
 def block_params(block: BlockInfo, graph: ModelGraph, config: ParallelConfig) -> memory.BlockParams:

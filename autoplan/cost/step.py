@@ -88,8 +88,9 @@ def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) ->
     dense = sum(s.dense_params for s in stages)
     expert = sum(s.expert_params for s in stages)
     if config.zero_stage >= 1:
-        dense /= config.dp * config.cp
-        expert /= comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
+        dense /= config.dp_shard * config.cp
+        expert /= max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
+                      // config.dp_replicate)
     per_param = ADAM_UPDATE_BYTES_FP32 if config.precision == "fp32" else ADAM_UPDATE_BYTES_MIXED
     return (dense + expert) * per_param / hw.hbm_bytes_per_s(cluster.gpu)
 
