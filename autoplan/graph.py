@@ -102,6 +102,9 @@ class ModelGraph:
     tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style
     fingerprint: str = ""
     model_name: str = ""
+    # memo of values derived from this graph (block profiles, layer costs); a graph is
+    # immutable once traced, so derived values never go stale
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def blocks(self) -> list[BlockInfo]:

@@ -138,6 +138,22 @@ def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: com
 
 def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
                recompute: str = "none", *, flash_attention: bool = True) -> LayerCost:
+    """Memoised on the graph: a block's cost does not depend on the schedule, the virtual
+    stages or the partition, and the solver and `estimate` ask for the same ones often."""
+    from dataclasses import replace
+
+    key = ("layer_cost", block.name, replace(config, schedule="1f1b", vpp=1, stage_layers=None,
+                                             layer_recompute=None, stage_recompute=None,
+                                             recompute="none"), id(cluster), recompute, flash_attention)
+    hit = graph.memo.get(key)
+    if hit is None or hit[0] is not cluster:
+        hit = (cluster, _layer_cost(block, graph, config, cluster, recompute, flash_attention=flash_attention))
+        graph.memo[key] = hit
+    return hit[1]
+
+
+def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
+                recompute: str = "none", *, flash_attention: bool = True) -> LayerCost:
     """Cost of one copy of `block` on one rank under `config` with `recompute`.
 
     Per micro-batch: forward, backward and recomputation seconds, exposed communication by

@@ -136,6 +136,7 @@ def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = 0
+    _fast_small_model(solver)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
@@ -147,6 +148,13 @@ def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1
         objective_ns=round(solver.objective_value) / objective_scale(tables),
         status=solver.status_name(status),
     )
+
+
+def _fast_small_model(solver: cp_model.CpSolver) -> None:
+    """These models have a few dozen variables: presolve and symmetry detection cost more
+    than they save (measured: 2.4 -> 1.2 ms on a trivial model)."""
+    solver.parameters.cp_model_presolve = False
+    solver.parameters.symmetry_level = 0
 
 
 def _add_variables(model: cp_model.CpModel, tables: Tables) -> dict:
@@ -265,6 +273,7 @@ def _solve_homogeneous(tables: Tables, time_limit_s: float, workers: int) -> Par
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = 0
+    _fast_small_model(solver)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
