@@ -9,6 +9,7 @@ import click
 from autoplan.commands import options as o
 from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from autoplan.errors import UserError
+from autoplan.importers import chosen_import, import_options
 
 
 def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep: int, zero: int,
@@ -151,14 +152,30 @@ def render(est, console) -> None:
               help="Megatron sequence parallelism with TP.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
               help="Estimate a plan.json (its config, stages and per-block recomputation).")
+@import_options
 @o.json_option
 def command(model, gpu, hardware, gpus, gpus_per_node, dp, tp, pp, cp, ep, zero, offload, micro_batch,
             global_batch, seq_len, recompute, schedule, vpp, precision, sequence_parallel, plan_path,
-            as_json) -> None:
-    """Predict step time, tokens/s, MFU and memory per GPU of MODEL under one configuration."""
+            from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
+    """Predict step time, tokens/s, MFU and memory per GPU of MODEL under one configuration
+    (given by the options, a plan.json, or your DeepSpeed / Megatron-LM / torchtitan config)."""
     from autoplan.cost import estimate
 
-    if plan_path:
+    chosen = chosen_import(from_deepspeed, from_megatron, from_torchtitan)
+    imported = None
+    if chosen:
+        if plan_path or dp or tp != 1 or pp != 1 or cp != 1 or ep != 1 or zero or vpp != 1 \
+                or recompute != "none":
+            raise UserError("--from-deepspeed/--from-megatron/--from-torchtitan gives the configuration; "
+                            "drop --plan and the --dp/--tp/--pp/--cp/--ep/--zero/--vpp/--recompute options")
+        if not model or gpus is None:
+            raise UserError("give MODEL and --gpus N with an imported configuration")
+        from autoplan.importers.compare import estimate_imported_model
+
+        cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node)
+        est, imported = estimate_imported_model(model, cluster, *chosen, global_batch=global_batch,
+                                                seq_len=seq_len)
+    elif plan_path:
         est, _ = estimate_plan_file(plan_path)
     else:
         if not model:
@@ -174,8 +191,15 @@ def command(model, gpu, hardware, gpus, gpus_per_node, dp, tp, pp, cp, ep, zero,
                                      sequence_parallel)
         est = estimate(graph, config, cluster)
     if as_json:
-        click.echo(json.dumps(est.to_dict(), indent=2))
+        out = est.to_dict()
+        if imported is not None:
+            out["imported"] = imported.to_dict()
+        click.echo(json.dumps(out, indent=2))
         return
     from rich.console import Console
 
+    if imported is not None:
+        from autoplan.importers import render_imported
+
+        render_imported(imported, Console())
     render(est, Console())

@@ -14,16 +14,38 @@ def _pct(value) -> str:
 
 
 @click.command("validate")
-@click.argument("runs_file", metavar="RUNS.json", type=click.Path(dir_okay=False))
+@click.argument("runs_file", metavar="RUNS.json", type=click.Path(dir_okay=False), required=False)
+@click.option("--run", "run_dir", type=click.Path(file_okay=False), default=None,
+              help="A generated job's run directory (metrics.jsonl): measured vs predicted.")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
+              help="With --run: the plan.json (default: found next to or above the run directory).")
+@click.option("--warmup", type=int, default=None, help="With --run: steps to skip (default 2).")
 @json_option
-def command(runs_file: str, as_json: bool) -> None:
+def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, warmup: int | None,
+            as_json: bool) -> None:
     """Estimate every run of RUNS.json (format of cost_models/validation/published_runs.json)
-    and compare predicted with measured tokens/s per GPU and memory per GPU.
+    and compare predicted with measured tokens/s per GPU and memory per GPU; or, with
+    --run DIR, compare a generated job's measured steps with its plan's predictions.
 
     Settings a run leaves unstated (micro-batch, recomputation, ZeRO stage, sequence
     parallelism) take the best value under the cost model; the table says which.
     """
+    from autoplan.errors import UserError
     from autoplan.validation import validate_file
+
+    if run_dir:
+        from autoplan.runs import render_run, validate_run
+
+        report = validate_run(run_dir, plan_path=plan_path, warmup=warmup)
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            from rich.console import Console
+
+            render_run(report, Console())
+        return
+    if not runs_file:
+        raise UserError("give RUNS.json (e.g. cost_models/validation/published_runs.json) or --run DIR")
 
     report = validate_file(runs_file)
     if as_json:
