@@ -1,16 +1,26 @@
 """Mixture-of-experts layer: router, top-k, routed experts, optional shared experts.
 
 Expert parallelism: when `ep_group` is set (by autoplan.runtime), this rank holds only
-`num_local_experts` experts and tokens travel to their experts' ranks with
-`all_to_all_single` (dispatch) and back (combine). Without it all experts are local.
-Capacity policy: dropless. Every routed token is computed; no capacity factor.
+`num_experts // ep` experts (the stacked weights become DTensors sharded on dim 0 over the
+ep group) and tokens travel to their experts' ranks with `all_to_all_single` (dispatch)
+and back (combine); both are autograd-aware, so the backward sends gradients the same way.
+Without it all experts are local.
+Capacity policy: dropless. Every routed token is computed; no capacity factor, so the
+result does not depend on the EP degree (uneven all-to-all splits carry the imbalance).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # DTensor only exists once the runtime shards experts; importing it costs ~1 s, so
+    # analysis (which never shards) duck-types instead of importing torch.distributed.tensor
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 class GroupedExperts(nn.Module):
@@ -24,13 +34,27 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
 
     def expert_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(x @ self.w_gate[index].t()) * (x @ self.w_up[index].t())
-        return hidden @ self.w_down[index].t()
+        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        return (F.silu(x @ w_gate[index].t()) * (x @ w_up[index].t())) @ w_down[index].t()
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: tokens sorted by local expert; counts: tokens per local expert."""
-        outputs = [self.expert_forward(i, chunk) for i, chunk in enumerate(torch.split(x, counts))]
+        """x: tokens sorted by (local) expert; counts: tokens per local expert."""
+        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        outputs = []
+        for index, chunk in enumerate(torch.split(x, counts)):
+            hidden = F.silu(chunk @ w_gate[index].t()) * (chunk @ w_up[index].t())
+            outputs.append(hidden @ w_down[index].t())
         return torch.cat(outputs) if outputs else x[:0]
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    """Autograd all_to_all_single (the functional-collective version: correct backward on
+    gloo, unlike a list-form all_to_all with uneven splits)."""
+    from torch.distributed._functional_collectives import (all_to_all_single_autograd,
+                                                           wait_tensor)
+
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
 
 
 class MoE(nn.Module):
@@ -70,10 +94,34 @@ class MoE(nn.Module):
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         token_of_slot = order // self.top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        expert_out = self.experts(tokens[token_of_slot], counts)
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        if self.ep_group is None:
+            expert_out = self.experts(tokens[token_of_slot], counts.tolist())
+        else:
+            expert_out = self._expert_parallel(tokens[token_of_slot], counts)
         combined = torch.zeros_like(tokens)
         combined.index_add_(0, token_of_slot, expert_out * weights.reshape(-1)[order, None])
         if self.shared_experts is not None:
             combined = combined + self.shared_experts(tokens)
         return combined.reshape(shape)
+
+    def _expert_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Dispatch expert-sorted tokens to their owners, run the local experts, send back."""
+        group = self.ep_group
+        ep = dist.get_world_size(group)
+        local = self.num_experts // ep
+        # counts_in[s, e]: tokens rank s sends to my local expert e.
+        counts_in = torch.empty_like(counts)
+        dist.all_to_all_single(counts_in, counts, group=group)
+        counts_out = counts.view(ep, local)
+        counts_in = counts_in.view(ep, local)
+        send_splits = counts_out.sum(1).tolist()
+        recv_splits = counts_in.sum(1).tolist()
+        received = _all_to_all(routed, recv_splits, send_splits, group)
+        # received is ordered (source rank, local expert); the experts want (expert, source).
+        by_source = torch.arange(received.shape[0], device=received.device).split(
+            counts_in.flatten().tolist())
+        regroup = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
+        out = self.experts(received[regroup], counts_in.sum(0).tolist())
+        restored = torch.empty_like(out).index_copy(0, regroup, out)
+        return _all_to_all(restored, send_splits, recv_splits, group)

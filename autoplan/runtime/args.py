@@ -1,0 +1,48 @@
+"""Command-line flags of a generated train.py."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainArgs:
+    steps: int = 10
+    seed: int = 0
+    data: str = "synthetic"  # "synthetic" or a token .bin file
+    data_dtype: str | None = None  # uint16 | uint32; default by vocab size
+    checkpoint_dir: str | None = None  # default <run_dir>/checkpoints
+    checkpoint_every: int = 0  # 0: only at the end when a checkpoint dir is given
+    resume: bool = False
+    run_dir: str = "./runs/latest"
+    log_every: int = 1
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.checkpoint_dir or f"{self.run_dir.rstrip('/')}/checkpoints"
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    parser = argparse.ArgumentParser(description="Train with an autoplan plan (launch with torchrun).")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run in total")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    parser.add_argument("--data", default="synthetic", metavar="synthetic|PATH",
+                        help="'synthetic' random tokens, or a flat token .bin file")
+    parser.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
+                        help="token width in the .bin file (default: uint16 if the vocab fits)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="DCP checkpoint folder (default <run-dir>/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="save every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest complete checkpoint, if any")
+    parser.add_argument("--run-dir", default="./runs/latest", help="metrics.jsonl goes here")
+    parser.add_argument("--log-every", type=int, default=1, metavar="N",
+                        help="print a log line every N steps on rank 0")
+    ns = parser.parse_args(argv)
+    if ns.steps < 0 or ns.checkpoint_every < 0 or ns.log_every < 1:
+        parser.error("--steps and --checkpoint-every must be >= 0, --log-every >= 1")
+    return TrainArgs(steps=ns.steps, seed=ns.seed, data=ns.data, data_dtype=ns.data_dtype,
+                     checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
+                     resume=ns.resume, run_dir=ns.run_dir, log_every=ns.log_every)

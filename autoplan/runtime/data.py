@@ -1,0 +1,89 @@
+"""Token batches: the same global batch, in the same order, whatever the DP/CP/PP split.
+
+Every rank derives the whole global batch of step `s` from (seed, s) alone and keeps its
+slice, so no data moves between ranks and a 1-rank plan sees exactly the tokens a 64-rank
+plan sees. Rows: DP rank d, micro-batch m owns rows [(d * M + m) * b, ... + b) of the global
+batch (M micro-batches of b rows per DP rank). Columns: CP rank c owns the zig-zag chunks
+c and 2*cp-1-c of the sequence, which balances causal attention work across the ring.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from autoplan.errors import UserError
+
+
+def zigzag_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Sequence positions held by `cp_rank`: chunks r and 2*cp-1-r of 2*cp equal chunks."""
+    if seq_len % (2 * cp):
+        raise UserError(f"seq_len {seq_len} must be a multiple of 2*cp = {2 * cp} for "
+                        "zig-zag context parallelism; pick a seq_len divisible by it.")
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second_start = (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat([first, torch.arange(second_start, second_start + chunk)])
+
+
+class SyntheticTokens:
+    """Uniform random token ids; step s of seed k is generated from its own RNG stream."""
+
+    def __init__(self, vocab_size: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def global_batch(self, step: int, rows: int, seq_len: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return torch.randint(0, self.vocab_size, (rows, seq_len + 1), generator=gen)
+
+
+class TokenFile:
+    """A flat binary file of token ids (uint16 when the vocab fits, else uint32), memory-mapped.
+
+    Each row starts at an offset drawn from (seed, step), so resumption needs no file state.
+    """
+
+    def __init__(self, path: str, vocab_size: int, seed: int, dtype: str | None = None) -> None:
+        if not Path(path).is_file():
+            raise UserError(f"--data {path!r} is not a file; give a token .bin file or 'synthetic'.")
+        name = dtype or ("uint16" if vocab_size <= 65536 else "uint32")
+        if name not in ("uint16", "uint32"):
+            raise UserError(f"--data-dtype {name!r}: use uint16 or uint32.")
+        self.dtype = getattr(torch, name)
+        itemsize = 2 if name == "uint16" else 4
+        nbytes = os.path.getsize(path)
+        self.num_tokens = nbytes // itemsize
+        # shared=True maps the file (mmap) instead of reading it; nothing is written to it.
+        self.tokens = torch.from_file(path, shared=True, size=self.num_tokens, dtype=self.dtype)
+        self.seed = seed
+
+    def global_batch(self, step: int, rows: int, seq_len: int) -> torch.Tensor:
+        if self.num_tokens <= seq_len + 1:
+            raise UserError(f"the token file holds {self.num_tokens} tokens, fewer than seq_len+1.")
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, self.num_tokens - seq_len - 1, (rows,), generator=gen)
+        return torch.stack([self.tokens[s: s + seq_len + 1].to(torch.int64) for s in starts.tolist()])
+
+
+def make_source(data: str, vocab_size: int, seed: int, dtype: str | None = None):
+    if data == "synthetic":
+        return SyntheticTokens(vocab_size, seed)
+    return TokenFile(data, vocab_size, seed, dtype)
+
+
+def local_microbatches(batch: torch.Tensor, *, dp_rank: int, num_microbatches: int,
+                       micro_batch: int, positions: torch.Tensor | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, labels) per micro-batch for this DP rank, restricted to its CP positions."""
+    out = []
+    for m in range(num_microbatches):
+        start = (dp_rank * num_microbatches + m) * micro_batch
+        rows = batch[start: start + micro_batch]
+        inputs, labels = rows[:, :-1], rows[:, 1:]
+        if positions is not None:
+            inputs, labels = inputs[:, positions], labels[:, positions]
+        out.append((inputs.contiguous(), labels.contiguous()))
+    return out

@@ -1,0 +1,393 @@
+"""The training loop: process group, model (initialise once, then shard), optimizer, steps.
+
+`train(build_model, plan, args)` is what a generated train.py calls under torchrun.
+`Trainer` is the same loop for callers that own the process group (tests run many plans
+inside one torchrun launch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from autoplan.errors import UserError
+from autoplan.plan import Plan, PlanFormatError
+from autoplan.runtime.args import TrainArgs
+from autoplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from autoplan.runtime.data import local_microbatches, make_source, zigzag_positions
+from autoplan.runtime.data_parallel import allreduce_grads
+from autoplan.runtime.expert_parallel import sync_expert_grads
+from autoplan.runtime.mesh import ParallelMesh, build_mesh
+from autoplan.runtime.parallelize import apply_plan, validate_plan
+from autoplan.runtime.pipeline import build_schedule, make_stages
+from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
+from autoplan.runtime.tensor_parallel import uses_loss_parallel
+
+
+def lr_at(step: int, cfg: dict) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to 10% of lr at max_steps."""
+    peak, warmup = float(cfg.get("lr", 3e-4)), int(cfg.get("warmup_steps", 0))
+    max_steps = int(cfg.get("max_steps", 1000))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    floor = 0.1 * peak
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 (vocab-sharded DTensor logits under loss_parallel)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def check_world_size(plan: Plan) -> None:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != plan.world_size:
+        raise UserError(f"the plan is for {plan.world_size} processes but {launched} were "
+                        f"launched; run `torchrun --nproc-per-node {plan.world_size}` (per node: "
+                        "plan.gpus_per_node) or make a plan for this world size.")
+
+
+def init_distributed() -> str:
+    """Process group from the torchrun environment: cuda+nccl when present, else cpu+gloo."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if dist.is_initialized():
+        return device_type
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    else:
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # After `torchrun --max-restarts` restarts the workers, a new rank could read the
+            # dead ranks' gloo addresses from torchrun's store (seen on torch 2.13: "Connection
+            # refused" in connectFullMesh); each attempt gets its own key space.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  int(os.environ["WORLD_SIZE"]), is_master=False,
+                                  timeout=timedelta(minutes=30))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"autoplan/attempt{restart}", store),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            dist.init_process_group(backend)
+    return device_type
+
+
+def build_meta(build_model: Callable[[], nn.Module]) -> nn.Module:
+    with torch.device("meta"):
+        return build_model()
+
+
+def materialise(build_model: Callable[[], nn.Module], meta: nn.Module, seed: int,
+                device: torch.device) -> nn.Module:
+    """The full model with the seed's weights, identical on every rank and for every plan."""
+    torch.manual_seed(seed)
+    if hasattr(meta, "init_weights"):
+        meta.to_empty(device=device)
+        with torch.no_grad():
+            meta.init_weights()
+        return meta
+    with torch.device(device):  # constructor init is deterministic under the seed
+        return build_model()
+
+
+def vocab_size_of(model: nn.Module) -> int:
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    raise UserError("the model has no nn.Embedding to read the vocabulary size from; "
+                    "autoplan.runtime trains token-id -> logits models.")
+
+
+class Trainer:
+    """One plan, one model, on an initialised process group."""
+
+    def __init__(self, build_model: Callable[[], nn.Module], plan: Plan, args: TrainArgs,
+                 mesh: ParallelMesh | None = None, meta: nn.Module | None = None) -> None:
+        self.plan, self.args = plan, args
+        meta = meta if meta is not None else build_meta(build_model)
+        validate_plan(meta, plan)
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(self.device_type, torch.cuda.current_device()) \
+            if self.device_type == "cuda" else torch.device("cpu")
+        if dist.get_world_size() != plan.world_size:
+            raise UserError(f"the plan is for {plan.world_size} processes but the process group "
+                            f"has {dist.get_world_size()}; launch {plan.world_size} ranks.")
+        self.mesh = mesh or build_mesh(plan, self.device_type)
+        self.vocab = vocab_size_of(meta)
+        model = materialise(build_model, meta, args.seed, self.device)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.par = apply_plan(model, plan, self.mesh)
+        self.params = [p for part in self.par.parts for p in part.parameters()]
+        self.optimizers = [self._optimizer(part) for part in self.par.parts]
+        self.scaler = DynamicLossScaler(plan.precision == "fp16")
+        self.loss_parallel = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
+        self.source = make_source(args.data, self.vocab, args.seed, args.data_dtype)
+        self.positions = (zigzag_positions(plan.seq_len, plan.cp, self.mesh.cp_rank)
+                          if plan.cp > 1 else None)
+        self.schedule = self._schedule() if plan.pp > 1 else None
+        self.start_step = 0
+        self._warn_unsupported()
+        self.last_grad_norm = float("nan")  # pre-clip global grad norm of the last step
+        self.grad_norms: list[float] = []
+
+    # -- construction -------------------------------------------------------------
+    def _optimizer(self, part: nn.Module):
+        cfg = self.plan.optimizer
+        decay = [p for p in part.parameters() if p.ndim >= 2]
+        no_decay = [p for p in part.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": float(cfg.get("weight_decay", 0.0))},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        kwargs = dict(lr=float(cfg.get("lr", 3e-4)), betas=tuple(cfg.get("betas", (0.9, 0.95))),
+                      foreach=False if self.plan.ep > 1 else None)
+        if self.plan.zero_stage == 1 and self.plan.dp * self.plan.cp > 1:
+            return _zero1(groups, self.mesh, kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
+
+    def _schedule(self):
+        plan = self.plan
+        stages = make_stages(self.par.parts, self.par.stage_ids, plan.pp * plan.vpp,
+                             self.device, self.mesh.group("pp"))
+
+        def loss_fn(logits, labels):
+            return token_loss(logits, labels) * self.scaler.scale
+
+        return build_schedule(stages, plan.schedule, plan.num_microbatches, loss_fn, plan.vpp)
+
+    def _warn_unsupported(self) -> None:
+        plan = self.plan
+        if dist.get_rank() != 0:
+            return
+        if plan.cp > 1 and not plan.cp_buffers:
+            print("autoplan: cp > 1 and plan.cp_buffers is empty: positions the model derives "
+                  "inside forward (e.g. torch.arange for learned position embeddings) are not "
+                  "this rank's zig-zag positions; only RoPE-style tables listed in cp_buffers "
+                  "are re-indexed.", flush=True)
+        if plan.offload == "none":
+            return
+        if self.device_type == "cpu" or plan.zero_stage < 2 or plan.offload == "optimizer":
+            print(f"autoplan: offload={plan.offload!r} is not applied here (it needs CUDA and "
+                  "zero_stage >= 2; FSDP2 offloads parameters, gradients and the optimizer step "
+                  "together, so 'optimizer' alone is not available)", flush=True)
+
+    # -- one step -----------------------------------------------------------------
+    def _context(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast(self.device_type, self.plan.precision, self.par.fsdp))
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def _forward_backward(self, microbatches) -> torch.Tensor:
+        model, count = self.par.parts[0], len(microbatches)
+        total = torch.zeros((), device=self.device)
+        for index, (inputs, labels) in enumerate(microbatches):
+            last = index == count - 1
+            sync = contextlib.nullcontext()
+            if self.par.ddp and not last:
+                sync = model.no_sync()
+            if self.par.fsdp:
+                model.set_requires_gradient_sync(last)
+            with sync, self._context():
+                loss = token_loss(model(inputs.to(self.device)), labels.to(self.device))
+                (loss * (self.scaler.scale / count)).backward()
+            total += _plain(loss).detach()
+        return total / count
+
+    def _pipeline_step(self, microbatches) -> torch.Tensor | None:
+        inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
+        labels = torch.cat([y for _, y in microbatches]).to(self.device)
+        num_stages = self.plan.pp * self.plan.vpp
+        args = (inputs,) if 0 in self.par.stage_ids else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {}
+        if num_stages - 1 in self.par.stage_ids:
+            kwargs = {"target": labels, "losses": losses}
+        with self._context():
+            self.schedule.step(*args, **kwargs)
+        if not losses:
+            return None
+        return torch.stack([_plain(l).detach().float() for l in losses]).mean() / self.scaler.scale
+
+    def step(self, step: int) -> float:
+        plan = self.plan
+        batch = self.source.global_batch(step, plan.global_batch, plan.seq_len)
+        microbatches = local_microbatches(batch, dp_rank=self.mesh.dp_rank,
+                                          num_microbatches=plan.num_microbatches,
+                                          micro_batch=plan.micro_batch, positions=self.positions)
+        lr = lr_at(step, plan.optimizer)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        loss = self._pipeline_step(microbatches) if self.schedule else self._forward_backward(microbatches)
+        self._finish_grads()
+        skip = self.scaler.unscale_and_check(self.params)
+        self.last_grad_norm = clip_grads(self.params, float(plan.optimizer.get("grad_clip", 0.0) or 0.0),
+                                         self.mesh.group("pp") if plan.pp > 1 else None)
+        if not skip:
+            for opt in self.optimizers:
+                opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return self._global_loss(loss)
+
+    def _finish_grads(self) -> None:
+        plan = self.plan
+        expert_ids = {id(p) for p in self.par.expert_params}
+        if self.par.manual_grad_sync:
+            dense = [p for p in self.params if id(p) not in expert_ids]
+            allreduce_grads(dense, self.mesh.group("dp_cp"), plan.dp * plan.cp)
+        if self.par.expert_params:
+            sync_expert_grads(self.par.expert_params, self.mesh.ep_mesh, plan.dp * plan.cp)
+        if self.par.tp_token_local:  # MoE on sequence shards: sum the tp ranks' tokens
+            params = [p for m in self.par.tp_token_local for p in m.parameters()]
+            allreduce_grads(params, self.mesh.group("tp"), 1)
+
+    def _global_loss(self, loss: torch.Tensor | None) -> float:
+        """Mean loss of the global batch, the same on every rank."""
+        plan = self.plan
+        counts = loss is not None and self.mesh.local_rank("tp") == 0
+        value = loss.detach().float().reshape(()) if counts else torch.zeros(())
+        value = value.to(self.device)
+        dist.all_reduce(value)
+        return float(value) / (plan.dp * plan.cp)
+
+    # -- checkpoints --------------------------------------------------------------
+    def save(self, step: int) -> None:
+        save_checkpoint(self.args.checkpoint_path, step, self.par.parts, self.optimizers,
+                        {"loss_scaler": self.scaler.state_dict()})
+
+    def maybe_resume(self) -> None:
+        if not self.args.resume:
+            return
+        path = latest_checkpoint(self.args.checkpoint_path)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.par.parts, self.optimizers)
+        self.scaler.load_state_dict(state["loss_scaler"])
+        self.start_step = int(state["step"])
+        if dist.get_rank() == 0:
+            print(f"autoplan: resumed from {path} (step {self.start_step})", flush=True)
+
+    # -- the loop -----------------------------------------------------------------
+    def run(self) -> list[float]:
+        self.maybe_resume()
+        losses = []
+        metrics = MetricsLog(self.args.run_dir, self.plan, self.num_params) \
+            if dist.get_rank() == 0 else None
+        for step in range(self.start_step, self.args.steps):
+            start = time.perf_counter()
+            loss = self.step(step)
+            elapsed = time.perf_counter() - start
+            losses.append(loss)
+            self.grad_norms.append(self.last_grad_norm)
+            if metrics is not None:
+                metrics.write(step, loss, lr_at(step, self.plan.optimizer), elapsed,
+                              print_line=(step + 1) % self.args.log_every == 0)
+            every = self.args.checkpoint_every
+            if every and (step + 1) % every == 0:
+                self.save(step + 1)
+        return losses
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor loss (loss_parallel) as a plain tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _zero1(groups, mesh: ParallelMesh, kwargs):
+    """ZeroRedundancyOptimizer over all params (one group: ZeRO shards by parameter)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    kwargs = dict(kwargs)
+    kwargs.pop("foreach", None)
+    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                  process_group=mesh.group("dp_cp"),
+                                  weight_decay=groups[0]["weight_decay"], **kwargs)
+    if groups[1]["params"]:
+        opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+    return opt
+
+
+def peak_memory_gib(device_type: str) -> float:
+    """CUDA allocator peak on GPU; the process's peak resident set (ru_maxrss) on CPU."""
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsLog:
+    """One JSON object per step appended to <run_dir>/metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, run_dir: str, plan: Plan, num_params: int) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.plan = plan
+        est = plan.estimate or {}
+        self.flops_per_token = float(est.get("model_flops_per_token") or 6 * num_params)
+        self.peak_flops = est.get("peak_flops_per_gpu")
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def write(self, step: int, loss: float, lr: float, step_time_s: float, print_line: bool) -> None:
+        tokens_per_s = self.plan.global_batch * self.plan.seq_len / step_time_s
+        mfu = None
+        if self.peak_flops:
+            mfu = self.flops_per_token * tokens_per_s / (float(self.peak_flops) * self.plan.world_size)
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "peak_memory_gib": peak_memory_gib(self.device_type), "step_time_s": step_time_s}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if print_line:
+            mfu_text = f"{mfu:.2%}" if mfu is not None else "n/a"
+            print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
+                  f"mfu {mfu_text}  peak {record['peak_memory_gib']:.2f} GiB", flush=True)
+
+
+def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainArgs) -> list[float]:
+    """Train `plan` for args.steps steps under torchrun; returns the per-step losses (every rank).
+
+    Bad input (plan/world mismatch, module paths the model lacks, CP without SDPA, EP
+    without MoE) is reported on rank 0 before any collective, and every rank exits with
+    status 2.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
+        check_world_size(plan)
+        meta = build_meta(build_model)
+        validate_plan(meta, plan)  # before the process group: nothing can hang
+        if plan.precision == "fp8" and rank == 0:
+            print("autoplan: fp8 runs as bf16 in autoplan.runtime (no fp8 matmuls yet)", flush=True)
+        owns_group = not dist.is_initialized()
+        init_distributed()
+        losses = Trainer(build_model, plan, args, meta=meta).run()
+        if owns_group:  # leave together: no rank tears down while a peer still talks
+            dist.barrier()
+            dist.destroy_process_group()
+        return losses
+    except (UserError, PlanFormatError) as exc:
+        if rank == 0:
+            print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -1,0 +1,145 @@
+"""Apply a Plan to a model, in one fixed order:
+
+  1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules.
+  2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage.
+  3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
+                  experts sharded over the ep axis.
+  4. recompute  - checkpoint wrappers per block (after TP so the wrapped code is the TP code).
+  5. DP         - FSDP2 (ZeRO-2/3, HSDP) or DDP (ZeRO-0/1) last, on the parallelised blocks,
+                  as FSDP2 + DTensor composition requires.
+Every check that could fail runs on the meta model before any collective (`validate_plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from autoplan.errors import UserError
+from autoplan.plan import Plan
+from autoplan.runtime import data_parallel as dp_mod
+from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
+from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
+from autoplan.runtime.mesh import ParallelMesh
+from autoplan.runtime.pipeline import split_stages, stage_indices
+from autoplan.runtime.precision import compute_dtype
+from autoplan.runtime.recompute import apply_recompute
+from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+@dataclass
+class Parallelized:
+    """This rank's share of the model after apply_plan."""
+
+    parts: list[nn.Module]  # one per pipeline stage held (one without PP)
+    stage_ids: list[int]
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    tp_token_local: list[nn.Module] = field(default_factory=list)  # MoE run on SP shards
+    manual_grad_sync: bool = False  # ZeRO-0 with DTensor params: all-reduce after backward
+    fsdp: bool = False
+    ddp: bool = False
+
+
+def validate_plan(model: nn.Module, plan: Plan) -> None:
+    """Raise UserError naming every module path of the plan the model lacks (meta-safe)."""
+    names = {name for name, _ in model.named_modules()}
+    buffers = {name for name, _ in model.named_buffers()}
+    wanted = {"stages": [p for stage in plan.stages for p in stage],
+              "tp_styles": list(plan.tp_styles), "cp_modules": list(plan.cp_modules),
+              "ep_modules": list(plan.ep_modules), "recompute": list(plan.recompute)}
+    missing = [f"{key}: {path}" for key, paths in wanted.items() for path in paths
+               if path not in names]
+    missing += [f"cp_buffers: {path}" for path in plan.cp_buffers if path not in buffers]
+    if missing:
+        raise UserError("the plan names module paths this model does not have ("
+                        + "; ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+                        + "). Was the plan made for another model? Re-run `autoplan plan` "
+                        "for this model.")
+    bad_styles = sorted({s for s in plan.tp_styles.values() if s not in TP_STYLES})
+    if bad_styles:
+        raise UserError(f"unknown TP styles {bad_styles}; known: {', '.join(TP_STYLES)}.")
+    if plan.schedule not in SCHEDULES:
+        raise UserError(f"unknown pipeline schedule {plan.schedule!r}; use one of {SCHEDULES}.")
+    if plan.pp > 1 and len(plan.stages) != plan.pp * plan.vpp:
+        raise UserError(f"pp={plan.pp}, vpp={plan.vpp} needs {plan.pp * plan.vpp} stage lists "
+                        f"in plan.stages, found {len(plan.stages)}.")
+    if plan.cp_modules:  # checked whenever listed, so a 1-rank dry run catches it too
+        modules = dict(model.named_modules())
+        for path in plan.cp_modules:
+            check_cp_module(modules[path], path)
+    if plan.cp > 1:
+        if not plan.cp_modules:
+            raise UserError(f"cp={plan.cp} but plan.cp_modules is empty: context parallelism "
+                            "needs the attention modules that call F.scaled_dot_product_attention.")
+    if plan.ep > 1:
+        check_ep_modules(model, plan.ep_modules, plan.ep)
+        if (plan.dp_shard * plan.cp) % plan.ep:
+            raise UserError(f"ep={plan.ep} must divide dp_shard*cp = {plan.dp_shard * plan.cp}.")
+    if plan.zero_stage == 1 and plan.tp > 1:
+        raise UserError("ZeRO-1 with tensor parallelism is not supported by autoplan.runtime; "
+                        "use zero_stage 2 or 3 (FSDP2) with TP.")
+    if plan.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"zero_stage {plan.zero_stage} must be 0, 1, 2 or 3.")
+
+
+def _blocks(plan: Plan) -> list[str]:
+    if plan.stages:
+        return [p for stage in plan.stages for p in stage]
+    return [p for p, _ in plan.recompute.items()]
+
+
+def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> Parallelized:
+    """Parallelise a materialised, initialised model in place for this rank."""
+    # 1. Pipeline split: keep only this rank's (virtual) stages.
+    if plan.pp > 1:
+        ids = stage_indices(mesh.pp_rank, plan.pp, plan.vpp, plan.schedule)
+        all_parts = split_stages(model, plan.stages)
+        parts: list[nn.Module] = [all_parts[i] for i in ids]
+    else:
+        ids, parts = [0], [model]
+    result = Parallelized(parts=parts, stage_ids=ids)
+    for part in parts:
+        # 2. Tensor (+ sequence) parallelism.
+        if plan.tp > 1:
+            result.tp_token_local += apply_tensor_parallel(part, plan.tp_styles, mesh.axis("tp"),
+                                                           plan.sequence_parallel)
+        # 3. Context and expert parallelism.
+        if plan.cp > 1:
+            apply_context_parallel(part, plan.cp_modules, plan.cp_buffers, mesh.group("cp"),
+                                   plan.seq_len)
+        if plan.ep > 1:
+            result.expert_params += apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)
+        # 4. Activation recomputation.
+        apply_recompute(part, plan.recompute)
+    # 5. Data parallelism (also over cp: CP ranks average gradients like DP ranks).
+    ignored = set(result.expert_params)
+    dp_cp = plan.dp * plan.cp
+    device_is_cpu = mesh.world.device_type == "cpu"
+    for index, part in enumerate(parts):
+        if plan.zero_stage >= 2:
+            parts[index] = dp_mod.apply_fsdp(
+                part, _blocks(plan), mesh, reshard=plan.zero_stage == 3,
+                param_dtype=compute_dtype(plan.precision),
+                offload_params=plan.offload in ("params", "both") and not device_is_cpu,
+                ignored=ignored)
+            result.fsdp = True
+        elif dp_cp > 1 and (plan.pp > 1 or (dp_mod.has_dtensor_params(part)
+                                            and not _only(part, ignored))):
+            # DDP cannot wrap DTensor (TP) modules, and its bucket rebuild breaks when a
+            # pipeline schedule runs several forwards before the first backward.
+            result.manual_grad_sync = True
+        elif dp_cp > 1:
+            parts[index] = dp_mod.apply_ddp(part, mesh, ignored)
+            result.ddp = True
+    return result
+
+
+def _only(part: nn.Module, ignored: set[nn.Parameter]) -> bool:
+    """True when the only DTensor parameters are the (separately synced) experts."""
+    ids = {id(p) for p in ignored}
+    from torch.distributed.tensor import DTensor
+
+    return all(id(p) in ids for p in part.parameters() if isinstance(p, DTensor))

@@ -1,0 +1,133 @@
+"""Pipeline parallelism: split any model at the plan's block boundaries with torch.fx.
+
+Why fx and not `torch.distributed.pipelining.pipeline()`: symbolic_trace with the blocks as
+leaf modules is fast on meta, keeps the original parameter names (so checkpoints reshard
+between plans with and without PP), keeps each block an ordinary module (so TP styles,
+recompute wrappers and FSDP apply to it unchanged), and needs no example inputs. Values
+that cross a cut (the hidden state, RoPE tables, masks) become stage outputs/inputs and are
+passed through intermediate stages. Stages are driven by the torch.distributed.pipelining
+schedules.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+                                          ScheduleZBVZeroBubble)
+
+from autoplan.errors import UserError
+
+
+class _BlockTracer(fx.Tracer):
+    def __init__(self, blocks: set[str]) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.proxy_buffer_attributes = True  # RoPE tables sliced by a traced length
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return qualified_name in self.blocks or super().is_leaf_module(module, qualified_name)
+
+
+def _node_stages(graph: fx.Graph, block_stage: dict[str, int], last: int) -> dict[fx.Node, int]:
+    """Blocks go to their stage; other nodes to the latest stage among their inputs (so the
+    embedding lands on stage 0 and the final norm/head on the last); attribute reads and
+    constants to their first consumer."""
+    stage: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            stage[node] = 0
+        elif node.op == "output":
+            stage[node] = last
+        elif node.op == "call_module" and node.target in block_stage:
+            own = block_stage[node.target]
+            before = [stage[a] for a in node.all_input_nodes if a.op != "get_attr"]
+            if before and max(before) > own:
+                raise UserError(f"pipeline stages are out of order: block {node.target} "
+                                f"(stage {own}) runs after a block of stage {max(before)}; "
+                                "list the plan's stages in execution order.")
+            stage[node] = own
+        elif node.op != "get_attr":
+            inputs = [stage[a] for a in node.all_input_nodes if a.op != "get_attr"]
+            stage[node] = max(inputs) if inputs else -1  # -1: decided by its consumers
+    for node in reversed(graph.nodes):
+        if stage.get(node, -1) == -1:
+            users = [stage[u] for u in node.users if stage.get(u, -1) >= 0]
+            stage[node] = min(users) if users else 0
+    return stage
+
+
+def split_stages(model: nn.Module, stages: list[list[str]]) -> list[fx.GraphModule]:
+    """One GraphModule per (virtual) stage; each holds only its own parameters."""
+    block_stage = {path: i for i, paths in enumerate(stages) for path in paths}
+    graph = _BlockTracer(set(block_stage)).trace(model)
+    stage = _node_stages(graph, block_stage, len(stages) - 1)
+    nodes = list(graph.nodes)
+    parts = []
+    for k in range(len(stages)):
+        mine = [n for n in nodes if stage[n] == k and n.op not in ("placeholder", "output")]
+        if k == 0:
+            inputs = [n for n in nodes if n.op == "placeholder"]
+        else:
+            inputs = _live_across(nodes, stage, k - 1)
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for value in inputs:
+            env[value] = sub.placeholder(value.name)
+        for node in mine:
+            env[node] = sub.node_copy(node, lambda a: env[a])
+        if k == len(stages) - 1:
+            out = next(n for n in nodes if n.op == "output")
+            sub.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
+        else:
+            live = [env[v] for v in _live_across(nodes, stage, k)]
+            sub.output(live[0] if len(live) == 1 else tuple(live))
+        parts.append(fx.GraphModule(model, sub, class_name=f"Stage{k}"))
+    _check_disjoint(parts)
+    return parts
+
+
+def _live_across(nodes: list[fx.Node], stage: dict[fx.Node, int], cut: int) -> list[fx.Node]:
+    """Values made at stage <= cut and read at a stage > cut, in graph order."""
+    return [n for n in nodes if n.op != "output" and stage[n] <= cut
+            and any(stage[u] > cut for u in n.users)]
+
+
+def _check_disjoint(parts: list[fx.GraphModule]) -> None:
+    owner: dict[int, int] = {}
+    for k, part in enumerate(parts):
+        for name, param in part.named_parameters():
+            if owner.setdefault(id(param), k) != k:
+                raise UserError(f"parameter {name} is used by pipeline stages {owner[id(param)]} "
+                                f"and {k} (tied weights); untie it or keep both users on one stage.")
+
+
+def stage_indices(rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
+    """Stages held by pipeline rank `rank`: loop placement, or V placement for ZB-V."""
+    if schedule == "zero-bubble" and vpp == 2:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(vpp)]
+
+
+def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches: int,
+                   loss_fn: Callable, vpp: int):
+    """The torch.distributed.pipelining schedule for the plan's name."""
+    if schedule == "zero-bubble":
+        cls = ScheduleZBVZeroBubble if vpp == 2 else ScheduleInterleavedZeroBubble
+        return cls(stages, num_microbatches, loss_fn=loss_fn)
+    if vpp > 1 or schedule == "interleaved-1f1b":
+        cls = ScheduleLoopedBFS if schedule == "gpipe" else ScheduleInterleaved1F1B
+        return cls(stages, num_microbatches, loss_fn=loss_fn)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], num_microbatches, loss_fn=loss_fn)
+
+
+def make_stages(parts: list[nn.Module], indices: list[int], num_stages: int,
+                device: torch.device, group) -> list[PipelineStage]:
+    return [PipelineStage(part, index, num_stages, device, group=group)
+            for part, index in zip(parts, indices)]

@@ -1,0 +1,95 @@
+"""Tensor + sequence parallelism from the plan's style table (module path -> style).
+
+Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, or with
+sequence parallelism one reduce-scatter + all-gather, per pair). Between blocks the residual
+stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
+The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
+logits are never gathered.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
+             "vocab_head")
+
+
+class GatherFirstInput(ParallelStyle):
+    """All-gather the first positional input (a sequence-sharded activation) along the
+    sequence dim; other inputs (RoPE tables, masks) pass untouched. Works whatever the
+    module's arity, unlike PrepareModuleInput which needs one layout per input."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module, args):
+            first = args[0]
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
+            first = first.redistribute(device_mesh, [Replicate()]).to_local()
+            return (first, *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+def _local_first_input(_module, args):
+    """A sequence-sharded DTensor from a SequenceParallel norm -> this rank's plain shard."""
+    first = args[0]
+    return (first.to_local() if isinstance(first, DTensor) else first, *args[1:])
+
+
+def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
+    """The DTensor ParallelStyle of one plan style; None where SP is off and nothing is needed."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=seq)
+    if name == "sequence_parallel":
+        return SequenceParallel() if sequence_parallel else None
+    if name == "prepare_input":
+        return GatherFirstInput() if sequence_parallel else None
+    if name == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if name == "vocab_head":
+        return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    raise ValueError(f"unknown TP style {name!r}")
+
+
+def apply_tensor_parallel(model: nn.Module, styles: dict[str, str], tp_mesh: DeviceMesh,
+                          sequence_parallel: bool) -> list[nn.Module]:
+    """parallelize_module with every style of the plan that exists in this (stage) module.
+
+    MoE layers marked "prepare_input" are token-wise, so with SP they simply run on this
+    rank's sequence shard (no gather, no re-shard; EP all-to-all works per tp rank). Their
+    weights stay plain replicas whose gradients cover only the local tokens: the returned
+    modules need their gradients summed over the tp group after backward."""
+    from autoplan.models.moe import MoE
+
+    modules = dict(model.named_modules())
+    plan, token_local = {}, []
+    for path, name in styles.items():
+        if path not in modules:
+            continue  # on another pipeline stage
+        if name == "prepare_input" and isinstance(modules[path], MoE):
+            if sequence_parallel:
+                modules[path].register_forward_pre_hook(_local_first_input)
+                token_local.append(modules[path])
+            continue
+        style = style_for(name, sequence_parallel)
+        if style is not None:
+            plan[path] = style
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    return token_local
+
+
+def uses_loss_parallel(styles: dict[str, str]) -> bool:
+    return "vocab_head" in styles.values()
+
+
+

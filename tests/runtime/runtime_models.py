@@ -1,0 +1,204 @@
+"""Tiny models, plans and an independent single-process reference loop for the runtime tests.
+
+The reference is written from scratch (plain model, full-batch loss, torch's own
+clip_grad_norm_ and AdamW), sharing no code with autoplan.runtime, so a parity test fails
+when the runtime's data order, loss averaging, clipping or LR schedule drift.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoplan.models import build_model
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+              "vocab_size": 256, "max_position_embeddings": 256}
+TINY_MIXTRAL = dict(TINY_LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+SEQ_LEN, GLOBAL_BATCH, STEPS, SEED = 32, 8, 5, 1234
+OPTIMIZER = {"name": "adamw", "lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
+             "warmup_steps": 2, "max_steps": 5, "grad_clip": 1.0}
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-like user model: no init_weights, learned positions, SDPA, ModuleList blocks."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 4, heads: int = 4,
+                 max_len: int = 256, manual_attention: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        block = ManualAttentionBlock if manual_attention else GPTBlock
+        self.blocks = nn.ModuleList(block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+
+
+class ManualAttentionBlock(GPTBlock):
+    """Attention written out with softmax (no SDPA): context parallelism must refuse it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+
+
+def builder(kind: str):
+    if kind == "llama":
+        return lambda: build_model(TINY_LLAMA)
+    if kind == "mixtral":
+        return lambda: build_model(TINY_MIXTRAL)
+    if kind == "gpt":
+        return lambda: TinyGPT()
+    if kind == "manualgpt":
+        return lambda: TinyGPT(manual_attention=True)
+    raise ValueError(kind)
+
+
+def llama_tp_styles(layers: int = 4, moe: bool = False) -> dict[str, str]:
+    styles = {"embed_tokens": "vocab_embedding", "norm": "sequence_parallel",
+              "lm_head": "vocab_head"}
+    for i in range(layers):
+        p = f"layers.{i}"
+        styles.update({f"{p}.input_layernorm": "sequence_parallel",
+                       f"{p}.self_attn": "prepare_input",
+                       f"{p}.self_attn.q_proj": "colwise", f"{p}.self_attn.k_proj": "colwise",
+                       f"{p}.self_attn.v_proj": "colwise", f"{p}.self_attn.o_proj": "rowwise",
+                       f"{p}.post_attention_layernorm": "sequence_parallel",
+                       f"{p}.mlp": "prepare_input"})
+        if not moe:
+            styles.update({f"{p}.mlp.gate_proj": "colwise", f"{p}.mlp.up_proj": "colwise",
+                           f"{p}.mlp.down_proj": "rowwise"})
+    return styles
+
+
+def plan_dict(kind: str = "llama", **over) -> dict:
+    """A plan for the tiny models; stages split the 4 blocks evenly over pp*vpp."""
+    world = over.get("dp", 1) * over.get("tp", 1) * over.get("pp", 1) * over.get("cp", 1)
+    block = "blocks" if kind.endswith("gpt") else "layers"
+    paths = [f"{block}.{i}" for i in range(4)]
+    stages_n = over.get("pp", 1) * over.get("vpp", 1)
+    plan = {"model": {"source": "catalog", "name": f"tiny-{kind}"}, "gpu": "cpu",
+            "world_size": world, "gpus_per_node": world, "global_batch": GLOBAL_BATCH,
+            "seq_len": SEQ_LEN, "precision": "fp32", "zero_stage": 0, "micro_batch": 1,
+            "schedule": "1f1b", "optimizer": dict(OPTIMIZER), "format_version": 1,
+            "stages": ([paths[i * 4 // stages_n:(i + 1) * 4 // stages_n] for i in range(stages_n)]
+                       if stages_n > 1 else [])}
+    if over.get("tp", 1) > 1 and kind != "gpt":
+        plan["tp_styles"] = llama_tp_styles(moe=kind == "mixtral")
+    if over.get("cp", 1) > 1:
+        plan["cp_modules"] = [f"layers.{i}.self_attn" for i in range(4)]
+        plan["cp_buffers"] = {"rope_cos": 0, "rope_sin": 0}
+    if over.get("ep", 1) > 1:
+        plan["ep_modules"] = [f"layers.{i}.mlp" for i in range(4)]
+    plan.update(over)
+    return plan
+
+
+def _lr(step: int) -> float:
+    peak, warmup, max_steps = OPTIMIZER["lr"], OPTIMIZER["warmup_steps"], OPTIMIZER["max_steps"]
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return 0.1 * peak + 0.9 * peak * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def reference_losses(kind: str, steps: int = STEPS, seed: int = SEED) -> list[float]:
+    return reference_run(kind, steps, seed)[0]
+
+
+def write_token_file(path, num_tokens: int = 20_000, vocab: int = 256) -> None:
+    """A learnable uint16 token stream: runs of an affine sequence t -> (5t + 3) mod vocab."""
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.empty(num_tokens, dtype=torch.int64)
+    tokens[0] = 0
+    for start in range(0, num_tokens, 64):  # a random restart every 64 tokens
+        value = int(torch.randint(0, vocab, (1,), generator=gen))
+        for i in range(start, min(start + 64, num_tokens)):
+            tokens[i] = value
+            value = (5 * value + 3) % vocab
+    path.write_bytes(b"".join(int(t).to_bytes(2, "little") for t in tokens.tolist()))
+
+
+def _file_batch(path, step: int, seed: int) -> torch.Tensor:
+    """Rows at offsets drawn from (seed, step), read with plain Python (not the runtime's mmap)."""
+    data = path.read_bytes()
+    tokens = torch.tensor([int.from_bytes(data[i:i + 2], "little") for i in range(0, len(data), 2)])
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - SEQ_LEN - 1, (GLOBAL_BATCH,), generator=gen)
+    return torch.stack([tokens[s:s + SEQ_LEN + 1] for s in starts.tolist()])
+
+
+def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
+                  data_path=None) -> tuple[list[float], list[float]]:
+    """Single-process fp32 training on the full global batch: (losses, pre-clip grad norms).
+
+    Grad norms are compared too because AdamW and clipping are nearly invariant to a
+    gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses."""
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        model = TinyGPT()
+    else:
+        with torch.device("meta"):
+            model = builder(kind)()
+        model.to_empty(device="cpu")
+        model.init_weights()
+    vocab = 256
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIMIZER["weight_decay"]},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=OPTIMIZER["lr"], betas=tuple(OPTIMIZER["betas"]))
+    losses, norms = [], []
+    for step in range(steps):
+        if data_path is not None:
+            batch = _file_batch(data_path, step, seed)
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+            batch = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ_LEN + 1), generator=gen)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER["grad_clip"])))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms

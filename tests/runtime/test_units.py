@@ -1,0 +1,122 @@
+"""Fast in-process checks of the runtime's pure parts (no process group needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autoplan.runtime import lr_at, parse_args
+from autoplan.runtime.checkpoint import latest_checkpoint
+from autoplan.runtime.data import TokenFile, local_microbatches, zigzag_positions
+from autoplan.runtime.pipeline import split_stages, stage_indices
+from runtime_models import builder
+
+
+def test_import_pulls_no_planner_dependencies():
+    code = ("import sys, autoplan.runtime; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('ortools','jinja2','networkx','click','rich') or m.startswith(('autoplan.cost',"
+            "'autoplan.solve','autoplan.trace','autoplan.analyze','autoplan.cli'))]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_zigzag_positions_partition_and_balance(cp):
+    seq = 32
+    parts = [zigzag_positions(seq, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    # causal work of a query at position p is p+1 keys: equal on every rank
+    work = {int((p + 1).sum()) for p in parts}
+    assert len(work) == 1
+
+
+def test_lr_warmup_then_cosine_to_ten_percent():
+    cfg = {"lr": 1.0, "warmup_steps": 4, "max_steps": 14}
+    assert lr_at(0, cfg) == pytest.approx(0.25)
+    assert lr_at(3, cfg) == pytest.approx(1.0)
+    assert lr_at(9, cfg) == pytest.approx(0.55)  # half-way through the cosine: (1 + 0.1) / 2
+    assert lr_at(14, cfg) == pytest.approx(0.1)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("dtype,vocab", [("uint16", 1000), ("uint32", 100_000)])
+def test_token_file_rows_are_file_slices(tmp_path, dtype, vocab):
+    tokens = torch.arange(5000, dtype=torch.int64) % vocab
+    path = tmp_path / "tokens.bin"
+    width = 2 if dtype == "uint16" else 4
+    path.write_bytes(b"".join(int(t).to_bytes(width, "little") for t in tokens.tolist()))
+    source = TokenFile(str(path), vocab, seed=3)
+    batch = source.global_batch(7, rows=4, seq_len=16)
+    assert batch.shape == (4, 17) and batch.dtype == torch.int64
+    for row in batch:
+        start = int(row[0])
+        assert row.tolist() == tokens[start: start + 17].tolist()
+    again = TokenFile(str(path), vocab, seed=3).global_batch(7, rows=4, seq_len=16)
+    assert torch.equal(batch, again)
+
+
+def test_microbatches_cover_the_global_batch_once():
+    batch = torch.arange(8 * 9).reshape(8, 9)
+    seen = []
+    for dp_rank in range(2):
+        for inputs, labels in local_microbatches(batch, dp_rank=dp_rank, num_microbatches=2,
+                                                 micro_batch=2, positions=None):
+            assert torch.equal(inputs[:, 1:], labels[:, :-1])
+            seen += inputs[:, 0].tolist()
+    assert sorted(seen) == batch[:, 0].tolist()
+
+
+@pytest.mark.parametrize("kind,prefix", [("llama", "layers"), ("gpt", "blocks")])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_split_stages_chain_equals_full_model(kind, prefix, num_stages):
+    torch.manual_seed(0)
+    if kind == "gpt":
+        model = builder(kind)()
+    else:
+        model = builder(kind)()
+        model.init_weights()
+    stages = [[f"{prefix}.{i}" for i in range(4)][s * 4 // num_stages:(s + 1) * 4 // num_stages]
+              for s in range(num_stages)]
+    parts = split_stages(model, stages)
+    tokens = torch.randint(0, 256, (2, 16))
+    values = (tokens,)
+    for part in parts:
+        out = part(*values)
+        values = out if isinstance(out, tuple) else (out,)
+    assert torch.equal(values[0], model(tokens))
+    names = [n for part in parts for n, _ in part.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_stage_placement_loop_and_v():
+    assert stage_indices(1, 4, 2, "interleaved-1f1b") == [1, 5]
+    assert stage_indices(1, 4, 2, "zero-bubble") == [1, 6]
+
+
+def test_latest_checkpoint_skips_incomplete(tmp_path):
+    for name, complete in [("step_000003", True), ("step_000006", True),
+                           ("step_000009", False), ("step_000012.tmp", True)]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(b"x")
+        if complete:
+            (folder / "trainer.json").write_text(json.dumps({"step": 1}))
+    assert latest_checkpoint(tmp_path).name == "step_000006"
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_parse_args_defaults_and_flags():
+    args = parse_args([])
+    assert (args.steps, args.seed, args.data, args.resume) == (10, 0, "synthetic", False)
+    assert args.checkpoint_path == "./runs/latest/checkpoints"
+    args = parse_args(["--steps", "3", "--data", "x.bin", "--data-dtype", "uint32", "--resume",
+                       "--run-dir", "r", "--checkpoint-every", "2", "--log-every", "5"])
+    assert (args.steps, args.data, args.data_dtype, args.resume, args.checkpoint_path,
+            args.checkpoint_every, args.log_every) == (3, "x.bin", "uint32", True,
+                                                       "r/checkpoints", 2, 5)
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "-1"])
