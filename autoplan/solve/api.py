@@ -60,7 +60,8 @@ def load_graph(model_spec: str, seq_len: int | None) -> tuple[ModelGraph, ModelR
 
 def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, seq_len: int,
              fixed: dict | None = None, precision: str = "bf16", objective: str = "time",
-             top: int = 3, progress: Callable[[int, int], None] | None = None) -> PlanJob:
+             top: int = 3, progress: Callable[[int, int], None] | None = None,
+             time_limit_s: float = 60.0) -> PlanJob:
     """Search the plan space of `graph` on `cluster`; the best as a Plan plus the ranked result."""
     from autoplan.solve.plan_build import to_plan
 
@@ -72,7 +73,7 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
                       else (fixed["precision"],),
                       fixed=dict(fixed or {}), objective=objective)
     check_fixed(graph, request)
-    result = search(graph, cluster, request, top=top, progress=progress)
+    result = search(graph, cluster, request, top=top, progress=progress, time_limit_s=time_limit_s)
     if result.configurations_considered == 0:
         raise UserError(
             f"no configuration of {cluster.num_gpus} GPUs can split a global batch of {global_batch} "

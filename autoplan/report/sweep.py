@@ -1,0 +1,267 @@
+"""Plan one training job on every (GPU type, count) and price each plan for a whole run.
+
+The model is traced once by the caller (`solve.api.load_graph`); every cluster reuses that
+graph. A cluster where nothing fits, or where the global batch does not split, is a row with
+its reason, not an error. Time to train is the goodput wall time (checkpoints, interruptions,
+restarts: `goodput.py`) of ceil(tokens / (global batch x seq len)) steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from autoplan.errors import UserError
+from autoplan.report.goodput import Goodput, GoodputAssumptions, checkpoint_bytes, goodput
+
+if TYPE_CHECKING:  # accuracy stays importable as a script (python -m autoplan.report.accuracy)
+    from autoplan.report.accuracy import ErrorBand
+
+GIB = 2**30
+HOUR_S = 3600.0
+DAY_S = 86400.0
+SEARCH_DEFAULT_LIMIT_S = 60.0  # solve.search.search's default time_limit_s
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_tokens(text: str) -> int:
+    """'2T', '300B', '1.5e12', '500M', '2,000,000' -> tokens; UserError if not a positive number."""
+    match = re.fullmatch(r"\s*([0-9][0-9_,]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text), re.I)
+    value = float(match.group(1).replace(",", "").replace("_", "")) * _SUFFIX[match.group(2).lower()] \
+        if match else float("nan")
+    if not value >= 1 or math.isinf(value):
+        raise UserError(f"--tokens must be a positive number of training tokens, e.g. 2T, 300B, 1.5e12 "
+                        f"or 500M; got '{text}'.")
+    return int(round(value))
+
+
+def parse_counts(text: str) -> list[int]:
+    """'64,128,256' -> [64, 128, 256]; UserError unless every item is a positive integer."""
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items or not all(s.isdigit() and int(s) > 0 for s in items):
+        raise UserError(f"--gpus expects positive GPU counts separated by commas, e.g. --gpus 64,128,256; "
+                        f"got '{text}'.")
+    return sorted(set(int(s) for s in items))
+
+
+def parse_gpus(text: str) -> list:
+    """'h100,a100-sxm4-80gb' -> [GPU, ...] in the given order (UserError on an unknown name)."""
+    from autoplan.hardware import load_gpu
+
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not names:
+        raise UserError("--gpu expects GPU names separated by commas, e.g. --gpu h100,a100-sxm4-80gb "
+                        "(see `autoplan gpus`).")
+    gpus = {}
+    for name in names:
+        gpu = load_gpu(name)
+        gpus.setdefault(gpu.key, gpu)
+    return list(gpus.values())
+
+
+def gpu_prices(gpus: list, prices) -> dict[str, float]:
+    """{gpu key: USD per GPU-hour}; one UserError naming every GPU without a price and how to give it."""
+    missing = [g.key for g in gpus if not prices.has(g.key)]
+    if missing:
+        raise UserError(
+            f"No price for {', '.join(missing)} in price list '{prices.name}' (it has: "
+            f"{', '.join(sorted(prices.entries)) or 'none'}). Give each on the command line, e.g. "
+            + " ".join(f"--price {k}=USD_PER_GPU_HOUR" for k in missing) + ".")
+    return {g.key: prices.usd_per_gpu_hour(g.key) for g in gpus}
+
+
+def check_positive(name: str, value) -> None:
+    if value is None or not value > 0:
+        raise UserError(f"{name} must be positive, got {value}.")
+
+
+@dataclass
+class RunCost:
+    """A plan priced for a whole run: steps, goodput wall time, GPU-hours and cost with ranges."""
+
+    steps: int
+    goodput: Goodput
+    gpu_hours: float
+    cost_usd: float
+    time_range_s: tuple[float, float]
+    cost_range_usd: tuple[float, float]
+
+    @property
+    def time_s(self) -> float:
+        return self.goodput.wall_s
+
+
+def price_run(step_time_s: float, num_gpus: int, tokens: int, tokens_per_step: int, parameters: float,
+              precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
+              error: ErrorBand | None) -> RunCost:
+    """Steps to train `tokens`, the goodput wall time, GPU-hours, cost and their error ranges."""
+    from autoplan.cost import memory
+
+    steps = math.ceil(tokens / tokens_per_step)
+    size = checkpoint_bytes(parameters, memory.weight_bytes_per_param(precision),
+                            memory.optimizer_bytes_per_param(precision))
+    g = goodput(steps * step_time_s, step_time_s, num_gpus, size, assumptions)
+    gpu_hours = g.wall_s * num_gpus / HOUR_S
+    cost = gpu_hours * usd_per_gpu_hour
+    band = error.range if error else (lambda v: (v, v))
+    return RunCost(steps=steps, goodput=g, gpu_hours=gpu_hours, cost_usd=cost,
+                   time_range_s=band(g.wall_s), cost_range_usd=band(cost))
+
+
+@dataclass
+class Row:
+    """One (GPU type, count): its best plan priced, or why nothing fits."""
+
+    gpu: str
+    gpu_name: str
+    num_gpus: int
+    capacity_gib: float
+    usd_per_gpu_hour: float
+    reason: str = ""  # why nothing fits ("" when a plan fits)
+    plan: Any = None  # autoplan.plan.Plan
+    estimate: dict = field(default_factory=dict)
+    solver_status: str = ""
+    solver_wall_s: float = 0.0
+    run: RunCost | None = None
+    frontier: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_gpus} x {self.gpu}"
+
+    @property
+    def headroom_gib(self) -> float:
+        return self.capacity_gib - self.estimate["memory_gib_per_gpu"]
+
+
+@dataclass
+class Sweep:
+    model: str
+    tokens: int
+    seq_len: int
+    global_batch: int
+    precision: str
+    rows: list[Row]
+    assumptions: GoodputAssumptions
+    error: ErrorBand | None
+    price_list: str
+    budget_usd: float | None = None
+    deadline_days: float | None = None
+    wall_s: float = 0.0
+
+
+def _plan_job_kwargs(time_limit_s: float | None) -> dict:
+    """Pass a search time limit where plan_job takes one (requested of solve.api)."""
+    from autoplan.solve.api import plan_job
+
+    if time_limit_s is None:
+        return {}
+    if "time_limit_s" not in inspect.signature(plan_job).parameters:
+        raise UserError("--time-limit is not supported by this version's solver (solve.api.plan_job takes no "
+                        "time limit); leave it out.")
+    return {"time_limit_s": time_limit_s}
+
+
+def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int, tokens: int,
+             precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
+             error: ErrorBand | None, time_limit_s: float | None = None) -> Row:
+    """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`), priced."""
+    from autoplan.hardware import make_cluster
+    from autoplan.solve.api import plan_job
+
+    row = Row(gpu=gpu.key, gpu_name=gpu.name, num_gpus=num_gpus, capacity_gib=gpu.memory_bytes / GIB,
+              usd_per_gpu_hour=usd_per_gpu_hour)
+    try:
+        cluster = make_cluster(gpu, num_gpus)
+        # top=0: only the best is needed; the search then prunes against it alone
+        job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
+                       top=0, **_plan_job_kwargs(time_limit_s))
+    except UserError as exc:  # the batch does not split, a partial node, ...: this cluster only
+        row.reason = str(exc)
+        return row
+    row.solver_status, row.solver_wall_s = job.result.status, job.result.wall_s
+    if job.plan is None and job.result.wall_s >= 0.95 * (time_limit_s or SEARCH_DEFAULT_LIMIT_S):
+        row.reason = (f"no plan found within the search time limit ({job.result.wall_s:.0f} s, "
+                      f"{job.result.configurations_solved} of {job.result.configurations_considered} "
+                      "configurations solved); not proven not to fit: raise --time-limit")
+        return row
+    if job.plan is None:
+        row.reason = (f"no configuration fits in {row.capacity_gib:.1f} GiB per GPU "
+                      f"({job.result.configurations_considered} searched; any needs at least "
+                      f"{job.result.least_memory_gib:.1f} GiB)")
+        return row
+    row.plan, row.estimate = job.plan, job.result.best.estimate.to_dict()
+    row.run = price_run(row.estimate["step_time_s"], num_gpus, tokens, global_batch * seq_len,
+                        graph.parameters, job.plan.precision, usd_per_gpu_hour, assumptions, error)
+    return row
+
+
+def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global_batch: int, tokens: int,
+              prices: dict[str, float], precision: str = "bf16",
+              assumptions: GoodputAssumptions = GoodputAssumptions(), error: ErrorBand | None = None,
+              price_list: str = "default", budget_usd: float | None = None,
+              deadline_days: float | None = None, time_limit_s: float | None = None,
+              progress: Callable[[int, int, str], None] | None = None) -> Sweep:
+    """Every (GPU, count) planned on one traced graph; frontier marked. `progress(done, total, label)`."""
+    check_positive("--global-batch", global_batch)
+    check_positive("--tokens", tokens)
+    start = time.perf_counter()
+    rows, total = [], len(gpus) * len(counts)
+    for gpu in gpus:
+        for n in counts:
+            if progress:
+                progress(len(rows), total, f"{n} x {gpu.key}")
+            rows.append(plan_row(graph, ref, gpu, n, seq_len=seq_len, global_batch=global_batch,
+                                 tokens=tokens, precision=precision, usd_per_gpu_hour=prices[gpu.key],
+                                 assumptions=assumptions, error=error, time_limit_s=time_limit_s))
+    if progress:
+        progress(total, total, "done")
+    for row in pareto_frontier(rows):
+        row.frontier = True
+    return Sweep(model=ref.name, tokens=tokens, seq_len=seq_len, global_batch=global_batch,
+                 precision=precision, rows=rows, assumptions=assumptions, error=error,
+                 price_list=price_list, budget_usd=budget_usd, deadline_days=deadline_days,
+                 wall_s=time.perf_counter() - start)
+
+
+def pareto_frontier(rows: list[Row]) -> list[Row]:
+    """Rows no other row beats on both time to train and cost (ties kept once), by time."""
+    feasible = sorted((r for r in rows if r.fits and math.isfinite(r.run.time_s)),
+                      key=lambda r: (r.run.time_s, r.run.cost_usd))
+    frontier, best_cost = [], math.inf
+    for row in feasible:
+        if row.run.cost_usd < best_cost:
+            frontier.append(row)
+            best_cost = row.run.cost_usd
+    return frontier
+
+
+def recommendations(sweep: Sweep) -> dict[str, tuple[Row | None, str]]:
+    """{objective: (row or None, why)} for fastest, cheapest, under --budget, under --deadline."""
+    ok = [r for r in sweep.rows if r.fits and math.isfinite(r.run.time_s)]
+    out: dict[str, tuple[Row | None, str]] = {}
+    if not ok:
+        return {"fastest": (None, "no cluster in the sweep fits the model")}
+    out["fastest"] = (min(ok, key=lambda r: (r.run.time_s, r.run.cost_usd)), "shortest time to train")
+    out["cheapest"] = (min(ok, key=lambda r: (r.run.cost_usd, r.run.time_s)), "lowest total cost")
+    if sweep.budget_usd is not None:
+        within = [r for r in ok if r.run.cost_usd <= sweep.budget_usd]
+        out["fastest under budget"] = (
+            (min(within, key=lambda r: r.run.time_s), f"fastest costing at most ${sweep.budget_usd:,.0f}")
+            if within else (None, f"nothing costs ${sweep.budget_usd:,.0f} or less; the cheapest is "
+                                  f"${out['cheapest'][0].run.cost_usd:,.0f}"))
+    if sweep.deadline_days is not None:
+        within = [r for r in ok if r.run.time_s <= sweep.deadline_days * DAY_S]
+        out["cheapest under deadline"] = (
+            (min(within, key=lambda r: r.run.cost_usd), f"cheapest finishing within {sweep.deadline_days:g} days")
+            if within else (None, f"nothing finishes within {sweep.deadline_days:g} days; the fastest takes "
+                                  f"{out['fastest'][0].run.time_s / DAY_S:.1f} days"))
+    return out

@@ -1,0 +1,108 @@
+"""Sweep arithmetic, the Pareto frontier, recommendations and input parsing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autoplan.errors import UserError
+from autoplan.report import sweep as sw
+from tests.report.conftest import BATCH, PRICES, SEQ, TOKENS
+
+
+@pytest.mark.parametrize("text,tokens", [("2T", 2 * 10**12), ("300B", 3 * 10**11), ("1.5e12", 15 * 10**11),
+                                         ("500m", 5 * 10**8), ("2,000,000", 2 * 10**6), ("7k", 7000)])
+def test_parse_tokens(text, tokens):
+    assert sw.parse_tokens(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["0", "-5T", "abc", "", "2X", "0.0001"])
+def test_parse_tokens_rejects(text):
+    with pytest.raises(UserError, match="--tokens"):
+        sw.parse_tokens(text)
+
+
+def test_parse_counts():
+    assert sw.parse_counts("128, 64,64") == [64, 128]
+    for bad in ("0", "8,x", "", "-8"):
+        with pytest.raises(UserError, match="--gpus"):
+            sw.parse_counts(bad)
+
+
+def test_unknown_gpu():
+    with pytest.raises(UserError, match="Unknown GPU 'h1000'"):
+        sw.parse_gpus("h100,h1000")
+
+
+def test_missing_prices_named_with_fix():
+    from autoplan.hardware import load_gpu, load_prices
+
+    gpus = sw.parse_gpus("h100,v100-sxm2-32gb,l40s")  # the default list leaves v100 and l40s out
+    with pytest.raises(UserError) as info:
+        sw.gpu_prices(gpus, load_prices())
+    text = str(info.value)
+    assert "v100-sxm2-32gb" in text and "l40s" in text and "--price v100-sxm2-32gb=" in text
+    assert "h100" not in text.split("(it has")[0]  # only the missing ones are named as missing
+    prices = sw.gpu_prices(gpus, load_prices({"v100": 0.9, "l40s": 1.1}))
+    assert prices["v100-sxm2-32gb"] == 0.9 and gpus[0].key in prices
+
+
+def test_rows_priced_consistently(small_sweep):
+    rows = [r for r in small_sweep.rows if r.fits]
+    assert len(rows) == 4
+    for r in rows:
+        steps = math.ceil(TOKENS / (BATCH * SEQ))  # 1e11 / 131,072 tokens per step
+        assert r.run.steps == steps == 762940
+        assert r.run.goodput.training_s == pytest.approx(steps * r.estimate["step_time_s"])
+        assert r.run.time_s > r.run.goodput.training_s  # checkpoints and interruptions cost time
+        assert r.run.gpu_hours == pytest.approx(r.run.time_s * r.num_gpus / 3600)
+        assert r.run.cost_usd == pytest.approx(r.run.gpu_hours * PRICES[r.gpu])
+        assert r.run.time_range_s == pytest.approx((0.8 * r.run.time_s, 1.2 * r.run.time_s))  # the 20% test band
+        assert r.headroom_gib == pytest.approx(80.0 - r.estimate["memory_gib_per_gpu"], abs=0.5)
+
+
+def _row(gpu, n, time_s, cost):
+    from autoplan.report.goodput import Goodput
+
+    g = Goodput(training_s=time_s, checkpoint_bytes=0, checkpoint_write_s=0, job_mtbf_s=1e9, interval_s=1,
+                interval_steps=1, wall_s=time_s, expected_interruptions=0, checkpoints=0, lost_s_per_interruption=0)
+    run = sw.RunCost(steps=1, goodput=g, gpu_hours=0, cost_usd=cost, time_range_s=(time_s, time_s),
+                     cost_range_usd=(cost, cost))
+    return sw.Row(gpu=gpu, gpu_name=gpu, num_gpus=n, capacity_gib=80, usd_per_gpu_hour=1, plan=object(), run=run)
+
+
+def test_pareto_frontier_drops_dominated():
+    a, b, c, d = _row("x", 8, 10, 100), _row("x", 16, 6, 120), _row("y", 8, 8, 130), _row("y", 16, 6, 125)
+    front = sw.pareto_frontier([a, b, c, d])
+    assert front == [b, a]  # c is slower and dearer than b; d ties b on time but costs more
+
+
+def test_recommendations_under_budget_and_deadline(small_sweep):
+    import dataclasses
+
+    fast = min((r for r in small_sweep.rows if r.fits), key=lambda r: r.run.time_s)
+    cheap = min((r for r in small_sweep.rows if r.fits), key=lambda r: r.run.cost_usd)
+    recs = sw.recommendations(small_sweep)
+    assert recs["fastest"][0] is fast and recs["cheapest"][0] is cheap
+    tight = dataclasses.replace(small_sweep, budget_usd=cheap.run.cost_usd * 0.5,
+                                deadline_days=fast.run.time_s / 86400 / 2)
+    recs = sw.recommendations(tight)
+    assert recs["fastest under budget"][0] is None and "cheapest is" in recs["fastest under budget"][1]
+    assert recs["cheapest under deadline"][0] is None and "fastest takes" in recs["cheapest under deadline"][1]
+    loose = dataclasses.replace(small_sweep, budget_usd=cheap.run.cost_usd, deadline_days=fast.run.time_s / 86400)
+    recs = sw.recommendations(loose)
+    assert recs["fastest under budget"][0].run.cost_usd <= cheap.run.cost_usd
+    within = recs["cheapest under deadline"][0]
+    assert within.run.time_s <= fast.run.time_s and within.run.cost_usd <= fast.run.cost_usd
+
+
+def test_cluster_where_nothing_fits_is_a_row_not_an_error(graph8b):
+    from autoplan.hardware import load_gpu
+
+    # llama3.1-8b on one 40 GB A100: 16 B/param of model states alone is 119 GiB
+    graph, ref, seq = graph8b
+    row = sw.plan_row(graph, ref, load_gpu("a100-sxm4-40gb"), 1, seq_len=seq, global_batch=BATCH, tokens=TOKENS,
+                      precision="bf16", usd_per_gpu_hour=2.5, assumptions=sw.GoodputAssumptions(), error=None)
+    assert not row.fits and row.run is None
+    assert "no configuration fits in 40.0 GiB" in row.reason
