@@ -38,7 +38,8 @@ _GPU_NUMBERS = (
     "intra_node_bandwidth_gb_per_s", "intra_node_latency_us", "collective_base_latency_us",
     "nic_bandwidth_gb_per_s", "inter_node_latency_us",
 )
-_GPU_KEYS = frozenset(_GPU_NUMBERS + ("key", "name", "aliases", "intra_node_topology", "peak_tflops",
+_GPU_OPTIONAL_NUMBERS = ("host_link_gb_per_s",)
+_GPU_KEYS = frozenset(_GPU_NUMBERS + _GPU_OPTIONAL_NUMBERS + ("key", "name", "aliases", "intra_node_topology", "peak_tflops",
                                       "efficiency", "sources", "measured_at", "method"))
 _EFF_REQUIRED = (
     "matmul_gflop", "matmul_fraction_16bit", "matmul_min_dim", "matmul_min_dim_factor_16bit",
@@ -118,6 +119,8 @@ class GPU:
     """Achieved fractions of the peaks above."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Source of each number, keyed like the data file ('peak_tflops.bf16')."""
+    host_link_bytes_per_s: float | None = None
+    """Achieved host<->device copy bandwidth per GPU (PCIe / NVLink-C2C), bytes/s; None if not in the file."""
 
     @property
     def memory_gib(self) -> float:
@@ -532,6 +535,8 @@ def _gpu_from_table(table: Mapping[str, Any], where: str) -> GPU:
         efficiency=_efficiency_from_table(_require(table, "efficiency", dict, where), f"{where} [efficiency]",
                                           has_fp8="fp8" in peaks),
         sources=MappingProxyType(sources),
+        host_link_bytes_per_s=(_number(table, "host_link_gb_per_s", where) * GB
+                               if "host_link_gb_per_s" in table else None),
     )
 
 
@@ -696,6 +701,7 @@ def _gpu_to_table(gpu: GPU) -> dict[str, Any]:
         "inter_node_latency_us": c(gpu.inter_node_latency_s / US),
         "peak_tflops": {p: c(v / TFLOPS) for p, v in gpu.peak_flops_by_precision.items()},
         "efficiency": eff,
+        **({"host_link_gb_per_s": c(gpu.host_link_bytes_per_s / GB)} if gpu.host_link_bytes_per_s else {}),
         "sources": dict(gpu.sources),
     }
 

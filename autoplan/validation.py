@@ -143,9 +143,46 @@ def uses_flash_attention(run: dict[str, Any]) -> bool:
     return tuple(int(g) for g in match.groups()) >= FLASH_ATTENTION_ARXIV
 
 
+# Runtimes that can overlap TP collectives with GEMMs (Transformer Engine userbuffers, used by
+# Megatron-Core's --tp-comm-overlap and NeMo / Megatron-Bridge's tp_comm_overlap recipes).
+TP_OVERLAP_RUNTIMES = ("nemo", "megatron-bridge", "megatron-core", "mcore")
+
+
+def tp_comm_overlap_options(run: dict[str, Any]) -> list[bool]:
+    """TP/GEMM overlap: on where the run says --tp-comm-overlap; where it does not say and its
+    runtime has the feature, both are tried and the faster kept (an unstated setting); off for
+    other runtimes (Megatron-LM of 2021-22 papers, Megatron-DeepSpeed, FSDP). Only with TP > 1."""
+    if int(run["parallel"].get("tp") or 1) <= 1:
+        return [False]
+    text = json.dumps(run).lower()
+    if "tp-comm-overlap" in text or "tp_comm_overlap" in text:
+        return [True]
+    source = f"{run.get('source', '')} {run.get('source_locator', '')}".lower()
+    if any(name in source for name in TP_OVERLAP_RUNTIMES):
+        return [False, True]
+    return [False]
+
+
+# DeepSpeed ZeRO-3 as measured in 2021 (Narayanan et al. 2021 §5.2, Table 2): gathers at one
+# NIC per GPU, not overlapped. Identified by a ZeRO-3 run whose source is an arXiv paper from
+# before PyTorch FSDP / DeepSpeed's hierarchical, prefetched ZeRO-3 (2022).
+FLAT_ZERO3_BEFORE_ARXIV = (22, 1, 0)
+
+
+def zero3_flat_gather(run: dict[str, Any]) -> bool:
+    """True for a ZeRO-3 run reported by a paper older than FLAT_ZERO3_BEFORE_ARXIV."""
+    import re
+
+    if int(run["parallel"].get("zero_stage") or 0) < 3:
+        return False
+    text = f"{run.get('source', '')} {run.get('source_locator', '')}"
+    match = re.search(r"arXiv:(\d{2})(\d{2})\.(\d{4,5})", text)
+    return bool(match) and tuple(int(g) for g in match.groups()) < FLAT_ZERO3_BEFORE_ARXIV
+
+
 def validate_run(run: dict[str, Any]) -> RunResult:
     """Estimate one published run; the best value under the model for unstated settings."""
-    from autoplan.cost import estimate
+    from autoplan.cost import Runtime, estimate
 
     truth = run.get("truth", {})
     result = RunResult(id=str(run.get("id", "?")))
@@ -156,12 +193,16 @@ def validate_run(run: dict[str, Any]) -> RunResult:
         cluster = _cluster_for_run(run)
         candidates = candidate_configs(run)
         flash = uses_flash_attention(run)
+        overlaps = tp_comm_overlap_options(run)
+        flat = zero3_flat_gather(run)
         best = None
         for config, assumed in candidates:
-            est = estimate(graph, config, cluster, flash_attention=flash)
-            key = (est.feasible, est.tokens_per_s_per_gpu if est.feasible else -est.memory_gib_per_gpu)
-            if best is None or key > best[0]:
-                best = (key, est, assumed)
+            for overlap in overlaps:
+                runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat)
+                est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
+                key = (est.feasible, est.tokens_per_s_per_gpu if est.feasible else -est.memory_gib_per_gpu)
+                if best is None or key > best[0]:
+                    best = (key, est, {**assumed, **({"tp_comm_overlap": overlap} if len(overlaps) > 1 else {})})
     except (UserError, KeyError, ValueError) as exc:
         result.skipped = f"{type(exc).__name__}: {exc}"
         return result

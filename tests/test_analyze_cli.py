@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 
 from autoplan.sources import load_model
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from autoplan.cost import hw, memory
+from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime
 from autoplan.cost.stages import StageCost, num_virtual_stages, partition, stage_cost
 from autoplan.cost.step import StepTime, step_time_s
 from autoplan.errors import UserError
@@ -121,25 +122,28 @@ def check_config(graph: ModelGraph, config: ParallelConfig, cluster) -> None:
 
 
 def estimate(graph: ModelGraph, config: ParallelConfig, cluster, *,
-             flash_attention: bool = True) -> Estimate:
+             flash_attention: bool = True, runtime: Runtime = DEFAULT_RUNTIME) -> Estimate:
     """Predict one configuration: feasibility, step time, throughput, MFU, memory per rank.
 
     `flash_attention=False` models an unfused attention core (validation of runs that
-    predate FlashAttention); autoplan's own runtime uses fused SDPA.
+    predate FlashAttention); autoplan's own runtime uses fused SDPA. `runtime` describes how
+    another runtime schedules its collectives (layers.Runtime: TP/GEMM overlap, DeepSpeed-2021
+    style ZeRO-3 gathers); the default is autoplan's own runtime.
     """
     return estimate_partition(graph, config, cluster, partition(graph, config),
-                              flash_attention=flash_attention)
+                              flash_attention=flash_attention, runtime=runtime)
 
 
 def estimate_partition(graph: ModelGraph, config: ParallelConfig, cluster,
                        stages_layers: list[list[tuple[BlockInfo, str]]], *,
-                       flash_attention: bool = True) -> Estimate:
+                       flash_attention: bool = True, runtime: Runtime = DEFAULT_RUNTIME) -> Estimate:
     """`estimate` for an explicit partition: (block, recompute) of every virtual stage."""
     check_config(graph, config, cluster)
     if len(stages_layers) != num_virtual_stages(config):
         raise UserError(f"the partition has {len(stages_layers)} stages, the configuration "
                         f"{num_virtual_stages(config)} (pp x vpp)")
-    stages = [stage_cost(graph, config, cluster, i, layers, flash_attention=flash_attention)
+    stages = [stage_cost(graph, config, cluster, i, layers, flash_attention=flash_attention,
+                         runtime=runtime)
               for i, layers in enumerate(stages_layers)]
     step = step_time_s(stages, config, cluster, graph)
     return assemble(graph, config, cluster, stages, step)

@@ -3,6 +3,11 @@
 `layer_cost` is what a solver sums over the blocks it places on a stage; `stage_cost`
 (stages.py) and `step_time_s` (step.py) are built from it, and `estimate` from those, so a
 solver's total equals `estimate` for the same partition.
+
+`Runtime` says how the training runtime schedules its collectives where runtimes differ
+(TP/GEMM overlap, DeepSpeed-2021 ZeRO-3); the default is autoplan's own runtime. Host time
+(host.py: dropless MoE read-backs, the kernel-launch floor) and offload copies (offload.py)
+are part of a block's time.
 """
 
 from __future__ import annotations
@@ -12,11 +17,30 @@ from types import MappingProxyType
 from typing import Mapping
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, hw, memory
+from autoplan.cost import comm, compute, host, hw, memory, offload
 from autoplan.cost.profile import block_profile
 from autoplan.graph import BlockInfo, ModelGraph
 
-COMM_KINDS = ("tp", "cp", "ep", "zero3", "pp", "dp")
+COMM_KINDS = ("tp", "cp", "ep", "zero3", "pp", "dp", "offload")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the training runtime schedules communication, where runtimes differ.
+
+    tp_comm_overlap: TP collectives pipelined with their GEMMs (Megatron --tp-comm-overlap,
+    Transformer Engine userbuffers); autoplan's own runtime does not.
+    zero3_flat_gather: ZeRO-3 gathers and reduce-scatters run on demand at one NIC's rate per
+    GPU and are not hidden under compute, as DeepSpeed ZeRO-3 of 2021 measured by Narayanan et
+    al. 2021 §5.2 (Table 2: step time ~constant as GPUs double at a fixed batch); FSDP and
+    later runtimes prefetch over the hierarchical ring (zero3_comm_s).
+    """
+
+    tp_comm_overlap: bool = False
+    zero3_flat_gather: bool = False
+
+
+DEFAULT_RUNTIME = Runtime()
 
 
 @dataclass(frozen=True)
@@ -83,6 +107,17 @@ def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
     return count * one
 
 
+def tp_exposed_s(tp_comm_s: float, tp: int, gemm_s: float) -> float:
+    """Exposed TP communication with collective/GEMM overlap (Megatron --tp-comm-overlap,
+    Transformer Engine userbuffers; Wang et al. ASPLOS 2023, "Overlap communication with
+    dependent computation via decomposition"): each all-gather / reduce-scatter is split into
+    tp chunks pipelined with the GEMM that consumes or produces it, so one chunk in tp stays
+    exposed, and whatever the GEMMs are too short to hide."""
+    if tp <= 1:
+        return tp_comm_s
+    return min(tp_comm_s, max(0.0, tp_comm_s - gemm_s) + tp_comm_s / tp)
+
+
 def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
               groups: comm.Groups, attention_fwd_s: float) -> tuple[float, float]:
     """(total, exposed) ring K/V exchange per micro-batch (Liu et al. 2023 Ring Attention).
@@ -136,30 +171,54 @@ def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: com
     return total, exposed
 
 
+def zero3_flat_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
+                      groups: comm.Groups, recompute: str) -> float:
+    """ZeRO-3 per micro-batch when every gather streams the block through the GPU's own NIC
+    (one NIC per GPU, no hierarchical ring across the node's NICs) and is not overlapped
+    (Runtime.zero3_flat_gather): all-gather in forward, again in the recomputation forward
+    and in backward, reduce-scatter of the gradients in the 16-bit training dtype (DeepSpeed's
+    communication_data_type defaults to the model's fp16). A NIC streams at the measured
+    single-NIC rate (the all-to-all fraction, hardware.md B.3 [NCCLT-267])."""
+    if config.zero_stage < 3:
+        return 0.0
+    n = groups.dp.size
+    if groups.dp.nodes <= 1 or n <= 1:
+        return zero3_comm_s(params, config, fabric, groups, 0.0, 0.0)[1]
+    w = memory.weight_bytes_per_param(config.precision)
+    nic = fabric.nic_bytes_per_s * fabric.inter_alltoall_fraction
+    gathers = 3 if recompute == "full" else 2
+    return (params.dense + params.expert) * (gathers + 1) * w * (n - 1) / n / nic
+
+
 def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
-               recompute: str = "none", *, flash_attention: bool = True) -> LayerCost:
+               recompute: str = "none", *, flash_attention: bool = True,
+               runtime: Runtime = DEFAULT_RUNTIME) -> LayerCost:
     """Memoised on the graph: a block's cost does not depend on the schedule, the virtual
     stages or the partition, and the solver and `estimate` ask for the same ones often."""
     from dataclasses import replace
 
     key = ("layer_cost", block.name, replace(config, schedule="1f1b", vpp=1, stage_layers=None,
                                              layer_recompute=None, stage_recompute=None,
-                                             recompute="none"), id(cluster), recompute, flash_attention)
+                                             recompute="none"), id(cluster), recompute, flash_attention,
+           runtime)
     hit = graph.memo.get(key)
     if hit is None or hit[0] is not cluster:
-        hit = (cluster, _layer_cost(block, graph, config, cluster, recompute, flash_attention=flash_attention))
+        hit = (cluster, _layer_cost(block, graph, config, cluster, recompute, flash_attention=flash_attention,
+                                    runtime=runtime))
         graph.memo[key] = hit
     return hit[1]
 
 
 def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
-                recompute: str = "none", *, flash_attention: bool = True) -> LayerCost:
+                recompute: str = "none", *, flash_attention: bool = True,
+                runtime: Runtime = DEFAULT_RUNTIME) -> LayerCost:
     """Cost of one copy of `block` on one rank under `config` with `recompute`.
 
     Per micro-batch: forward, backward and recomputation seconds, exposed communication by
     kind; per rank: weight/gradient/optimizer bytes and activation bytes per micro-batch
     in flight. Pre/post segments take recompute "none". `flash_attention=False` costs an
     unfused attention core (time and s^2 activations), as runs before FlashAttention had.
+    `runtime` says which collectives the runtime overlaps and how (Runtime).
     """
     gpu = cluster.gpu
     fabric = hw.fabric(cluster)
@@ -173,6 +232,9 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                                   config.tp, gpu)
         times = replace(times, memory_fwd_s=times.memory_fwd_s + loss_fwd,
                         fwd_s=times.fwd_s + loss_fwd, bwd_s=times.bwd_s + loss_bwd)
+    # the host issues kernels no faster than HOST_S_PER_OP each: a floor under a short block
+    floor_fwd, floor_bwd = host.block_host_s(profile.kernels)
+    times = replace(times, fwd_s=max(times.fwd_s, floor_fwd), bwd_s=max(times.bwd_s, floor_bwd))
     rc = recompute if block.kind not in ("pre", "post") else "none"
     recompute_s = compute.recompute_time_s(times, rc)
     rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc)
@@ -183,7 +245,9 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
     tp = tp_comm_s(graph, block, config, fabric, groups, rc)
-    total["tp"] = exposed["tp"] = tp
+    total["tp"] = tp
+    exposed["tp"] = tp_exposed_s(tp, config.tp, times.gemm_fwd_s * (1 + compute.BACKWARD_GEMM_FACTOR)
+                                 + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
     cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s)
     total["cp"], exposed["cp"] = cp_total, cp_exposed
     ep = ep_comm_s(graph, block, config, fabric, groups, rc)
@@ -194,7 +258,21 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     exposed["ep"] = max(0.0, ep - times.fwd_s - times.bwd_s) if config.pp > 1 else ep
     z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, times.fwd_s + recompute_s,
                                       times.bwd_s)
+    if runtime.zero3_flat_gather:
+        z_total = z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc)
     total["zero3"], exposed["zero3"] = z_total, z_exposed
+    # hidden NCCL weight gathers / gradient reductions slow the compute they hide under (the
+    # measured case, comm.OVERLAP_COMPUTE_RATE). Not applied to TP overlap (Transformer Engine
+    # userbuffers copy with the copy engines, not SM/HBM-staged NCCL kernels: pytorch/pytorch
+    # PR #130583 on low-contention copy-engine collectives) nor to EP/CP exchanges (unmeasured).
+    exposed["zero3"] = comm.contended_exposed_s(total["zero3"], exposed["zero3"])
+    total["offload"], exposed["offload"] = param_offload_comm_s(params, config, gpu, times.fwd_s + recompute_s,
+                                                                times.bwd_s)
+    if block.experts and block.kind not in ("pre", "post"):
+        # dropless routing reads token counts back every MoE layer: host time is exposed (host.py)
+        h_fwd, h_bwd, h_rc = host.moe_host_s(block.experts / (config.ep or 1), rc)
+        times = replace(times, fwd_s=times.fwd_s + h_fwd, bwd_s=times.bwd_s + h_bwd)
+        recompute_s += h_rc
     dense_states = memory.model_state_bytes(params.dense, config.precision, config.zero_stage,
                                             config.dp_shard * config.cp, config.offload)
     # HSDP: states are sharded over dp_shard only, replicated over dp_replicate
@@ -215,6 +293,22 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
         zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
     )
+
+
+def param_offload_comm_s(params: memory.BlockParams, config: ParallelConfig, gpu,
+                         fwd_s: float, bwd_s: float) -> tuple[float, float]:
+    """(total, exposed) host<->device copies per micro-batch of a block whose weights are
+    offloaded (offload.param_offload_s); under ZeRO-3 each rank copies only its shard, then
+    all-gathers it (ZeRO-Infinity §5)."""
+    if config.offload not in ("params", "both"):
+        return 0.0, 0.0
+    held = params.dense + params.expert
+    if config.zero_stage >= 3:
+        expert_shard = max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
+                           // config.dp_replicate)
+        held = params.dense / (config.dp_shard * config.cp) + params.expert / expert_shard
+    return offload.param_offload_s(held, memory.weight_bytes_per_param(config.precision),
+                                   memory.weight_bytes_per_param(config.precision), fwd_s, bwd_s, gpu)
 
 
 def grad_accumulation_s(params: memory.BlockParams, config: ParallelConfig, gpu) -> float:

@@ -8,7 +8,7 @@ from typing import Mapping
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, compute, hw, memory, pipeline
-from autoplan.cost.layers import LayerCost, layer_cost
+from autoplan.cost.layers import DEFAULT_RUNTIME, LayerCost, Runtime, layer_cost
 from autoplan.graph import BlockInfo, ModelGraph
 
 
@@ -78,7 +78,8 @@ def partition(graph: ModelGraph, config: ParallelConfig) -> list[list[tuple[Bloc
 
 
 def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: int,
-               layers: list[tuple[BlockInfo, str]], *, flash_attention: bool = True) -> StageCost:
+               layers: list[tuple[BlockInfo, str]], *, flash_attention: bool = True,
+               runtime: Runtime = DEFAULT_RUNTIME) -> StageCost:
     """Cost of virtual stage `stage_index` running `layers` (block, recompute) on one rank.
 
     Stage 0 also runs the embedding (pre), the last virtual stage the head and loss (post).
@@ -91,7 +92,8 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
     costs: list[LayerCost] = []
     if stage_index == 0:
         costs.append(layer_cost(graph.pre, graph, config, cluster, "none"))
-    costs += [layer_cost(block, graph, config, cluster, mode, flash_attention=flash_attention)
+    costs += [layer_cost(block, graph, config, cluster, mode, flash_attention=flash_attention,
+                         runtime=runtime)
               for block, mode in layers]
     if stage_index == stages - 1:
         costs.append(layer_cost(graph.post, graph, config, cluster, "none"))

@@ -9,7 +9,9 @@
   hide, and at least the last bucket (one block), is exposed (PyTorch DDP, Li et al. 2020
   §3.2.3; Megatron --overlap-grad-reduce). ZeRO-3 syncs per micro-batch (layers.py).
 - Optimizer: Adam is memory-bound; it reads and writes the fp32 master weight, momentum
-  and variance (8 B each way), reads the 16-bit gradient and writes the 16-bit weight.
+  and variance (8 B each way), reads the 16-bit gradient and writes the 16-bit weight. With
+  optimizer offload it runs on the CPU after the gradients' copy to the host (offload.py).
+- Overlap is not free: the DP sync that backward hides still slows it (comm.contended_exposed_s).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, hw, memory, pipeline
+from autoplan.cost import comm, hw, memory, offload, pipeline
 from autoplan.cost.stages import StageCost
 from autoplan.graph import ModelGraph
 
@@ -78,13 +80,13 @@ def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> f
     share = expert / (dense + expert) if dense + expert else 0.0
     last_bucket = sync(largest * (1 - share), largest * share)
     window = sum(s.bwd_s for s in stages)
-    return max(total - window, last_bucket)
+    # what backward hides still slows it (comm.contended_exposed_s)
+    return comm.contended_exposed_s(total, max(total - window, last_bucket))
 
 
 def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> float:
-    """Adam step on one rank's (sharded) parameters, memory-bound."""
-    if config.offload in ("optimizer", "both"):
-        return 0.0
+    """Adam step on one rank's (sharded) parameters, memory-bound; with optimizer offload the
+    ZeRO-Offload step instead (gradients to host, CPU Adam, weights back: offload.py)."""
     dense = sum(s.dense_params for s in stages)
     expert = sum(s.expert_params for s in stages)
     if config.zero_stage >= 1:
@@ -92,6 +94,10 @@ def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) ->
         expert /= max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
                       // config.dp_replicate)
     per_param = ADAM_UPDATE_BYTES_FP32 if config.precision == "fp32" else ADAM_UPDATE_BYTES_MIXED
+    if config.offload in ("optimizer", "both"):
+        w = memory.weight_bytes_per_param(config.precision)
+        return offload.optimizer_offload_s(dense + expert, w, w, per_param,
+                                           sum(s.bwd_s for s in stages), cluster.gpu)
     return (dense + expert) * per_param / hw.hbm_bytes_per_s(cluster.gpu)
 
 

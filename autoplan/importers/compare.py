@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoplan.importers import ImportedConfig, load_imported, parse_compare_with
+from autoplan.importers import load_imported, parse_compare_with
 
 _ROWS = (("step time (s)", "step_time_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
          ("MFU", "mfu", "{:.1%}"), ("memory per GPU (GiB)", "memory_gib_per_gpu", "{:.1f}"))

@@ -7,7 +7,6 @@ these on training nodes, where the planner's dependencies are not installed.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch.nn as nn
 

@@ -10,7 +10,6 @@ with the rows of this rank's positions.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, TINY, free_port, generate, pattern_tokens, run_script
+from codegen_helpers import REPO, TINY, free_port, generate, pattern_tokens, run_script
 
 pytestmark = pytest.mark.slow
 

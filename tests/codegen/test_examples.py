@@ -14,7 +14,7 @@ import pytest
 
 from autoplan.codegen import examples_spec, regenerate_examples
 
-from conftest import REPO
+from codegen_helpers import REPO
 
 GENERATED = REPO / "generated"
 EXAMPLES = [example["dir"] for example in examples_spec()]
@@ -67,7 +67,7 @@ def test_committed_example_shellcheck(name, shellcheck):
 
 def test_multi_node_launch_needs_a_rendezvous(tmp_path):
     # 64 GPUs = 8 nodes: without RDZV_ENDPOINT the script says what to set instead of hanging
-    from conftest import run_script
+    from codegen_helpers import run_script
 
     result = run_script(GENERATED / "llama3.1-70b-64xh100-sxm-80gb" / "launch.sh", "--steps", "1",
                         cwd=tmp_path, timeout=30)

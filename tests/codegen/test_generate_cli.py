@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import generate
+from codegen_helpers import generate
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from autoplan.codegen import (_file_builder, environment, md_escape, py_literal,
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 
-from conftest import REPO, TINY, generate
+from codegen_helpers import REPO, TINY, generate
 
 NASTY = ["plain", "with space", "it's", 'say "hi"', "back\\slash", "new\nline", "$(rm -rf ~)",
          "`id`", "semi;colon", "tab\tchar", "ünïcode", "'''", '"""', "{{ jinja }}", "# hash"]

@@ -1,0 +1,86 @@
+"""Mechanisms that depend on how a runtime schedules work: host-bound MoE layers, the host
+launch floor, TP/GEMM overlap and DeepSpeed-2021-style ZeRO-3 gathers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoplan.config import ParallelConfig
+from autoplan.cost import Runtime, estimate, host, layer_cost
+from autoplan.cost.layers import tp_exposed_s
+from autoplan.cost.profile import block_profile
+from autoplan.validation import load_runs, tp_comm_overlap_options, zero3_flat_gather
+
+RUNS = Path(__file__).resolve().parents[2] / "cost_models" / "validation" / "published_runs.json"
+
+
+def test_moe_host_time_counts_router_dispatch_and_local_experts():
+    # 32 fixed ops + 6 per local expert, 15 us each; backward issues twice as many
+    fwd, bwd, rc = host.moe_host_s(16, "none")
+    assert fwd == pytest.approx((32 + 6 * 16) * 15e-6)
+    assert bwd == pytest.approx(2 * fwd)
+    assert rc == 0.0
+    # full recomputation re-runs the forward and its token-count read-back
+    assert host.moe_host_s(16, "full")[2] == pytest.approx(fwd)
+    # more local experts (smaller EP) -> more host time
+    assert host.moe_host_s(4, "none")[0] < fwd
+
+
+def test_tp_overlap_leaves_one_chunk_exposed_when_gemms_are_long():
+    assert tp_exposed_s(8.0, 4, gemm_s=100.0) == pytest.approx(2.0)  # 1 of 4 chunks
+    assert tp_exposed_s(8.0, 4, gemm_s=4.0) == pytest.approx(6.0)  # 4 s not hidden + 1 chunk
+    assert tp_exposed_s(8.0, 4, gemm_s=0.0) == pytest.approx(8.0)  # never more than the total
+    assert tp_exposed_s(8.0, 1, gemm_s=100.0) == 8.0
+
+
+def test_tp_overlap_runtime_cuts_exposed_tp_comm(make_gpt_graph, h100_cluster):
+    graph = make_gpt_graph(layers=4, hidden=2048, heads=16, seq=2048)
+    config = ParallelConfig(global_batch=8, seq_len=2048, dp=2, tp=4, micro_batch=1)
+    plain = estimate(graph, config, h100_cluster(8))
+    overlap = estimate(graph, config, h100_cluster(8), runtime=Runtime(tp_comm_overlap=True))
+    assert 0 < overlap.comm_breakdown_s["tp"] < plain.comm_breakdown_s["tp"]
+    assert overlap.step_time_s < plain.step_time_s
+
+
+def test_host_launch_floor_binds_for_a_tiny_block(make_gpt_graph, h100_cluster):
+    # a 64-wide block on 16 tokens takes microseconds on the GPU: issuing its kernels bounds it
+    graph = make_gpt_graph(layers=2, hidden=64, heads=4, seq=16)
+    config = ParallelConfig(global_batch=1, seq_len=16, dp=1, micro_batch=1)
+    block = graph.blocks[0]
+    cost = layer_cost(block, graph, config, h100_cluster(1))
+    kernels = block_profile(graph, block).kernels
+    assert cost.fwd_s == pytest.approx(kernels * host.HOST_S_PER_OP)
+    # backward: twice the kernels, plus the fp32 gradient accumulation of the block's ~50k
+    # parameters (~0.2 us), hence rel 1e-3
+    assert cost.bwd_s == pytest.approx(2 * kernels * host.HOST_S_PER_OP, rel=1e-3)
+    assert cost.bwd_s >= 2 * kernels * host.HOST_S_PER_OP
+
+
+def test_flat_zero3_gathers_stream_through_one_nic(make_gpt_graph, h100_cluster):
+    graph = make_gpt_graph(layers=4, hidden=1024, heads=16, seq=1024)
+    config = ParallelConfig(global_batch=16, seq_len=1024, dp=16, micro_batch=1, zero_stage=3)
+    cluster = h100_cluster(16)  # 2 nodes
+    block = graph.blocks[0]
+    flat = layer_cost(block, graph, config, cluster, runtime=Runtime(zero3_flat_gather=True))
+    params = flat.dense_params
+    # AG forward + AG backward + RS, 2 B each, (n-1)/n of it through a 50 GB/s CX-7 NIC at 0.97
+    expected = params * 3 * 2 * 15 / 16 / (50e9 * 0.97)
+    assert flat.comm_s["zero3"] == pytest.approx(expected, rel=1e-6)
+    hier = layer_cost(block, graph, config, cluster)
+    assert hier.comm_s.get("zero3", 0.0) < flat.comm_s["zero3"]
+
+
+def _run(run_id):
+    return next(r for r in load_runs(RUNS) if r["id"] == run_id)
+
+
+def test_runtime_traits_read_from_the_run_records():
+    assert tp_comm_overlap_options(_run("megatron_readme_h100_gpt70b_768gpu")) == [True]  # stated
+    assert tp_comm_overlap_options(_run("korthikanti22_175b_64gpu_seqpar_selective")) == [False]
+    assert tp_comm_overlap_options(_run("nemo2407_gpt3_175b_128gpu_fp8")) == [False, True]  # unstated
+    assert tp_comm_overlap_options(_run("mpt_70b_h100_80gb_64gpu_seq2048_gbs2048")) == [False]  # tp 1
+    assert zero3_flat_gather(_run("narayanan21_t2_zero3_174.6b_384gpu"))
+    assert not zero3_flat_gather(_run("mpt_70b_h100_80gb_64gpu_seq2048_gbs2048"))  # FSDP, not arXiv
+    assert not zero3_flat_gather(_run("narayanan21_t2_ptdp_174.6b_384gpu"))  # ZeRO-1 rows
