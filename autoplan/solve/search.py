@@ -114,7 +114,8 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             continue
         tables = build_tables(graph, fast, cluster, fixed_rc, cache=cache)
         best_slots = min(build_slots(m) for m in members)
-        bound = best_slots * lower_bound_ns(tables) / tables.slots * 1e-9
+        # the family's members save memory in ways `fast` does not: time-only bound here
+        bound = best_slots * lower_bound_ns(tables, memory_aware=False) / tables.slots * 1e-9
         bounds.append((bound, key))
     bounds.sort()
     runs = block_runs(graph)

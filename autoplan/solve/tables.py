@@ -118,10 +118,43 @@ def _even_partition_tail_s(graph: ModelGraph, config: ParallelConfig, cluster) -
     return step.dp_sync_s + step.optimizer_s
 
 
-def lower_bound_ns(tables: Tables) -> float:
-    """No partition beats perfect balance with no recomputation: slots x mean rank time."""
-    total = sum(min(g.time_ns.values()) * (g.hi - g.lo) for g in tables.groups) + sum(tables.fixed_time_ns)
-    return tables.slots * total / tables.pp + min(tables.fixed_sync_ns or [0])
+def lower_bound_ns(tables: Tables, memory_aware: bool = True) -> float:
+    """No partition beats perfect balance with the least recomputation memory forces.
+
+    Memory: all ranks together must hold every block's states and activations; what does
+    not fit in pp x capacity must be saved by recomputing, at best at the cheapest
+    time per KiB saved (a continuous knapsack, each block counted with the most in-flight
+    micro-batches any rank has, so the saving is overestimated and the bound stays valid).
+    Infinite when even recomputing everything cannot fit.
+    """
+    base = sum(min(g.time_ns.values()) * (g.hi - g.lo) for g in tables.groups) + sum(tables.fixed_time_ns)
+    extra = _forced_recompute_ns(tables) if memory_aware else 0.0
+    return tables.slots * (base + extra) / tables.pp + min(tables.fixed_sync_ns or [0])
+
+
+def _forced_recompute_ns(tables: Tables) -> float:
+    low, high = min(tables.in_flight), max(tables.in_flight)
+    need = (sum(g.state_kib * (g.hi - g.lo) for g in tables.groups)
+            + low * sum(g.activation_kib["none"] * (g.hi - g.lo) for g in tables.groups)
+            + sum(tables.fixed_state_kib) + low * sum(tables.fixed_activation_kib)
+            - tables.pp * tables.capacity_kib)
+    if need <= 0:
+        return 0.0
+    options = []  # (ns per KiB saved, KiB saved per block, blocks)
+    for g in tables.groups:
+        t0 = min(g.time_ns.values())
+        for mode in tables.modes:
+            saved = high * (g.activation_kib["none"] - g.activation_kib[mode])
+            if saved > 0:
+                options.append((max(0, g.time_ns[mode] - t0) / saved, saved, g.hi - g.lo))
+    extra = 0.0
+    for rate, saved, blocks in sorted(options):
+        take = min(need, saved * blocks)
+        extra += rate * take
+        need -= take
+        if need <= 0:
+            return extra
+    return float("inf")
 
 
 def memory_lower_bound_kib(tables: Tables) -> float:
