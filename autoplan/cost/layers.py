@@ -195,12 +195,10 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
                runtime: Runtime = DEFAULT_RUNTIME) -> LayerCost:
     """Memoised on the graph: a block's cost does not depend on the schedule, the virtual
     stages or the partition, and the solver and `estimate` ask for the same ones often."""
-    from dataclasses import replace
-
-    key = ("layer_cost", block.name, replace(config, schedule="1f1b", vpp=1, stage_layers=None,
-                                             layer_recompute=None, stage_recompute=None,
-                                             recompute="none"), id(cluster), recompute, flash_attention,
-           runtime)
+    c = config  # every field layer_cost reads; not the schedule, virtual stages or partition
+    key = ("layer_cost", block.name, c.global_batch, c.seq_len, c.dp, c.tp, c.pp, c.cp, c.ep,
+           c.zero_stage, c.offload, c.micro_batch, c.precision, c.sequence_parallel, c.dp_replicate,
+           id(cluster), recompute, flash_attention, runtime)
     hit = graph.memo.get(key)
     if hit is None or hit[0] is not cluster:
         hit = (cluster, _layer_cost(block, graph, config, cluster, recompute, flash_attention=flash_attention,

@@ -47,18 +47,10 @@ def allowed_modes(config: ParallelConfig, fixed_recompute: str | None) -> tuple[
 
 
 class LayerCostCache:
-    """layer_cost results of one search: they do not depend on the schedule, the virtual
-    stages or the partition, which many configurations of a search share."""
-
-    def __init__(self) -> None:
-        self._costs: dict = {}
+    """Kept for callers; layer_cost memoises on the graph itself."""
 
     def get(self, block, graph: ModelGraph, config: ParallelConfig, cluster, mode: str):
-        key = (block.name, replace(config, schedule="1f1b", vpp=1, stage_layers=None,
-                                   layer_recompute=None, stage_recompute=None, recompute="none"), mode)
-        if key not in self._costs:
-            self._costs[key] = layer_cost(block, graph, config, cluster, mode)
-        return self._costs[key]
+        return layer_cost(block, graph, config, cluster, mode)
 
 
 def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
