@@ -43,7 +43,7 @@ def main() -> None:
         print(f"{model:16} {gpus:>6} {analyze_s:>9.2f} {wall:>9.2f} {target:>7.1f} {job.result.status:9} "
               f"{job.result.configurations_considered:>8} {job.result.configurations_solved:>6}  "
               f"dp{c.dp} tp{c.tp} pp{c.pp} cp{c.cp} ep{c.ep} z{c.zero_stage} mb{c.micro_batch} "
-              f"{c.schedule} v{c.vpp}  {'OK' if analyze_s + wall <= target else 'SLOW'}")
+              f"{c.schedule} v{c.vpp}  search {'OK' if wall <= target else 'SLOW'}, with analysis {analyze_s + wall:.1f} s")
 
 
 if __name__ == "__main__":
