@@ -740,4 +740,18 @@ def _toml_value(value: Any) -> str:
 __all__ = [
     "GPU", "Cluster", "Efficiency", "Prices", "PriceEntry", "PRECISIONS", "list_gpus", "load_gpu",
     "load_hardware_file", "make_cluster", "load_prices", "parse_price_options", "write_hardware_file",
+    "resolve_cluster",
 ]
+
+
+def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None):
+    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K -> Cluster (UserError on bad input)."""
+    if gpus is None or gpus < 1:
+        raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
+    if hardware:
+        cluster = load_hardware_file(hardware)
+        return make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
+                            cluster.inter_node_bandwidth_bytes_per_s / 1e9)
+    if not gpu:
+        raise UserError("give the GPU type with --gpu NAME (see `autoplan gpus`) or a hardware file with --hardware FILE")
+    return make_cluster(load_gpu(gpu), gpus, gpus_per_node)

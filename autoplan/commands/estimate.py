@@ -9,6 +9,7 @@ import click
 from autoplan.commands import options as o
 from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from autoplan.errors import UserError
+from autoplan.hardware import resolve_cluster
 from autoplan.importers import chosen_import, import_options
 
 
@@ -33,22 +34,6 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
                           ep=ep, zero_stage=zero, offload=offload, micro_batch=micro_batch,
                           recompute=recompute, schedule=schedule, vpp=vpp, precision=precision,
                           sequence_parallel=sequence_parallel and tp > 1)
-
-
-def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None):
-    """--gpu NAME or --hardware FILE with --gpus N -> Cluster (no solver import: estimate stays fast)."""
-    from autoplan.hardware import load_gpu, load_hardware_file, make_cluster
-
-    if gpus is None or gpus < 1:
-        raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
-    if hardware:
-        cluster = load_hardware_file(hardware)
-        return make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
-                            cluster.inter_node_bandwidth_bytes_per_s / 1e9)
-    if not gpu:
-        raise UserError("give the GPU type with --gpu NAME (see `autoplan gpus`) or a hardware file "
-                        "with --hardware FILE")
-    return make_cluster(load_gpu(gpu), gpus, gpus_per_node)
 
 
 def load_graph(spec: str, seq_len: int | None):

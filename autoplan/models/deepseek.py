@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoplan.models.llama import SwiGLU, apply_rope, rope_tables
+from autoplan.models.llama import DecoderBlock, DecoderLM, SwiGLU, apply_rope
 from autoplan.models.moe import MoE
 from autoplan.models.registry import ConfigError, require_positive
 
@@ -71,71 +71,12 @@ class MLAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class DeepseekBlock(nn.Module):
-    def __init__(self, dim: int, attention: nn.Module, mlp: nn.Module, eps: float) -> None:
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(dim, eps=eps)
-        self.self_attn = attention
-        self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
-        self.mlp = mlp
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekLM(nn.Module):
-    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+class DeepseekLM(DecoderLM):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab): the Llama-family decoder with MLA
+    attention blocks; its RoPE tables span MLA's decoupled rope dimension."""
 
     def __init__(self, config: dict[str, Any], blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.config = dict(config)
-        dim, vocab = config["hidden_size"], config["vocab_size"]
-        self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(blocks)
-        self.norm = nn.RMSNorm(dim, eps=config.get("rms_norm_eps", 1e-6))
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.tie_weights()
-        cos, sin = self._tables(config.get("max_position_embeddings", 4096))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-
-    def _tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(self.config["qk_rope_head_dim"], positions,
-                           float(self.config.get("rope_theta", 10000.0)))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
-
-    def tie_weights(self) -> None:
-        """Share the output head with the token embedding when the config ties them. Called
-        again by init_weights() because Module.to_empty() unties shared parameters; a no-op
-        when already tied (so it does not re-register parameters a sharding wrapper manages)."""
-        if self.config.get("tie_word_embeddings", False) and self.lm_head.weight is not self.embed_tokens.weight:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Deterministic under torch.manual_seed; recomputes the RoPE tables (lost on meta)."""
-        self.tie_weights()
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-            elif hasattr(module, "w_gate"):  # grouped experts
-                for weight in (module.w_gate, module.w_up, module.w_down):
-                    nn.init.normal_(weight, std=std)
-        cos, sin = self._tables(self.rope_cos.shape[0])
-        self.rope_cos.copy_(cos.to(self.rope_cos.device))
-        self.rope_sin.copy_(sin.to(self.rope_sin.device))
+        super().__init__(config, blocks, head_dim=config["qk_rope_head_dim"])
 
 
 def _validate(config: dict[str, Any]) -> None:
@@ -177,5 +118,5 @@ def build_deepseek(config: dict[str, Any]) -> DeepseekLM:
                                  norm_topk_prob=bool(config.get("norm_topk_prob", True)))
         else:
             mlp = SwiGLU(dim, config["intermediate_size"])
-        blocks.append(DeepseekBlock(dim, MLAttention(config), mlp, eps))
+        blocks.append(DecoderBlock(dim, MLAttention(config), mlp, eps))
     return DeepseekLM(config, blocks)

@@ -94,8 +94,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.norm = nn.RMSNorm(dim, eps=config.get("rms_norm_eps", 1e-5))
         self.lm_head = nn.Linear(dim, vocab, bias=False)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.head_dim = head_dim
         cos, sin = rope_tables(head_dim, config.get("max_position_embeddings", 4096),
                                float(config.get("rope_theta", 10000.0)))
@@ -110,9 +109,17 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
+    def tie_weights(self) -> None:
+        """Share the output head with the token embedding when the config ties them. Called
+        again by init_weights() because Module.to_empty() unties shared parameters; a no-op
+        when already tied (so it does not re-register parameters a sharding wrapper manages)."""
+        if self.config.get("tie_word_embeddings", False) and self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = self.embed_tokens.weight
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """Deterministic under torch.manual_seed; recomputes the RoPE tables (lost on meta)."""
+        self.tie_weights()
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)

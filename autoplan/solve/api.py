@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autoplan.errors import UserError
+from autoplan.hardware import resolve_cluster  # noqa: F401  (re-exported for commands)
 from autoplan.graph import ModelGraph
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve.search import SearchResult, search
@@ -20,21 +21,6 @@ class PlanJob:
     model: ModelRef
     cluster: object
     request: Request
-
-
-def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None):
-    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K -> Cluster (UserError on bad input)."""
-    from autoplan.hardware import load_gpu, load_hardware_file, make_cluster
-
-    if gpus is None or gpus < 1:
-        raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
-    if hardware:
-        cluster = load_hardware_file(hardware)
-        return make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
-                            cluster.inter_node_bandwidth_bytes_per_s / 1e9)
-    if not gpu:
-        raise UserError("give the GPU type with --gpu NAME (see `autoplan gpus`) or a hardware file with --hardware FILE")
-    return make_cluster(load_gpu(gpu), gpus, gpus_per_node)
 
 
 def precisions_for(precision: str, cluster) -> tuple[str, ...]:

@@ -132,13 +132,8 @@ def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1
     if hint is not None:
         for k, value in enumerate(hint.cuts):
             model.add_hint(v["cut"][k], value)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = 0
-    _fast_small_model(solver)
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    solver, status = _solve(model, time_limit_s, workers)
+    if solver is None:
         return None
     K, G = tables.chunks, len(tables.groups)
     return Partition(
@@ -148,6 +143,19 @@ def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1
         objective_ns=round(solver.objective_value) / objective_scale(tables),
         status=solver.status_name(status),
     )
+
+
+def _solve(model: cp_model.CpModel, time_limit_s: float, workers: int):
+    """(solver, status) of a reproducible run; (None, status) when nothing was found."""
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = 0
+    _fast_small_model(solver)
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, status
+    return solver, status
 
 
 def _fast_small_model(solver: cp_model.CpSolver) -> None:
@@ -269,13 +277,8 @@ def _solve_homogeneous(tables: Tables, time_limit_s: float, workers: int) -> Par
                   + sel[r] * (t["selective"] - t["none"]) + fixed)
     scale = objective_scale(tables)
     model.minimize(round(tables.slots * scale) * t_max + scale * d_max)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = 0
-    _fast_small_model(solver)
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    solver, status = _solve(model, time_limit_s, workers)
+    if solver is None:
         return None
     counts = [0] * tables.chunks
     fulls = [[0] for _ in range(tables.chunks)]
