@@ -100,10 +100,10 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
     skipped_memory: list[tuple[float, int]] = []
     bounds = []
     for key, members in families.items():
-        # time bound: least ZeRO, no offload, plain 1F1B (their costs only add time) at the
-        # family's smallest bubble; memory bound: most ZeRO and offload (they only save memory)
-        fast = replace(members[0], zero_stage=min(m.zero_stage for m in members), offload="none",
-                       schedule="1f1b", vpp=1)
+        # memory bound: the most ZeRO and offload (they only save memory); time bound: the
+        # least per-block time over the family's ZeRO/offload variants (ZeRO and offload
+        # change per-block time both ways: sharded gradients accumulate less, offload
+        # transfers more) at the family's smallest bubble
         frugal = replace(members[0], zero_stage=max(m.zero_stage for m in members),
                          offload=max((m.offload for m in members), key=OFFLOAD_ORDER.get),
                          schedule="1f1b", vpp=1)
@@ -112,10 +112,13 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             family_least = memory_lower_bound_kib(frugal_tables) / GIB_KIB
             skipped_memory.append((family_least, len(members)))
             continue
-        tables = build_tables(graph, fast, cluster, fixed_rc, cache=cache)
-        best_slots = min(build_slots(m) for m in members)
-        # the family's members save memory in ways `fast` does not: time-only bound here
-        bound = best_slots * lower_bound_ns(tables, memory_aware=False) / tables.slots * 1e-9
+        variants = {(m.zero_stage, m.offload) for m in members}
+        per_slot = min(
+            lower_bound_ns(build_tables(graph, replace(members[0], zero_stage=z, offload=o, schedule="1f1b",
+                                                       vpp=1), cluster, fixed_rc, cache=cache),
+                           memory_aware=False) / build_slots(replace(members[0], schedule="1f1b", vpp=1))
+            for z, o in variants)
+        bound = min(build_slots(m) for m in members) * per_slot * 1e-9
         bounds.append((bound, key))
     bounds.sort()
     runs = block_runs(graph)

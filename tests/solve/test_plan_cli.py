@@ -104,3 +104,17 @@ def test_plan_with_recomputation_reestimates_exactly(run_cli, tmp_path):
     code, again, err = run_cli("estimate", "--plan", str(out), "--json")
     assert code == 0, err
     assert json.loads(again)["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)
+
+
+def test_no_neighbour_of_the_plan_is_faster(run_cli):
+    # Regression: the family bound once assumed the least ZeRO stage has the least per-block
+    # time; under the cost model ZeRO-2 accumulates gradients more cheaply, so the bound
+    # pruned faster plans. Every neighbour the explanation evaluates (tp/pp/cp x2 or /2,
+    # other ZeRO stages) is in the search space, so none may be faster than the plan.
+    code, out, err = run_cli("plan", "llama3.1-70b", "--gpu", "h100", "--gpus", "64",
+                             "--global-batch", "256", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["solver"]["status"] == "OPTIMAL"
+    faster = [line for line in data["explanation"] if " step time" in line and "instead: -" in line]
+    assert not faster, faster

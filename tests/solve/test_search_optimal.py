@@ -66,7 +66,7 @@ def test_search_matches_exhaustive(instance):
     gpu_spec = load_gpu(gpu)
     cluster = make_cluster(gpu_spec, gpus, min(gpus, gpu_spec.gpus_per_node))
     request = Request(num_gpus=gpus, gpus_per_node=cluster.gpus_per_node, global_batch=global_batch,
-                      seq_len=seq, max_micro_batch=2, allow_offload=False)
+                      seq_len=seq, max_micro_batch=2, allow_offload=True)
     result = search(graph, cluster, request, top=0)
     brute = exhaustive_best_s(graph, cluster, request)
     if math.isinf(brute):
