@@ -5,10 +5,9 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from autoplan.graph import BlockInfo, ModelGraph
+from gpt_blocks import Stack
 
 
 def gpt_graph(layers: int = 4, hidden: int = 1024, heads: int = 16, ffn: int | None = None,
@@ -57,38 +56,6 @@ def make_gpt_graph():
     return gpt_graph
 
 
-class MathAttentionBlock(nn.Module):
-    """GPT block as Korthikanti et al. 2022 count it: explicit softmax attention with dropout,
-    4h GeLU MLP, dropout after attention and MLP, two LayerNorms."""
-
-    def __init__(self, h: int, a: int) -> None:
-        super().__init__()
-        self.a = a
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        y = self.ln1(x)
-        q, k, v = (p(y).view(b, s, self.a, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
-        att = F.dropout(F.softmax(q @ k.transpose(-1, -2) * 0.125, dim=-1), 0.1, self.training)
-        y = (att @ v).transpose(1, 2).reshape(b, s, h)
-        x = x + F.dropout(self.o(y), 0.1, self.training)
-        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), 0.1, self.training)
-
-
-class Stack(nn.Module):
-    def __init__(self, h: int, a: int, layers: int = 2) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(MathAttentionBlock(h, a) for _ in range(layers))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 @pytest.fixture(scope="session")
 def traced_gpt_block():
     """(graph, block, h, a, s, b) of a traced Korthikanti GPT block (meta, bf16)."""
@@ -96,7 +63,7 @@ def traced_gpt_block():
 
     h, a, s, b = 64, 4, 128, 2
     with torch.device("meta"):
-        model = Stack(h, a)
+        model = Stack(h, a, layers=2)
     graph = trace_model(model, (torch.empty(b, s, h, device="meta"),))
     return graph, graph.segment("blocks"), h, a, s, b
 
