@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoplan.models.common import init_standard_, refill_rope_
 from autoplan.models.gpt2 import activation
 from autoplan.models.llama import apply_rope, rope_tables
 from autoplan.models.registry import ConfigError, require_divides, require_positive
@@ -127,20 +128,9 @@ class NeoXLM(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Deterministic under torch.manual_seed; recomputes the RoPE tables (lost on meta)."""
         self.tie_weights()
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        cos, sin = rope_tables(max(self.rotary_dims, 2), self.rope_cos.shape[0],
-                               _rope_base(self.config))
-        self.rope_cos.copy_(cos.to(self.rope_cos.device))
-        self.rope_sin.copy_(sin.to(self.rope_sin.device))
-
+        init_standard_(self, std)
+        refill_rope_(self, *rope_tables(max(self.rotary_dims, 2), self.rope_cos.shape[0],
+                                        _rope_base(self.config)))
 
 def _eps(config: dict[str, Any]) -> float:
     return float(config.get("layer_norm_eps", config.get("norm_eps", 1e-5)))

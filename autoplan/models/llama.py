@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoplan.models.common import init_standard_, refill_rope_
 from autoplan.models.moe import MoE
 from autoplan.models.registry import ConfigError, require_divides, require_positive
 
@@ -120,21 +121,9 @@ class DecoderLM(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Deterministic under torch.manual_seed; recomputes the RoPE tables (lost on meta)."""
         self.tie_weights()
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-            elif hasattr(module, "w_gate"):  # grouped experts
-                for weight in (module.w_gate, module.w_up, module.w_down):
-                    nn.init.normal_(weight, std=std)
-        cos, sin = rope_tables(self.head_dim, self.rope_cos.shape[0],
-                               float(self.config.get("rope_theta", 10000.0)))
-        self.rope_cos.copy_(cos.to(self.rope_cos.device))
-        self.rope_sin.copy_(sin.to(self.rope_sin.device))
-
+        init_standard_(self, std)
+        refill_rope_(self, *rope_tables(self.head_dim, self.rope_cos.shape[0],
+                                        float(self.config.get("rope_theta", 10000.0))))
 
 def _moe_settings(config: dict[str, Any]) -> tuple[int, int, int, int, set[int]]:
     """(experts, top_k, expert ffn, shared ffn, dense layer indices) from the family's keys."""
