@@ -171,6 +171,27 @@ def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: com
     return total, exposed
 
 
+def fsdp_pipeline_unsharded(config: ParallelConfig) -> bool:
+    """torch.distributed.pipelining runs every backward but the last of a step with FSDP's
+    gradient sync and reshard-after-backward off (stage.py backward_maybe_with_nosync, torch
+    2.13), reducing once at the end: ZeRO-2/3 stages then hold unsharded gradients
+    (accumulated in the fp32 reduce dtype) and ZeRO-3 stages their gathered weights."""
+    return config.zero_stage >= 2 and config.pp > 1 and config.num_microbatches > 1
+
+
+def zero2_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
+                 groups: comm.Groups, bwd_s: float) -> tuple[float, float]:
+    """(total, exposed) ZeRO-2 per micro-batch: the block's gradients are reduce-scattered as
+    soon as its backward ends (FSDP2 fully_shard, DeepSpeed stage 2), hidden under the rest
+    of the backward; the updated weights are gathered once per step (step.dp_sync_s)."""
+    if config.zero_stage != 2 or fsdp_pipeline_unsharded(config):
+        return 0.0, 0.0
+    g = memory.grad_reduce_bytes_per_param(config.precision)
+    scatter = (comm.allgather_time_s(params.dense * g, groups.dp, fabric)
+               + comm.allgather_time_s(params.expert * g, groups.expert_dp, fabric))
+    return scatter, max(0.0, scatter - bwd_s)
+
+
 def zero3_flat_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
                       groups: comm.Groups, recompute: str) -> float:
     """ZeRO-3 per micro-batch when every gather streams the block through the GPU's own NIC
@@ -259,6 +280,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     if runtime.zero3_flat_gather:
         z_total = z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc)
     total["zero3"], exposed["zero3"] = z_total, z_exposed
+    total["zero2"], exposed["zero2"] = zero2_comm_s(params, config, fabric, groups, times.bwd_s)
+    exposed["zero2"] = comm.contended_exposed_s(total["zero2"], exposed["zero2"])
     # hidden NCCL weight gathers / gradient reductions slow the compute they hide under (the
     # measured case, comm.OVERLAP_COMPUTE_RATE). Not applied to TP overlap (Transformer Engine
     # userbuffers copy with the copy engines, not SM/HBM-staged NCCL kernels: pytorch/pytorch
@@ -278,6 +301,12 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         params.expert, config.precision, config.zero_stage,
         max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate),
         config.offload)
+    if fsdp_pipeline_unsharded(config):
+        unsharded = params.dense + params.expert
+        dense_states["gradients"] += unsharded * memory.grad_reduce_bytes_per_param(config.precision)
+        if config.zero_stage >= 3 and config.offload not in ("params", "both"):
+            dense_states["parameters"] = unsharded * memory.weight_bytes_per_param(config.precision)
+            expert_states["parameters"] = 0.0
     activation = memory.block_activation_bytes(graph, block, config, rc, flash_attention)
     return LayerCost(
         name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
@@ -313,8 +342,9 @@ def grad_accumulation_s(params: memory.BlockParams, config: ParallelConfig, gpu)
     """Accumulating weight gradients into the full fp32 gradient buffer every micro-batch
     (Megatron main_grad with gradient-accumulation fusion, PyTorch DDP .grad): the buffer is
     read and written once per micro-batch, memory-bound. Under ZeRO-2/3 the gradients are
-    reduce-scattered per micro-batch instead (counted in the ZeRO-3 collectives)."""
-    if config.zero_stage >= 2:
+    reduce-scattered per micro-batch instead (zero2_comm_s, zero3_comm_s), except inside a
+    pipeline, where the schedule accumulates them unsharded (fsdp_pipeline_unsharded)."""
+    if config.zero_stage >= 2 and not fsdp_pipeline_unsharded(config):
         return 0.0
     per_param = 2 * memory.grad_reduce_bytes_per_param(config.precision)
     return (params.dense + params.expert) * per_param / hw.hbm_bytes_per_s(gpu)

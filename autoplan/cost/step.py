@@ -7,7 +7,8 @@
   weights (ZeRO-1/2, Megatron distributed optimizer) of each rank's parameters, started
   bucket by bucket during the last micro-batch's backward: only what that backward cannot
   hide, and at least the last bucket (one block), is exposed (PyTorch DDP, Li et al. 2020
-  §3.2.3; Megatron --overlap-grad-reduce). ZeRO-3 syncs per micro-batch (layers.py).
+  §3.2.3; Megatron --overlap-grad-reduce). ZeRO-3 syncs per micro-batch, ZeRO-2 reduce-
+  scatters per micro-batch and gathers the weights here (layers.py).
 - Optimizer: Adam is memory-bound; it reads and writes the fp32 master weight, momentum
   and variance (8 B each way), reads the 16-bit gradient and writes the 16-bit weight. With
   optimizer offload it runs on the CPU after the gradients' copy to the host (offload.py).
@@ -22,6 +23,7 @@ from typing import Mapping, Sequence
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, hw, memory, offload, pipeline
+from autoplan.cost.layers import fsdp_pipeline_unsharded
 from autoplan.cost.stages import StageCost
 from autoplan.graph import ModelGraph
 
@@ -64,14 +66,18 @@ def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> f
     g = memory.grad_reduce_bytes_per_param(config.precision)
     dense = sum(s.dense_params for s in stages)
     expert = sum(s.expert_params for s in stages)
+    per_microbatch_scatter = config.zero_stage == 2 and not fsdp_pipeline_unsharded(config)
 
     def sync(dense_params: float, expert_params: float) -> float:
         if config.zero_stage == 0:
             return (comm.allreduce_time_s(dense_params * g, groups.dp, fabric)
                     + comm.allreduce_time_s(expert_params * g, groups.expert_dp, fabric))
-        # reduce-scatter the gradients, all-gather the updated 16-bit weights
-        return (comm.allgather_time_s(dense_params * g, groups.dp, fabric)
-                + comm.allgather_time_s(expert_params * g, groups.expert_dp, fabric)
+        # reduce-scatter the gradients (ZeRO-2 outside a pipeline did so per micro-batch:
+        # layers.zero2_comm_s), all-gather the updated 16-bit weights
+        scatter = 0.0 if per_microbatch_scatter else (
+            comm.allgather_time_s(dense_params * g, groups.dp, fabric)
+            + comm.allgather_time_s(expert_params * g, groups.expert_dp, fabric))
+        return (scatter
                 + comm.allgather_time_s(dense_params * w, groups.dp, fabric)
                 + comm.allgather_time_s(expert_params * w, groups.expert_dp, fabric))
 

@@ -209,12 +209,22 @@ class Trainer:
             if self.par.ddp and not last:
                 sync = model.no_sync()
             if self.par.fsdp:
-                model.set_requires_gradient_sync(last)
+                self._fsdp_microbatch(model, last)
             with sync, self._context():
                 loss = token_loss(model(inputs.to(self.device)), labels.to(self.device))
                 (loss * (self.scaler.scale / count)).backward()
             total += _plain(loss).detach()
         return total / count
+
+    def _fsdp_microbatch(self, model, last: bool) -> None:
+        # Reduce-scatter every micro-batch so gradients stay sharded (the memory the plan
+        # was costed with); skipping the sync would accumulate unsharded fp32 gradients.
+        # ZeRO-2 keeps the gathered parameters until the last backward (one all-gather per
+        # step); HSDP all-reduces across replicas only after the last micro-batch.
+        if self.plan.zero_stage == 2:
+            model.set_reshard_after_backward(last)
+        if self.plan.dp_replicate > 1:
+            model.set_requires_all_reduce(last)
 
     def _pipeline_step(self, microbatches) -> torch.Tensor | None:
         inputs = torch.cat([x for x, _ in microbatches]).to(self.device)

@@ -13,7 +13,7 @@ from autoplan.solve.tables import block_runs, build_tables
 
 GIB = 2**30
 LINKS = {"tp": "TP all-reduce/all-gather", "cp": "CP ring K/V exchange", "ep": "EP all-to-all",
-         "zero3": "ZeRO-3 parameter gathers", "pp": "pipeline send/recv", "dp": "DP gradient sync"}
+         "zero3": "ZeRO-3 parameter gathers", "zero2": "ZeRO-2 gradient reduce-scatters", "pp": "pipeline send/recv", "dp": "DP gradient sync"}
 
 
 def solve_config(job, config: ParallelConfig, capacity_extra_kib: int = 0) -> Candidate | str:

@@ -131,13 +131,8 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
         if bound >= threshold or time.perf_counter() - start > time_limit_s:
             break
         members = families[key]
-        zero2 = {(m.offload, m.schedule, m.vpp) for m in members if m.zero_stage == 2}
         for config in members:
             done += 1
-            if config.zero_stage == 1 and (config.offload, config.schedule, config.vpp) in zero2:
-                # ZeRO-2 has ZeRO-1's step time (same per-block costs, same step-end sync) and
-                # less memory, so it is never slower: ZeRO-1 cannot win, skip it
-                continue
             tables = build_tables(graph, config, cluster, fixed_rc, cache=cache)
             mem_lb = memory_lower_bound_kib(tables)
             least_mem = min(least_mem, mem_lb / GIB_KIB)

@@ -84,3 +84,37 @@ def test_runtime_traits_read_from_the_run_records():
     assert zero3_flat_gather(_run("narayanan21_t2_zero3_174.6b_384gpu"))
     assert not zero3_flat_gather(_run("mpt_70b_h100_80gb_64gpu_seq2048_gbs2048"))  # FSDP, not arXiv
     assert not zero3_flat_gather(_run("narayanan21_t2_ptdp_174.6b_384gpu"))  # ZeRO-1 rows
+
+
+def test_zero2_reduce_scatters_every_microbatch_outside_a_pipeline(make_gpt_graph, h100_cluster):
+    """FSDP2 ZeRO-2 reduce-scatters each micro-batch's gradients (the runtime keeps them
+    sharded); the step end then only gathers the weights. ZeRO-1 reduces once per step."""
+    graph = make_gpt_graph(layers=4, hidden=1024, heads=16, seq=1024)
+    cluster = h100_cluster(16)  # 2 nodes: the scatter crosses the NICs
+    block = graph.blocks[0]
+    base = dict(global_batch=64, seq_len=1024, dp=16, micro_batch=1)
+    z2 = layer_cost(block, graph, ParallelConfig(**base, zero_stage=2), cluster)
+    z1 = layer_cost(block, graph, ParallelConfig(**base, zero_stage=1), cluster)
+    assert z2.comm_total_s["zero2"] > 0 and "zero2" not in z1.comm_total_s
+    four = estimate(graph, ParallelConfig(**base, zero_stage=2), cluster)
+    one = estimate(graph, ParallelConfig(**{**base, "global_batch": 16}, zero_stage=2), cluster)
+    # per-micro-batch exposure: 4 micro-batches expose 4x one micro-batch's scatter
+    assert four.comm_breakdown_s["zero2"] == pytest.approx(4 * one.comm_breakdown_s["zero2"], rel=1e-9)
+
+
+def test_pipelined_fsdp_holds_unsharded_fp32_gradients(make_gpt_graph, h100_cluster):
+    """torch.distributed.pipelining turns FSDP's gradient sync off for all but the last
+    backward: a ZeRO-2/3 stage accumulates unsharded fp32 gradients, so with several
+    micro-batches it needs more gradient memory than ZeRO-1, and ZeRO-3 keeps its weights."""
+    graph = make_gpt_graph(layers=4, hidden=1024, heads=16, seq=1024)
+    cluster = h100_cluster(16)
+    block = graph.blocks[0]
+    base = dict(global_batch=64, seq_len=1024, dp=8, pp=2, micro_batch=1)
+    z1, z2, z3 = (layer_cost(block, graph, ParallelConfig(**base, zero_stage=z), cluster) for z in (1, 2, 3))
+    params = z2.dense_params
+    assert z2.grad_bytes >= params * 4 > z1.grad_bytes
+    assert z3.weight_bytes == pytest.approx(z1.weight_bytes)
+    # one micro-batch per step: nothing to accumulate, ZeRO's sharding holds
+    single = dict(base, global_batch=8)
+    z2_single = layer_cost(block, graph, ParallelConfig(**single, zero_stage=2), cluster)
+    assert z2_single.grad_bytes == pytest.approx(params * 2 / 8)
