@@ -1,12 +1,13 @@
-"""Search: enumerate outer configurations, bound, solve the partition with CP-SAT, rank.
+"""Search: enumerate outer configurations, bound, solve the partition exactly, rank.
 
 Branch and bound over the outer configurations (degrees, ZeRO, offload, micro-batch,
 schedule, precision). A family (same degrees, micro-batch and precision) is bounded by
 perfect stage balance without recomputation at its smallest bubble; families are visited
 in bound order and the search stops when the bound reaches the K-th best step time found,
 so every configuration left out provably cannot enter the top K. Within a configuration
-CP-SAT places blocks on stages and chooses recomputation per stage; the step time of each
-solved candidate is then computed exactly by `cost.estimate`.
+`solve_partition` (a direct solver for identical blocks, CP-SAT otherwise: cpsat.py) places
+blocks on stages and chooses recomputation per stage; the step time of each solved
+candidate is then computed exactly by `cost.estimate`.
 """
 
 from __future__ import annotations
