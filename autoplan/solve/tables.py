@@ -32,7 +32,14 @@ def _kib(nbytes: float) -> int:
 
 
 def block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
-    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order."""
+    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order
+    (memoised on the graph: every table of a search asks)."""
+    if "block_runs" not in graph.memo:
+        graph.memo["block_runs"] = tuple(_block_runs(graph))
+    return list(graph.memo["block_runs"])
+
+
+def _block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
     runs: list[tuple[int, int, str]] = []
     for index, (_, name) in enumerate(graph.layer_order):
         if runs and runs[-1][2] == name and runs[-1][1] == index:
