@@ -77,7 +77,10 @@ class _RankTime:
         best = None
         # full recomputation only pays when it saves memory; both extra times are >= 0, so for
         # each f the least s that fits is the fastest
-        for f in range(n + 1 if self.per_full < 0 else 1):
+        fulls = range(n + 1 if self.per_full < 0 else 1)
+        if self.per_full < 0 <= self.per_sel and excess > 0:  # only full saves: start where it fits
+            fulls = range(min(n + 1, -(-excess // -self.per_full)), n + 1)
+        for f in fulls:
             left = excess + f * self.per_full
             if left <= 0:
                 s = 0
@@ -90,6 +93,8 @@ class _RankTime:
             time = base + f * self.d_full + s * self.d_sel
             if best is None or time < best[0]:
                 best = (time, f, s)
+            if s == 0:
+                break  # more full recomputation still needs no selective: it only adds time
         return best
 
 

@@ -29,7 +29,8 @@ def identical_blocks(draw, max_layers: int = 40) -> Tables:
         time_ns={"none": t_none, "selective": t_none + draw(st.integers(0, 5_000)),
                  "full": t_none + draw(st.integers(0, 30_000))},
         state_kib=draw(st.integers(0, 10_000)),
-        activation_kib={"none": a_none, "selective": draw(st.integers(0, a_none)),
+        # selective saving nothing is the usual case (flash attention keeps no s^2 scores)
+        activation_kib={"none": a_none, "selective": draw(st.sampled_from([a_none, draw(st.integers(0, a_none))])),
                         "full": draw(st.integers(0, a_none // 4))},
         sync_ns=draw(st.sampled_from([0, 0, draw(st.integers(1, 2_000))])),
     )
@@ -81,3 +82,27 @@ def test_one_group_goes_to_the_direct_solver():
                fixed_time_ns=[5, 5], fixed_state_kib=[0, 0], fixed_activation_kib=[0, 0])
     assert applies(t)
     assert solve_partition(t) == solve_identical(t)
+
+
+@settings(max_examples=400, deadline=None)
+@given(identical_blocks(max_layers=12))
+def test_least_time_per_rank_is_brute_force(t: Tables):
+    from autoplan.solve.cpsat import fixed_memory_kib, memory_coefficients
+    from autoplan.solve.homogeneous import _RankTime
+
+    group, times = t.groups[0], t.groups[0].time_ns
+    for rank in range(t.pp):
+        least = _RankTime(t, rank).least
+        per_block, per_full, per_sel = memory_coefficients(t, rank, group)
+        budget = t.capacity_kib - fixed_memory_kib(t, rank)
+        for n in range(t.num_layers + 1):
+            extra = [f * (times["full"] - times["none"]) + s * (times["selective"] - times["none"])
+                     for f in range(n + 1) for s in range(n + 1 - f)
+                     if n * per_block + f * per_full + s * per_sel <= budget
+                     and (t.modes == MODES or (f, s) == {"none": (0, 0), "full": (n, 0), "selective": (0, n)}[t.modes[0]])]
+            got = least(n)
+            assert (got is None) == (not extra)
+            if extra:
+                fixed = sum(t.fixed_time_ns[k] for k in range(rank, t.chunks, t.pp))
+                assert got[0] == n * times["none"] + fixed + min(extra)
+                assert n * per_block + got[1] * per_full + got[2] * per_sel <= budget
