@@ -59,11 +59,16 @@ class _RankTime:
         self.modes = tables.modes
         self.memo: dict[int, tuple[int, int, int] | None] = {}
 
-    def least(self, n: int) -> tuple[int, int, int] | None:
-        """(time, full, selective) of the fastest recomputation that fits; None if none does."""
+    def least(self, n: int) -> tuple[int, int, int, int] | None:
+        """(time, full, selective, KiB used minus capacity) of the fastest recomputation that
+        fits; None if none does."""
         if n not in self.memo:
-            self.memo[n] = self._least(n)
+            best = self._least(n)
+            self.memo[n] = best and (*best, self.over_capacity_kib(n, best[1], best[2]))
         return self.memo[n]
+
+    def over_capacity_kib(self, n: int, full: int, selective: int) -> int:
+        return n * self.per_block + full * self.per_full + selective * self.per_sel - self.budget
 
     def _least(self, n: int) -> tuple[int, int, int] | None:
         base = n * self.none + self.fixed
@@ -100,8 +105,9 @@ class _RankTime:
 
 def _least_max_time(ranks: list[_RankTime], vpp: int, layers: int, cap: list[int]) -> list[int] | None:
     """Blocks per rank (vpp <= n_r <= cap_r, sum = layers) minimising max_r g_r(n_r); None if
-    nothing fits. Greedy: the next block goes to the rank whose time grows to the least value
-    (ties to the lower rank)."""
+    nothing fits. Greedy: the next block goes to the rank whose time grows to the least value;
+    among equal times, to the rank that then uses the least memory (a lower peak for the same
+    step time; later 1F1B stages hold fewer micro-batches)."""
     counts = [vpp] * len(ranks)
     if any(r.least(vpp) is None or vpp > c for r, c in zip(ranks, cap)):
         return None
@@ -109,16 +115,16 @@ def _least_max_time(ranks: list[_RankTime], vpp: int, layers: int, cap: list[int
     for i, rank in enumerate(ranks):
         nxt = rank.least(vpp + 1) if vpp + 1 <= cap[i] else None
         if nxt is not None:
-            heap.append((nxt[0], i))
+            heap.append((nxt[0], nxt[3], i))
     heapq.heapify(heap)
     for _ in range(layers - vpp * len(ranks)):
         if not heap:
             return None
-        _, i = heapq.heappop(heap)
+        *_, i = heapq.heappop(heap)
         counts[i] += 1
         nxt = ranks[i].least(counts[i] + 1) if counts[i] + 1 <= cap[i] else None
         if nxt is not None:
-            heapq.heappush(heap, (nxt[0], i))
+            heapq.heappush(heap, (nxt[0], nxt[3], i))
     return counts
 
 
