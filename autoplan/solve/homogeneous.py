@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import heapq
 
-from autoplan.solve.cpsat import Partition, Tables, fixed_memory_kib, memory_coefficients, objective_scale
+from autoplan.solve.cpsat import (Partition, Tables, fill_chunks, fixed_memory_kib, memory_coefficients,
+                                  objective_scale)
 
 
 def applies(tables: Tables) -> bool:
@@ -57,7 +58,7 @@ class _RankTime:
         self.budget = tables.capacity_kib - fixed_memory_kib(tables, rank)
         self.fixed = sum(tables.fixed_time_ns[k] for k in range(rank, tables.chunks, tables.pp))
         self.modes = tables.modes
-        self.memo: dict[int, tuple[int, int, int] | None] = {}
+        self.memo: dict[int, tuple[int, int, int, int] | None] = {}
 
     def least(self, n: int) -> tuple[int, int, int, int] | None:
         """(time, full, selective, KiB used minus capacity) of the fastest recomputation that
@@ -131,8 +132,6 @@ def _least_max_time(ranks: list[_RankTime], vpp: int, layers: int, cap: list[int
 def solve_identical(tables: Tables) -> Partition | None:
     """Best partition of one group of identical blocks (see the module docstring), or None if
     nothing fits. Call only where `applies(tables)`."""
-    from autoplan.solve.cpsat import fill_chunks
-
     pp, vpp, L = tables.pp, tables.vpp, tables.num_layers
     if pp * vpp > L:
         return None

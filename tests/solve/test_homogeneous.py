@@ -96,10 +96,11 @@ def test_least_time_per_rank_is_brute_force(t: Tables):
         per_block, per_full, per_sel = memory_coefficients(t, rank, group)
         budget = t.capacity_kib - fixed_memory_kib(t, rank)
         for n in range(t.num_layers + 1):
+            only = {"none": (0, 0), "full": (n, 0), "selective": (0, n)}[t.modes[0]]  # one mode fixed
             extra = [f * (times["full"] - times["none"]) + s * (times["selective"] - times["none"])
                      for f in range(n + 1) for s in range(n + 1 - f)
                      if n * per_block + f * per_full + s * per_sel <= budget
-                     and (t.modes == MODES or (f, s) == {"none": (0, 0), "full": (n, 0), "selective": (0, n)}[t.modes[0]])]
+                     and (t.modes == MODES or (f, s) == only)]
             got = least(n)
             assert (got is None) == (not extra)
             if extra:
