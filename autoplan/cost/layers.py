@@ -228,6 +228,40 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
     return hit[1]
 
 
+def compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
+                  flash_attention: bool = True) -> compute.BlockTimes:
+    """Forward/backward seconds of one block copy per micro-batch (GEMMs, attention, memory
+    traffic, the fp32 loss in the head, the host's kernel-issue floor).
+
+    Memoised on the graph apart from `layer_cost`: these do not depend on dp, pp, ZeRO,
+    offload or recomputation, so every configuration sharing the keyed fields shares them,
+    across clusters of the same GPU object too (a sweep plans many counts of one GPU)."""
+    c = config  # every field read below and by compute.block_times / loss_times_s
+    key = ("compute_times", block.name, c.tp, c.cp, c.ep, c.micro_batch, c.precision, c.sequence_parallel,
+           id(gpu), flash_attention)
+    hit = graph.memo.get(key)
+    if hit is None or hit[0] is not gpu:
+        hit = (gpu, _compute_times(block, graph, config, gpu, flash_attention))
+        graph.memo[key] = hit
+    return hit[1]
+
+
+def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
+                   flash_attention: bool) -> compute.BlockTimes:
+    profile = block_profile(graph, block)
+    times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
+                                graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
+                                flash_attention)
+    if block.kind == "post" and not profile.has_loss and graph.vocab:
+        loss_fwd, loss_bwd = compute.loss_times_s(_tokens_per_rank(graph, config), graph.vocab,
+                                                  config.tp, gpu)
+        times = replace(times, memory_fwd_s=times.memory_fwd_s + loss_fwd,
+                        fwd_s=times.fwd_s + loss_fwd, bwd_s=times.bwd_s + loss_bwd)
+    # the host issues kernels no faster than HOST_S_PER_OP each: a floor under a short block
+    floor_fwd, floor_bwd = host.block_host_s(profile.kernels)
+    return replace(times, fwd_s=max(times.fwd_s, floor_fwd), bwd_s=max(times.bwd_s, floor_bwd))
+
+
 def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
                 recompute: str = "none", *, flash_attention: bool = True,
                 runtime: Runtime = DEFAULT_RUNTIME) -> LayerCost:
@@ -243,17 +277,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     fabric = hw.fabric(cluster)
     groups = comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
     profile = block_profile(graph, block)
-    times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
-                                graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
-                                flash_attention)
-    if block.kind == "post" and not profile.has_loss and graph.vocab:
-        loss_fwd, loss_bwd = compute.loss_times_s(_tokens_per_rank(graph, config), graph.vocab,
-                                                  config.tp, gpu)
-        times = replace(times, memory_fwd_s=times.memory_fwd_s + loss_fwd,
-                        fwd_s=times.fwd_s + loss_fwd, bwd_s=times.bwd_s + loss_bwd)
-    # the host issues kernels no faster than HOST_S_PER_OP each: a floor under a short block
-    floor_fwd, floor_bwd = host.block_host_s(profile.kernels)
-    times = replace(times, fwd_s=max(times.fwd_s, floor_fwd), bwd_s=max(times.bwd_s, floor_bwd))
+    times = compute_times(block, graph, config, gpu, flash_attention)
     rc = recompute if block.kind not in ("pre", "post") else "none"
     recompute_s = compute.recompute_time_s(times, rc)
     rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc)

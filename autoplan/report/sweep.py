@@ -4,14 +4,19 @@ The model is traced once by the caller (`solve.api.load_graph`); every cluster r
 graph. A cluster where nothing fits, or where the global batch does not split, is a row with
 its reason, not an error. Time to train is the goodput wall time (checkpoints, interruptions,
 restarts: `goodput.py`) of ceil(tokens / (global batch x seq len)) steps.
+Clusters are planned in parallel processes forked from the caller (one per core), each
+planning whole clusters exactly as the serial sweep does; the rows keep their order.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import multiprocessing
+import os
 import re
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -204,32 +209,89 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
     return row
 
 
+def default_workers(clusters: int) -> int:
+    """Processes for a sweep: one per usable core, at most one per cluster."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, clusters))
+
+
+def _plan_cluster(shared: dict, gpu_index: int, num_gpus: int) -> Row:
+    """plan_row of one cluster of the sweep; the GPU by index, so that one GPU object (and the
+    cost memos keyed on it) serves all of its counts in a process."""
+    gpu = shared["gpus"][gpu_index]
+    return plan_row(shared["graph"], shared["ref"], gpu, num_gpus, **shared["kwargs"],
+                    usd_per_gpu_hour=shared["prices"][gpu.key])
+
+
+_WORKER: dict = {}  # a worker process's copy of what every cluster shares (set by fork, not pickled)
+
+
+def _init_worker(shared: dict) -> None:
+    _WORKER.update(shared)
+
+
+def _plan_in_worker(gpu_index: int, num_gpus: int) -> Row:
+    return _plan_cluster(_WORKER, gpu_index, num_gpus)
+
+
 def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global_batch: int, tokens: int,
               prices: dict[str, float], precision: str = "bf16",
               assumptions: GoodputAssumptions = GoodputAssumptions(), error: ErrorBand | None = None,
               price_list: str = "default", budget_usd: float | None = None,
               deadline_days: float | None = None, time_limit_s: float | None = None,
-              progress: Callable[[int, int, str], None] | None = None) -> Sweep:
-    """Every (GPU, count) planned on one traced graph; frontier marked. `progress(done, total, label)`."""
+              progress: Callable[[int, int, str], None] | None = None, workers: int | None = None) -> Sweep:
+    """Every (GPU, count) planned on one traced graph; frontier marked. `progress(done, total, label)`
+    with the label of a cluster being planned. Clusters are planned in `workers` processes
+    (default_workers; 1: one after another here); rows keep the (GPU, count) order either way."""
     check_positive("--global-batch", global_batch)
     check_positive("--tokens", tokens)
     start = time.perf_counter()
-    rows, total = [], len(gpus) * len(counts)
-    for gpu in gpus:
-        for n in counts:
-            if progress:
-                progress(len(rows), total, f"{n} x {gpu.key}")
-            rows.append(plan_row(graph, ref, gpu, n, seq_len=seq_len, global_batch=global_batch,
-                                 tokens=tokens, precision=precision, usd_per_gpu_hour=prices[gpu.key],
-                                 assumptions=assumptions, error=error, time_limit_s=time_limit_s))
-    if progress:
-        progress(total, total, "done")
+    tasks = [(i, n) for i, gpu in enumerate(gpus) for n in counts]
+    labels = [f"{n} x {gpus[i].key}" for i, n in tasks]
+    kwargs = dict(seq_len=seq_len, global_batch=global_batch, tokens=tokens, precision=precision,
+                  assumptions=assumptions, error=error, time_limit_s=time_limit_s)
+    shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs)
+    workers = default_workers(len(tasks)) if workers is None else max(1, min(workers, len(tasks)))
+    if "fork" not in multiprocessing.get_all_start_methods():
+        workers = 1  # the workers get the graph by fork, not by pickling it
+    report = progress or (lambda done, total, label: None)
+    if workers == 1:
+        rows = []
+        for task, label in zip(tasks, labels):
+            report(len(rows), len(tasks), label)
+            rows.append(_plan_cluster(shared, *task))
+    else:
+        rows = _plan_in_processes(tasks, labels, shared, workers, report)
+    report(len(tasks), len(tasks), "done")
     for row in pareto_frontier(rows):
         row.frontier = True
     return Sweep(model=ref.name, tokens=tokens, seq_len=seq_len, global_batch=global_batch,
                  precision=precision, rows=rows, assumptions=assumptions, error=error,
                  price_list=price_list, budget_usd=budget_usd, deadline_days=deadline_days,
                  wall_s=time.perf_counter() - start)
+
+
+def _plan_in_processes(tasks: list[tuple[int, int]], labels: list[str], shared: dict, workers: int,
+                       report: Callable[[int, int, str], None]) -> list[Row]:
+    """Rows in task order, planned by forked workers; `report` as each one arrives, naming the
+    first cluster still being planned. An error other than a cluster's UserError (which
+    plan_row turns into the row's reason) is raised here, as in the serial sweep."""
+    rows: list[Row | None] = [None] * len(tasks)
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                             initargs=(shared,)) as pool:
+        futures = {pool.submit(_plan_in_worker, *task): index for index, task in enumerate(tasks)}
+        report(0, len(tasks), labels[0])
+        try:
+            for done, future in enumerate(as_completed(futures), 1):
+                rows[futures[future]] = future.result()
+                pending = next((labels[i] for i, row in enumerate(rows) if row is None), "done")
+                report(done, len(tasks), pending)
+        except BaseException:  # an unexpected error or Ctrl-C: do not plan the clusters left
+            for future in futures:
+                future.cancel()
+            raise
+    return rows
 
 
 def pareto_frontier(rows: list[Row]) -> list[Row]:

@@ -13,6 +13,9 @@ Objective (add_time_objective()):
     D_max >= non-overlapped per-rank step-end time (DP sync, optimizer), slots = m + bubble.
 All coefficients come from `Tables`, computed by `autoplan.cost` in Python before the
 model is built (integers: nanoseconds and KiB). The solver derives no cost formula.
+One group of identical blocks (a plain transformer) is solved exactly without CP-SAT by
+`homogeneous.py`; the per-rank CP-SAT model `_solve_homogeneous` remains for tables outside
+that solver's assumptions and as its cross-check in tests/solve.
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ def objective_ns(tables: Tables, cuts, full, selective) -> float:
 def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1,
                     hint: Partition | None = None) -> Partition | None:
     """Best partition and recomputation for one outer configuration, or None if nothing fits."""
+    from autoplan.solve import homogeneous
+
+    if homogeneous.applies(tables):  # one group of identical blocks: exact, no MIP needed
+        return homogeneous.solve_identical(tables)
     if len(tables.groups) == 1:
         return _solve_homogeneous(tables, time_limit_s, workers)
     model = cp_model.CpModel()
@@ -280,13 +287,22 @@ def _solve_homogeneous(tables: Tables, time_limit_s: float, workers: int) -> Par
     solver, status = _solve(model, time_limit_s, workers)
     if solver is None:
         return None
+    return fill_chunks(tables, [solver.value(x) for x in n], [solver.value(x) for x in full],
+                       [solver.value(x) for x in sel], objective_ns=round(solver.objective_value) / scale,
+                       status=solver.status_name(status))
+
+
+def fill_chunks(tables: Tables, blocks: list[int], full: list[int], selective: list[int], *,
+                objective_ns: float, status: str) -> Partition:
+    """One group: blocks and recomputed blocks per rank -> a Partition, each rank's blocks spread
+    evenly over its chunks (earlier chunks get the extra ones), fully recomputed blocks first."""
     counts = [0] * tables.chunks
     fulls = [[0] for _ in range(tables.chunks)]
     sels = [[0] for _ in range(tables.chunks)]
-    for r in range(pp):
+    for r in range(tables.pp):
         chunks = _rank_chunks(tables, r)
-        base, extra = divmod(solver.value(n[r]), len(chunks))
-        f_left, s_left = solver.value(full[r]), solver.value(sel[r])
+        base, extra = divmod(blocks[r], len(chunks))
+        f_left, s_left = full[r], selective[r]
         for i, k in enumerate(chunks):
             counts[k] = base + (1 if i < extra else 0)
             fulls[k][0] = min(f_left, counts[k])
@@ -296,7 +312,5 @@ def _solve_homogeneous(tables: Tables, time_limit_s: float, workers: int) -> Par
     cuts = [0]
     for count in counts:
         cuts.append(cuts[-1] + count)
-    return Partition(
-        cuts=tuple(cuts), full=tuple(tuple(f) for f in fulls), selective=tuple(tuple(x) for x in sels),
-        objective_ns=round(solver.objective_value) / scale, status=solver.status_name(status),
-    )
+    return Partition(cuts=tuple(cuts), full=tuple(tuple(f) for f in fulls),
+                     selective=tuple(tuple(x) for x in sels), objective_ns=objective_ns, status=status)

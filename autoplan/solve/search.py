@@ -1,12 +1,13 @@
-"""Search: enumerate outer configurations, bound, solve the partition with CP-SAT, rank.
+"""Search: enumerate outer configurations, bound, solve the partition exactly, rank.
 
 Branch and bound over the outer configurations (degrees, ZeRO, offload, micro-batch,
 schedule, precision). A family (same degrees, micro-batch and precision) is bounded by
 perfect stage balance without recomputation at its smallest bubble; families are visited
 in bound order and the search stops when the bound reaches the K-th best step time found,
 so every configuration left out provably cannot enter the top K. Within a configuration
-CP-SAT places blocks on stages and chooses recomputation per stage; the step time of each
-solved candidate is then computed exactly by `cost.estimate`.
+`solve_partition` (a direct solver for identical blocks, CP-SAT otherwise: cpsat.py) places
+blocks on stages and chooses recomputation per stage; the step time of each solved
+candidate is then computed exactly by `cost.estimate`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from autoplan.cost import Estimate
 from autoplan.graph import ModelGraph
 from autoplan.solve.cpsat import Partition, solve_partition
 from autoplan.solve.space import Request, outer_configs
-from autoplan.solve.tables import LayerCostCache, build_tables, lower_bound_ns, memory_lower_bound_kib
+from autoplan.solve.tables import (LayerCostCache, build_tables, lower_bound_ns, memory_lower_bound_kib,
+                                   time_lower_bound_ns)
 
 GIB_KIB = 2**20
 
@@ -113,10 +115,10 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             skipped_memory.append((family_least, len(members)))
             continue
         variants = {(m.zero_stage, m.offload) for m in members}
+        slots = build_slots(replace(members[0], schedule="1f1b", vpp=1))
         per_slot = min(
-            lower_bound_ns(build_tables(graph, replace(members[0], zero_stage=z, offload=o, schedule="1f1b",
-                                                       vpp=1), cluster, fixed_rc, cache=cache),
-                           memory_aware=False) / build_slots(replace(members[0], schedule="1f1b", vpp=1))
+            time_lower_bound_ns(graph, replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1),
+                                cluster, cache=cache) / slots
             for z, o in variants)
         bound = min(build_slots(m) for m in members) * per_slot * 1e-9
         bounds.append((bound, key))

@@ -32,7 +32,14 @@ def _kib(nbytes: float) -> int:
 
 
 def block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
-    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order."""
+    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order
+    (memoised on the graph: every table of a search asks)."""
+    if "block_runs" not in graph.memo:
+        graph.memo["block_runs"] = tuple(_block_runs(graph))
+    return list(graph.memo["block_runs"])
+
+
+def _block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
     runs: list[tuple[int, int, str]] = []
     for index, (_, name) in enumerate(graph.layer_order):
         if runs and runs[-1][2] == name and runs[-1][1] == index:
@@ -53,11 +60,9 @@ class LayerCostCache:
         return layer_cost(block, graph, config, cluster, mode)
 
 
-def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
-                 fixed_recompute: str | None = None, with_tail: bool = False,
-                 cache: LayerCostCache | None = None) -> Tables:
-    cache = cache or LayerCostCache()
-    modes = allowed_modes(config, fixed_recompute)
+def _group_tables(graph: ModelGraph, config: ParallelConfig, cluster,
+                  cache: LayerCostCache) -> tuple[list[GroupTable], float]:
+    """Per group of identical blocks: its table, and the largest ZeRO-3 gather of any block."""
     groups = []
     largest_gather = 0.0
     for lo, hi, name in block_runs(graph):
@@ -70,13 +75,28 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
             state_kib=_kib(costs["none"].state_bytes),
             activation_kib={m: _kib(c.activation_bytes) for m, c in costs.items()},
         ))
+    return groups, largest_gather
+
+
+def _fixed_time_s(graph: ModelGraph, config: ParallelConfig, cluster, pre, post) -> list[float]:
+    """Per chunk: pipeline send/recv, plus the embedding on chunk 0 and the head on the last."""
+    p2p = pp_p2p_s(graph, config, cluster)
+    fixed_time = [p2p] * num_virtual_stages(config)
+    fixed_time[0] += pre.time_s
+    fixed_time[-1] += post.time_s
+    return fixed_time
+
+
+def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
+                 fixed_recompute: str | None = None, with_tail: bool = False,
+                 cache: LayerCostCache | None = None) -> Tables:
+    cache = cache or LayerCostCache()
+    modes = allowed_modes(config, fixed_recompute)
+    groups, largest_gather = _group_tables(graph, config, cluster, cache)
     pre = cache.get(graph.pre, graph, config, cluster, "none")
     post = cache.get(graph.post, graph, config, cluster, "none")
     chunks = num_virtual_stages(config)
-    p2p = pp_p2p_s(graph, config, cluster)
-    fixed_time = [p2p] * chunks
-    fixed_time[0] += pre.time_s
-    fixed_time[-1] += post.time_s
+    fixed_time = _fixed_time_s(graph, config, cluster, pre, post)
     buffers = (cost_memory.pipeline_buffer_bytes(graph, config)
                + cost_memory.zero3_buffer_bytes(max(largest_gather, pre.zero3_gather_params,
                                                     post.zero3_gather_params), config))
@@ -94,12 +114,28 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     tail = _even_partition_tail_s(graph, config, cluster) if with_tail else 0.0
     return Tables(
         num_layers=graph.num_layers, pp=config.pp, vpp=chunks // config.pp, groups=groups,
-        slots=m + cost_pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp),
+        slots=_slots(config),
         in_flight=in_flight, capacity_kib=_kib(cost_hw.memory_bytes(cluster.gpu)),
         fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
         fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
         modes=modes,
     )
+
+
+def _slots(config: ParallelConfig) -> float:
+    return config.num_microbatches + cost_pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp)
+
+
+def time_lower_bound_ns(graph: ModelGraph, config: ParallelConfig, cluster,
+                        cache: LayerCostCache | None = None) -> float:
+    """`lower_bound_ns(build_tables(graph, config, cluster), memory_aware=False)`, the same
+    number, without the memory terms it does not read (the search bounds every family by it)."""
+    cache = cache or LayerCostCache()
+    groups, _ = _group_tables(graph, config, cluster, cache)
+    pre = cache.get(graph.pre, graph, config, cluster, "none")
+    post = cache.get(graph.post, graph, config, cluster, "none")
+    fixed_time_ns = [_ns(t) for t in _fixed_time_s(graph, config, cluster, pre, post)]
+    return _balanced_ns(_slots(config), config.pp, groups, fixed_time_ns, 0.0, [_ns(0.0)] * config.pp)
 
 
 def _even_partition_tail_s(graph: ModelGraph, config: ParallelConfig, cluster) -> float:
@@ -119,9 +155,14 @@ def lower_bound_ns(tables: Tables, memory_aware: bool = True) -> float:
     micro-batches any rank has, so the saving is overestimated and the bound stays valid).
     Infinite when even recomputing everything cannot fit.
     """
-    base = sum(min(g.time_ns.values()) * (g.hi - g.lo) for g in tables.groups) + sum(tables.fixed_time_ns)
     extra = _forced_recompute_ns(tables) if memory_aware else 0.0
-    return tables.slots * (base + extra) / tables.pp + min(tables.fixed_sync_ns or [0])
+    return _balanced_ns(tables.slots, tables.pp, tables.groups, tables.fixed_time_ns, extra, tables.fixed_sync_ns)
+
+
+def _balanced_ns(slots: float, pp: int, groups: list[GroupTable], fixed_time_ns: list[int], extra: float,
+                 fixed_sync_ns: list[int]) -> float:
+    base = sum(min(g.time_ns.values()) * (g.hi - g.lo) for g in groups) + sum(fixed_time_ns)
+    return slots * (base + extra) / pp + min(fixed_sync_ns or [0])
 
 
 def _forced_recompute_ns(tables: Tables) -> float:

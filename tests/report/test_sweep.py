@@ -106,3 +106,30 @@ def test_cluster_where_nothing_fits_is_a_row_not_an_error(graph8b):
                       precision="bf16", usd_per_gpu_hour=2.5, assumptions=sw.GoodputAssumptions(), error=None)
     assert not row.fits and row.run is None
     assert "no configuration fits in 40.0 GiB" in row.reason
+
+
+def test_parallel_sweep_has_the_serial_rows_in_order(graph8b):
+    from autoplan.hardware import load_gpu
+
+    # 12 GPUs do not fill 8-GPU nodes: make_cluster's UserError must come back as that row's reason
+    graph, ref, seq = graph8b
+    gpus = [load_gpu("h100"), load_gpu("a100-sxm4-80gb")]
+    kwargs = dict(seq_len=seq, global_batch=BATCH, tokens=TOKENS, prices=PRICES, error=None)
+    calls = []
+    parallel = sw.run_sweep(graph, ref, gpus, [8, 12], workers=2, progress=lambda *call: calls.append(call),
+                            **kwargs)
+    serial = sw.run_sweep(graph, ref, gpus, [8, 12], workers=1, **kwargs)
+    assert [r.label for r in parallel.rows] == ["8 x h100-sxm-80gb", "12 x h100-sxm-80gb",
+                                                "8 x a100-sxm4-80gb", "12 x a100-sxm4-80gb"]
+    for p, s in zip(parallel.rows, serial.rows):
+        assert (p.label, p.reason, p.solver_status, p.estimate) == (s.label, s.reason, s.solver_status, s.estimate)
+        assert (p.run and (p.run.time_s, p.run.cost_usd)) == (s.run and (s.run.time_s, s.run.cost_usd))
+        assert p.frontier == s.frontier
+    assert parallel.rows[0].fits and not parallel.rows[1].fits and "12" in parallel.rows[1].reason
+    assert calls[0][:2] == (0, 4) and calls[-1] == (4, 4, "done")
+    assert [c[0] for c in calls[1:-1]] == [1, 2, 3, 4]  # one call as each cluster arrives
+
+
+def test_default_workers():
+    assert sw.default_workers(1) == 1
+    assert 1 <= sw.default_workers(32) <= 32
