@@ -20,7 +20,9 @@ GRAPHS = {"dense": dict(model_type="llama", **TINY),
           "moe": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **TINY)}
 COMPUTE_KEY = {"tp", "cp", "ep", "micro_batch", "precision", "sequence_parallel"}
 LAYER_KEY = {"global_batch", "seq_len", "dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "micro_batch",
-             "precision", "sequence_parallel", "dp_replicate", "dp_shard"}  # dp_shard = dp // dp_replicate
+             "precision", "sequence_parallel", "dp_replicate",
+             "dp_shard",  # = dp // dp_replicate
+             "num_microbatches"}  # = global_batch // (dp * micro_batch)
 
 
 class Recording:
