@@ -1,0 +1,56 @@
+"""Counts the collectives FSDP issues in one training step (one process group).
+
+usage: torchrun --nproc-per-node 2 collectives_worker.py RESULTS.json RUN_DIR
+For ZeRO-2 and ZeRO-3 plans with 1 and 4 micro-batches per step, rank 0 writes
+{"zero<k>_m<m>": {"reduce_scatter": n, "all_gather": n}} for the second step (the first
+builds FSDP's lazy state).
+"""
+
+import json
+import sys
+from collections import Counter
+
+import torch.distributed as dist
+
+from autoplan.plan import Plan
+from autoplan.runtime import TrainArgs, Trainer, init_distributed
+from runtime_models import SEED, builder, plan_dict
+
+# FSDP2 (torch 2.13) issues its collectives through these two (_fsdp_collectives.py)
+COUNTED = {"reduce_scatter_single": "reduce_scatter", "all_gather_single": "all_gather"}
+
+
+def _count_calls(counts: Counter) -> None:
+    for name, kind in COUNTED.items():
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, _kind=kind, **kwargs):
+            counts[_kind] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def main() -> None:
+    init_distributed()
+    counts: Counter = Counter()
+    _count_calls(counts)
+    results = {}
+    for zero in (2, 3):
+        for microbatches in (1, 4):
+            # every block its own FSDP unit, as in generated plans (which list each block's recompute)
+            plan = Plan.from_dict(plan_dict(dp=2, zero_stage=zero, global_batch=2 * microbatches,
+                                            recompute={f"layers.{i}": "none" for i in range(4)}))
+            trainer = Trainer(builder("llama"), plan, TrainArgs(steps=1, seed=SEED, log_every=10**9, run_dir=sys.argv[2]))
+            trainer.run()  # first step: FSDP's lazy init gathers once more
+            counts.clear()
+            trainer.step(1)
+            results[f"zero{zero}_m{microbatches}"] = dict(counts)
+    if dist.get_rank() == 0:
+        json.dump(results, open(sys.argv[1], "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""FSDP issues the collectives the cost model charges (cost/layers.py zero2_comm_s, zero3_comm_s).
+
+Counted over one step on 2 gloo ranks, 4 transformer blocks + root = 5 FSDP units, with 1
+and with 4 micro-batches per step: ZeRO-2 gathers its weights once per step and
+reduce-scatters every micro-batch (gradients stay sharded); ZeRO-3 gathers and
+reduce-scatters every micro-batch. Skipping the per-micro-batch sync (accumulating
+unsharded gradients) would show as one reduce-scatter per unit per step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_fsdp_reduce_scatters_every_microbatch(torchrun, tmp_path):
+    proc = torchrun("collectives_worker.py", 2, tmp_path / "counts.json", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    for zero in (2, 3):
+        one, four = counts[f"zero{zero}_m1"], counts[f"zero{zero}_m4"]
+        assert four["reduce_scatter"] == 4 * one["reduce_scatter"] > 0, counts
+    assert counts["zero2_m4"]["all_gather"] == counts["zero2_m1"]["all_gather"] > 0, counts
+    assert counts["zero3_m4"]["all_gather"] == 4 * counts["zero3_m1"]["all_gather"], counts
