@@ -8,6 +8,7 @@ inside one torchrun launch).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -393,6 +394,11 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         owns_group = not dist.is_initialized()
         init_distributed()
         losses = Trainer(build_model, plan, args, meta=meta).run()
+        # FSDP/DTensor state forms reference cycles that only the cyclic GC frees; left to
+        # interpreter shutdown, their tensors and collective handles are destroyed after the
+        # runtime is half torn down, where gloo can abort the process (SIGABRT seen in
+        # tests/runtime/test_checkpoint.py; pytorch/pytorch PR #179291 describes the race)
+        gc.collect()
         if owns_group:  # leave together: no rank tears down while a peer still talks
             dist.barrier()
             dist.destroy_process_group()

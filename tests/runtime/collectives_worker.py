@@ -6,6 +6,7 @@ For ZeRO-2 and ZeRO-3 plans with 1 and 4 micro-batches per step, rank 0 writes
 builds FSDP's lazy state).
 """
 
+import gc
 import json
 import sys
 from collections import Counter
@@ -48,6 +49,7 @@ def main() -> None:
             results[f"zero{zero}_m{microbatches}"] = dict(counts)
     if dist.get_rank() == 0:
         json.dump(results, open(sys.argv[1], "w"))
+    gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py train)
     dist.barrier()
     dist.destroy_process_group()
 

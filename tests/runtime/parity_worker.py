@@ -5,6 +5,7 @@ CONFIGS.json: [{"name": ..., "kind": "llama|mixtral|gpt", "plan": {...}}, ...]
 Rank 0 writes {name: {"losses": [...], "seconds": s}} to RESULTS.json after each plan.
 """
 
+import gc
 import json
 import sys
 import time
@@ -33,6 +34,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"{config['name']}: {time.perf_counter() - start:.1f}s {losses} {trainer.grad_norms}", flush=True)
             json.dump(results, open(sys.argv[2], "w"))
+    gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py train)
     dist.barrier()  # nobody tears down while a peer still talks
     dist.destroy_process_group()
 
