@@ -23,7 +23,7 @@ from autoplan.graph import ModelGraph
 from autoplan.solve.cpsat import Partition, solve_partition
 from autoplan.solve.space import Request, outer_configs
 from autoplan.solve.tables import (LayerCostCache, build_tables, lower_bound_ns, memory_lower_bound_kib,
-                                   time_lower_bound_ns)
+                                   pipeline_slots, time_lower_bound_ns)
 
 GIB_KIB = 2**20
 
@@ -115,12 +115,12 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             skipped_memory.append((family_least, len(members)))
             continue
         variants = {(m.zero_stage, m.offload) for m in members}
-        slots = build_slots(replace(members[0], schedule="1f1b", vpp=1))
+        slots = pipeline_slots(replace(members[0], schedule="1f1b", vpp=1))
         per_slot = min(
             time_lower_bound_ns(graph, replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1),
                                 cluster, cache=cache) / slots
             for z, o in variants)
-        bound = min(build_slots(m) for m in members) * per_slot * 1e-9
+        bound = min(pipeline_slots(m) for m in members) * per_slot * 1e-9
         bounds.append((bound, key))
     bounds.sort()
     runs = block_runs(graph)
@@ -169,12 +169,6 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
         wall_s=time.perf_counter() - start, configurations_considered=len(configs),
         configurations_solved=solved, least_memory_gib=least_mem, infeasible_by_memory=infeasible,
     )
-
-
-def build_slots(config: ParallelConfig) -> float:
-    from autoplan.cost import pipeline
-
-    return config.num_microbatches + pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp)
 
 
 OFFLOAD_ORDER = {"none": 0, "optimizer": 1, "params": 2, "both": 3}

@@ -114,7 +114,7 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     tail = _even_partition_tail_s(graph, config, cluster) if with_tail else 0.0
     return Tables(
         num_layers=graph.num_layers, pp=config.pp, vpp=chunks // config.pp, groups=groups,
-        slots=_slots(config),
+        slots=pipeline_slots(config),
         in_flight=in_flight, capacity_kib=_kib(cost_hw.memory_bytes(cluster.gpu)),
         fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
         fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
@@ -122,7 +122,8 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     )
 
 
-def _slots(config: ParallelConfig) -> float:
+def pipeline_slots(config: ParallelConfig) -> float:
+    """Micro-batches plus the schedule's bubble, in units of one stage's time per micro-batch."""
     return config.num_microbatches + cost_pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp)
 
 
@@ -135,7 +136,7 @@ def time_lower_bound_ns(graph: ModelGraph, config: ParallelConfig, cluster,
     pre = cache.get(graph.pre, graph, config, cluster, "none")
     post = cache.get(graph.post, graph, config, cluster, "none")
     fixed_time_ns = [_ns(t) for t in _fixed_time_s(graph, config, cluster, pre, post)]
-    return _balanced_ns(_slots(config), config.pp, groups, fixed_time_ns, 0.0, [_ns(0.0)] * config.pp)
+    return _balanced_ns(pipeline_slots(config), config.pp, groups, fixed_time_ns, 0.0, [_ns(0.0)] * config.pp)
 
 
 def _even_partition_tail_s(graph: ModelGraph, config: ParallelConfig, cluster) -> float:
