@@ -105,6 +105,14 @@ def allgather_time_s(total_bytes: float, span: GroupSpan, fabric: Fabric) -> flo
 reduce_scatter_time_s = allgather_time_s
 
 
+def dp_allgather_time_s(dense_params: float, expert_params: float, bytes_per_param: float,
+                        groups: Groups, fabric: Fabric) -> float:
+    """All-gather (or reduce-scatter) of a rank's parameters, or their gradients, over the
+    data-parallel groups: dense ones over dp x cp, expert ones over the expert-DP group."""
+    return (allgather_time_s(dense_params * bytes_per_param, groups.dp, fabric)
+            + allgather_time_s(expert_params * bytes_per_param, groups.expert_dp, fabric))
+
+
 def alltoall_time_s(total_bytes: float, span: GroupSpan, fabric: Fabric) -> float:
     """All-to-all where each rank sends `total_bytes` spread evenly over the group.
 

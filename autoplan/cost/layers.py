@@ -160,12 +160,8 @@ def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: com
         return 0.0, 0.0
     w = memory.weight_bytes_per_param(config.precision)
     g = memory.grad_reduce_bytes_per_param(config.precision)
-
-    def collective(bytes_per_param: float) -> float:
-        return (comm.allgather_time_s(params.dense * bytes_per_param, groups.dp, fabric)
-                + comm.allgather_time_s(params.expert * bytes_per_param, groups.expert_dp, fabric))
-
-    gather, scatter = collective(w), collective(g)
+    gather = comm.dp_allgather_time_s(params.dense, params.expert, w, groups, fabric)
+    scatter = comm.dp_allgather_time_s(params.dense, params.expert, g, groups, fabric)
     total = 2 * gather + scatter  # AG forward, AG backward, RS of the gradients
     exposed = max(0.0, gather - fwd_s) + max(0.0, gather + scatter - bwd_s)
     return total, exposed
@@ -186,9 +182,8 @@ def zero2_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: com
     of the backward; the updated weights are gathered once per step (step.dp_sync_s)."""
     if config.zero_stage != 2 or fsdp_pipeline_unsharded(config):
         return 0.0, 0.0
-    g = memory.grad_reduce_bytes_per_param(config.precision)
-    scatter = (comm.allgather_time_s(params.dense * g, groups.dp, fabric)
-               + comm.allgather_time_s(params.expert * g, groups.expert_dp, fabric))
+    scatter = comm.dp_allgather_time_s(params.dense, params.expert,
+                                       memory.grad_reduce_bytes_per_param(config.precision), groups, fabric)
     return scatter, max(0.0, scatter - bwd_s)
 
 

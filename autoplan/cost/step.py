@@ -74,12 +74,9 @@ def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> f
                     + comm.allreduce_time_s(expert_params * g, groups.expert_dp, fabric))
         # reduce-scatter the gradients (ZeRO-2 outside a pipeline did so per micro-batch:
         # layers.zero2_comm_s), all-gather the updated 16-bit weights
-        scatter = 0.0 if per_microbatch_scatter else (
-            comm.allgather_time_s(dense_params * g, groups.dp, fabric)
-            + comm.allgather_time_s(expert_params * g, groups.expert_dp, fabric))
-        return (scatter
-                + comm.allgather_time_s(dense_params * w, groups.dp, fabric)
-                + comm.allgather_time_s(expert_params * w, groups.expert_dp, fabric))
+        scatter = 0.0 if per_microbatch_scatter else comm.dp_allgather_time_s(
+            dense_params, expert_params, g, groups, fabric)
+        return scatter + comm.dp_allgather_time_s(dense_params, expert_params, w, groups, fabric)
 
     total = sync(dense, expert)
     largest = max(s.largest_block_params for s in stages)
