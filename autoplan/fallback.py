@@ -71,7 +71,9 @@ def fallback_op(name: str, path: str, module: nn.Module, inputs: list[torch.Tens
         if isinstance(sub, nn.Linear) and id(sub.weight) not in expert_ids:
             dense_flops += 2 * tokens * sub.in_features * sub.out_features
     elem = x.element_size()
-    per_expert_inputs = sum(a + b for a, b in matrices)  # inputs and outputs of each expert matmul
+    # saved per routed token: the token (one copy, shared by every matrix that reads the hidden
+    # width: gate and up), each matrix's output, and the inputs of the others (down's input)
+    per_expert_inputs = hidden + sum(a + (b if b != hidden else 0) for a, b in matrices)
     saved = tokens * hidden * elem + tokens * max(experts, 1) * 4 + routed * per_expert_inputs * elem
     params = sum(p.numel() for p in module.parameters())
     out = torch.empty(x.shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)

@@ -172,3 +172,44 @@ def test_llama_70b_shape_traces_in_one_block_pass():
     attention = 80 * 4 * 4096 * 4096 * 8192
     assert graph.forward_flops() == pytest.approx(2 * n_nonemb * 4096 + attention, rel=0.01)
     assert math.isclose(graph.segment("layers").count, 80)
+
+
+def _op(graph, name):
+    return dict(graph.graph.nodes(data=True))[name]["op"]
+
+
+def test_grouped_query_attention_saves_kv_at_kv_heads():
+    # FlashAttention-style kernels with grouped K/V (SDPA enable_gqa, TE, FA2) keep q, k, v
+    # and the output for backward at their own head counts plus an fp32 log-sum-exp per
+    # query row (Dao et al. 2022, Alg. 2): K/V expanded to the query heads would count
+    # heads/kv_heads times more bytes for them.
+    b, s, heads, kv_heads, hd = 2, 32, 6, 2, 16
+    config = dict(model_type="llama", hidden_size=heads * hd, num_hidden_layers=1,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  intermediate_size=160, vocab_size=300)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, tokens(b, s))
+    attention = [op for _, d in graph.graph.nodes(data=True) if (op := d["op"]).kind == "attention"]
+    assert len(attention) == 1
+    elem = graph.dtype_bytes
+    expected = b * s * hd * (2 * heads + 2 * kv_heads) * elem + b * heads * s * 4
+    assert attention[0].saved_bytes == expected
+
+
+def test_gated_moe_fallback_saves_each_routed_tensor_once():
+    # A gated expert (gate, up: h -> f; down: f -> h) needs for backward, per routed token:
+    # its input (read by gate and up alike: one copy), the gate and up outputs, their
+    # product (down's input) and down's output (the router-weighted combine): 2h + 3f
+    # elements (Megatron-Core's grouped MLP keeps the same set). Plus the layer input and
+    # the fp32 router logits per token.
+    h, f, experts, top_k, b, s = 64, 96, 4, 2, 2, 32
+    config = dict(model_type="mixtral", hidden_size=h, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=f, vocab_size=128,
+                  num_local_experts=experts, num_experts_per_tok=top_k)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, tokens(b, s))
+    elem, t = graph.dtype_bytes, b * s
+    expected = t * h * elem + t * experts * 4 + t * top_k * (2 * h + 3 * f) * elem
+    assert _op(graph, "layers.0.mlp").saved_bytes == expected

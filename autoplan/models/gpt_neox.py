@@ -53,11 +53,11 @@ class PartialRotaryAttention(nn.Module):
         q = self._rotate(self.q_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)
         k = self._rotate(self.k_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
-        if self.kv_repeat > 1:
-            k = k.repeat_interleave(self.kv_repeat, dim=2)
-            v = v.repeat_interleave(self.kv_repeat, dim=2)
+        # grouped K/V heads go in unexpanded (enable_gqa): attention kernels save them at
+        # kv_heads size and context parallelism sends them around the ring at that size
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=self.kv_repeat > 1,
         )
         return self.dense(out.transpose(1, 2).reshape(batch, seq, -1))
 

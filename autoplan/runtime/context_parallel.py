@@ -6,8 +6,10 @@ names, `F.scaled_dot_product_attention` is replaced by `RingAttention`: K and V 
 around the cp ring (cp-1 hops, each overlapped with the attention of the block already
 here); partial outputs are merged with their log-sum-exp (online softmax). The backward
 passes K, V and their gradient accumulators around the ring again, so dK/dV arrive back
-at their owner after cp hops. torch's own context_parallel() has no CPU SDPA sharding rule
-(torch 2.13), so this is used on every device.
+at their owner after cp hops. Grouped-query K/V (fewer heads than Q, SDPA's enable_gqa)
+travel at their own size and are expanded to Q's heads only for each block's scores.
+torch's own context_parallel() has no CPU SDPA sharding rule (torch 2.13), so this is used
+on every device.
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ def _ring_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[torc
     return recv, dist.batch_isend_irecv(ops)
 
 
+def _expand_heads(t: torch.Tensor, repeat: int) -> torch.Tensor:
+    """K/V (B, H_kv, S, D) -> (B, H_kv * repeat, S, D), each K/V head serving `repeat` query heads."""
+    return t.repeat_interleave(repeat, dim=-3) if repeat > 1 else t
+
+
+def _sum_head_groups(t: torch.Tensor, repeat: int) -> torch.Tensor:
+    """Gradient w.r.t. expanded K/V back to the grouped heads: sum each group's copies."""
+    return t.unflatten(-3, (-1, repeat)).sum(-3) if repeat > 1 else t
+
+
 def _block_scores(q, k, q_pos, k_pos, scale):
     """Masked scaled scores (B, H, Sq, Sk) in fp32; causal by absolute position."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -53,6 +65,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, seq_len, scale):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_pos = zigzag_positions(seq_len, size, rank).to(q.device)
+        repeat = q.shape[-3] // k.shape[-3]
         kv = torch.stack([k, v])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -60,10 +73,10 @@ class RingAttention(torch.autograd.Function):
             pending = _ring_exchange(kv, group) if hop < size - 1 else None
             src = (rank - hop) % size
             k_pos = zigzag_positions(seq_len, size, src).to(q.device)
-            scores = _block_scores(q, kv[0], q_pos, k_pos, scale)
+            scores = _block_scores(q, _expand_heads(kv[0], repeat), q_pos, k_pos, scale)
             block_lse = torch.logsumexp(scores, dim=-1)
             block_out = torch.matmul(torch.exp(scores - block_lse[..., None]).nan_to_num(0.0),
-                                     kv[1].float())
+                                     _expand_heads(kv[1], repeat).float())
             new_lse = torch.logaddexp(lse, block_lse)
             out = (out * torch.exp(lse - new_lse).nan_to_num(0.0)[..., None]
                    + block_out * torch.exp(block_lse - new_lse).nan_to_num(0.0)[..., None])
@@ -83,6 +96,7 @@ class RingAttention(torch.autograd.Function):
         group, seq_len, scale = ctx.group, ctx.seq_len, ctx.scale
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_pos = zigzag_positions(seq_len, size, rank).to(q.device)
+        repeat = q.shape[-3] // k.shape[-3]
         grad_out = grad_out.float()
         delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O)
         grad_q = torch.zeros_like(q, dtype=torch.float32)
@@ -91,12 +105,14 @@ class RingAttention(torch.autograd.Function):
         for hop in range(size):
             src = (rank - hop) % size
             k_pos = zigzag_positions(seq_len, size, src).to(q.device)
-            scores = _block_scores(q, kv[0], q_pos, k_pos, scale)
+            k_full, v_full = _expand_heads(kv[0], repeat).float(), _expand_heads(kv[1], repeat).float()
+            scores = _block_scores(q, k_full, q_pos, k_pos, scale)
             probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-            grad_kv[1] += torch.matmul(probs.transpose(-1, -2), grad_out)
-            grad_scores = probs * (torch.matmul(grad_out, kv[1].float().transpose(-1, -2)) - delta)
-            grad_q += torch.matmul(grad_scores, kv[0].float()) * scale
-            grad_kv[0] += torch.matmul(grad_scores.transpose(-1, -2), q.float()) * scale
+            grad_kv[1] += _sum_head_groups(torch.matmul(probs.transpose(-1, -2), grad_out), repeat)
+            grad_scores = probs * (torch.matmul(grad_out, v_full.transpose(-1, -2)) - delta)
+            grad_q += torch.matmul(grad_scores, k_full) * scale
+            grad_kv[0] += _sum_head_groups(torch.matmul(grad_scores.transpose(-1, -2), q.float()) * scale,
+                                           repeat)
             # K/V go on to the next rank with their gradient accumulators (one message);
             # the accumulators are home again after `size` hops.
             both, works = _ring_exchange(torch.cat([kv.float(), grad_kv]), group)
@@ -114,9 +130,13 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     group, seq_len = state
-    if attn_mask is not None or dropout_p or not is_causal or enable_gqa:
-        raise UserError("context parallelism supports causal SDPA without attn_mask, dropout "
-                        "or enable_gqa (repeat K/V heads before the call).")
+    if attn_mask is not None or dropout_p or not is_causal:
+        raise UserError("context parallelism supports causal SDPA without attn_mask or dropout; "
+                        "pass is_causal=True and no mask, or use cp=1 for this model.")
+    if query.shape[-3] != key.shape[-3] and (not enable_gqa or query.shape[-3] % key.shape[-3]):
+        raise UserError("context parallelism got K/V with a different head count than Q: pass "
+                        "enable_gqa=True to scaled_dot_product_attention (Q heads a multiple of "
+                        "K/V heads), or repeat the K/V heads before the call.")
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     return RingAttention.apply(query, key, value, group, seq_len, scale)
 
