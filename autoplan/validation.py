@@ -198,7 +198,9 @@ def validate_run(run: dict[str, Any]) -> RunResult:
         best = None
         for config, assumed in candidates:
             for overlap in overlaps:
-                runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat)
+                # published runs are Megatron / DeepSpeed / FSDP: 16-bit module weights
+                runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat,
+                                  autocast_fp32_weights=False)
                 est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
                 key = (est.feasible, est.tokens_per_s_per_gpu if est.feasible else -est.memory_gib_per_gpu)
                 if best is None or key > best[0]:

@@ -145,7 +145,7 @@ def estimate_partition(graph: ModelGraph, config: ParallelConfig, cluster,
     stages = [stage_cost(graph, config, cluster, i, layers, flash_attention=flash_attention,
                          runtime=runtime)
               for i, layers in enumerate(stages_layers)]
-    step = step_time_s(stages, config, cluster, graph)
+    step = step_time_s(stages, config, cluster, graph, runtime)
     return assemble(graph, config, cluster, stages, step)
 
 

@@ -34,10 +34,15 @@ class Runtime:
     GPU and are not hidden under compute, as DeepSpeed ZeRO-3 of 2021 measured by Narayanan et
     al. 2021 §5.2 (Table 2: step time ~constant as GPUs double at a fixed batch); FSDP and
     later runtimes prefetch over the hierarchical ring (zero3_comm_s).
+    autocast_fp32_weights: without ZeRO-2/3 the module keeps fp32 weights (the master copy)
+    and torch.autocast computes in 16 bits, as autoplan's runtime does (DDP and DDP +
+    ZeroRedundancyOptimizer); Megatron, DeepSpeed and the ZeRO paper keep 16-bit module
+    weights and the fp32 master in the optimizer (memory.model_state_bytes).
     """
 
     tp_comm_overlap: bool = False
     zero3_flat_gather: bool = False
+    autocast_fp32_weights: bool = True
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -314,12 +319,13 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         times = replace(times, fwd_s=times.fwd_s + h_fwd, bwd_s=times.bwd_s + h_bwd)
         recompute_s += h_rc
     dense_states = memory.model_state_bytes(params.dense, config.precision, config.zero_stage,
-                                            config.dp_shard * config.cp, config.offload)
+                                            config.dp_shard * config.cp, config.offload,
+                                            runtime.autocast_fp32_weights)
     # HSDP: states are sharded over dp_shard only, replicated over dp_replicate
     expert_states = memory.model_state_bytes(
         params.expert, config.precision, config.zero_stage,
         max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate),
-        config.offload)
+        config.offload, runtime.autocast_fp32_weights)
     if fsdp_pipeline_unsharded(config):
         unsharded = params.dense + params.expert
         dense_states["gradients"] += unsharded * memory.grad_reduce_bytes_per_param(config.precision)

@@ -47,22 +47,38 @@ def optimizer_bytes_per_param(precision: str) -> int:
 
 
 def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degree: int,
-                      offload: str = "none") -> dict[str, float]:
+                      offload: str = "none", autocast_fp32_weights: bool = False) -> dict[str, float]:
     """{parameters, gradients, optimizer} bytes on one rank for `params` parameters it holds.
 
     16 B/param for mixed-precision Adam without ZeRO; ZeRO-1/2/3 divide the optimizer /
     + gradients / + weights by `shard_degree` (ZeRO §5.1, Figure 1).
+
+    `autocast_fp32_weights`: below ZeRO-2 the runtime keeps the fp32 master weights as the
+    module's own parameters and computes in 16 bits under torch.autocast (autoplan's runtime:
+    DDP, DDP + ZeroRedundancyOptimizer), so weights and gradients take 4 B each and the
+    optimizer holds only Adam's two moments (8 B), the part ZeRO-1 shards; still 16 B in all.
     """
     w = weight_bytes_per_param(precision)
     n = max(shard_degree, 1)
     weights = params * w / (n if zero_stage >= 3 else 1)
     grads = params * w / (n if zero_stage >= 2 else 1)
     optimizer = params * optimizer_bytes_per_param(precision) / (n if zero_stage >= 1 else 1)
+    if autocast_fp32_weights and zero_stage < 2 and precision != "fp32":
+        weights = grads = params * FP32_BYTES
+        optimizer = params * ADAM_FP32_OPTIMIZER_BYTES / (n if zero_stage >= 1 else 1)
     if offload in ("optimizer", "both"):
         optimizer = 0.0
     if offload in ("params", "both"):
         weights = 0.0
     return {"parameters": weights, "gradients": grads, "optimizer": optimizer}
+
+
+def synced_weight_bytes_per_param(precision: str, zero_stage: int, autocast_fp32_weights: bool) -> int:
+    """Bytes per parameter a ZeRO-1/2 step all-gathers after the sharded update: the module's
+    weights, fp32 where the runtime autocasts from fp32 weights (model_state_bytes)."""
+    if autocast_fp32_weights and zero_stage < 2 and precision != "fp32":
+        return FP32_BYTES
+    return weight_bytes_per_param(precision)
 
 
 @dataclass(frozen=True)

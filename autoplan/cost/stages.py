@@ -91,12 +91,12 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
     physical = stage_index % config.pp
     costs: list[LayerCost] = []
     if stage_index == 0:
-        costs.append(layer_cost(graph.pre, graph, config, cluster, "none"))
+        costs.append(layer_cost(graph.pre, graph, config, cluster, "none", runtime=runtime))
     costs += [layer_cost(block, graph, config, cluster, mode, flash_attention=flash_attention,
                          runtime=runtime)
               for block, mode in layers]
     if stage_index == stages - 1:
-        costs.append(layer_cost(graph.post, graph, config, cluster, "none"))
+        costs.append(layer_cost(graph.post, graph, config, cluster, "none", runtime=runtime))
     comm_s: dict[str, float] = {}
     comm_total: dict[str, float] = {}
     for c in costs:

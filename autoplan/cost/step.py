@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, hw, memory, offload, pipeline
-from autoplan.cost.layers import fsdp_pipeline_unsharded
+from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime, fsdp_pipeline_unsharded
 from autoplan.cost.stages import StageCost
 from autoplan.graph import ModelGraph
 
@@ -54,7 +54,8 @@ def rank_stage_times(stage_costs: Sequence[StageCost], pp: int) -> list[float]:
     return times
 
 
-def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> float:
+def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster,
+              runtime: Runtime = DEFAULT_RUNTIME) -> float:
     """Exposed DP sync of one physical stage's parameters after the last micro-batch."""
     if config.zero_stage >= 3:
         return 0.0
@@ -62,7 +63,8 @@ def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> f
     groups = comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
     if groups.dp.size <= 1 and groups.expert_dp.size <= 1:
         return 0.0
-    w = memory.weight_bytes_per_param(config.precision)
+    w = memory.synced_weight_bytes_per_param(config.precision, config.zero_stage,
+                                             runtime.autocast_fp32_weights)
     g = memory.grad_reduce_bytes_per_param(config.precision)
     dense = sum(s.dense_params for s in stages)
     expert = sum(s.expert_params for s in stages)
@@ -105,7 +107,7 @@ def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) ->
 
 
 def step_time_s(stage_costs: Sequence[StageCost], config: ParallelConfig, cluster,
-                graph: ModelGraph) -> StepTime:
+                graph: ModelGraph, runtime: Runtime = DEFAULT_RUNTIME) -> StepTime:
     """Step time of one optimizer step from the stages' per-micro-batch costs."""
     m = config.num_microbatches
     times = rank_stage_times(stage_costs, config.pp)
@@ -115,7 +117,7 @@ def step_time_s(stage_costs: Sequence[StageCost], config: ParallelConfig, cluste
     tails = []
     for r in range(config.pp):
         mine = [s for s in stage_costs if s.physical_stage == r]
-        tails.append((dp_sync_s(mine, config, cluster), optimizer_s(mine, config, cluster)))
+        tails.append((dp_sync_s(mine, config, cluster, runtime), optimizer_s(mine, config, cluster)))
     dp_exposed, opt = max(tails, key=lambda t: t[0] + t[1])
     mine = [s for s in stage_costs if s.physical_stage == bottleneck]
     fwd_bwd = sum(s.fwd_s + s.bwd_s for s in mine)

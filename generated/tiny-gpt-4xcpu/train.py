@@ -90,8 +90,8 @@ PLAN = {
         'bubble_fraction': 0.0,
         'memory_gib_per_gpu': 1.0018558502197266,
         'memory_breakdown_gib': {
-            'parameters': 0.0001989603042602539, 'gradients': 0.0001989603042602539,
-            'optimizer': 0.0011937618255615234, 'activations': 0.00026416778564453125,
+            'parameters': 0.0003979206085205078, 'gradients': 0.0003979206085205078,
+            'optimizer': 0.0007958412170410156, 'activations': 0.00026416778564453125,
             'buffers': 0.0, 'overhead': 1.0,
         },
         'time_breakdown_s': {
@@ -109,8 +109,8 @@ PLAN = {
                 'time_per_microbatch_s': 0.0027139957537238467,
                 'memory_gib': 1.0018558502197266,
                 'memory_breakdown_gib': {
-                    'parameters': 0.0001989603042602539, 'gradients': 0.0001989603042602539,
-                    'optimizer': 0.0011937618255615234, 'activations': 0.00026416778564453125,
+                    'parameters': 0.0003979206085205078, 'gradients': 0.0003979206085205078,
+                    'optimizer': 0.0007958412170410156, 'activations': 0.00026416778564453125,
                     'buffers': 0.0, 'overhead': 1.0,
                 },
                 'in_flight': 1.0,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import estimate, layer_cost, partition, stage_cost, step_time_s
+from autoplan.cost import Runtime, estimate, layer_cost, partition, stage_cost, step_time_s
 from autoplan.errors import UserError
 
 
@@ -57,11 +57,23 @@ def test_full_recompute_costs_one_more_forward(make_gpt_graph, h100_cluster):
 def test_zero_stages_shrink_memory(make_gpt_graph, h100_cluster):
     graph = make_gpt_graph(layers=8, hidden=2048, seq=1024)
     cluster = h100_cluster(8)
-    mem = [estimate(graph, _config(global_batch=8, dp=8, tp=1, pp=1, zero_stage=z), cluster)
-           .memory_breakdown_gib for z in range(4)]
+    # the ZeRO paper's layout (16-bit module weights, fp32 master in the optimizer)
+    paper = Runtime(autocast_fp32_weights=False)
+    mem = [estimate(graph, _config(global_batch=8, dp=8, tp=1, pp=1, zero_stage=z), cluster,
+                    runtime=paper).memory_breakdown_gib for z in range(4)]
     assert mem[1]["optimizer"] == pytest.approx(mem[0]["optimizer"] / 8)
     assert mem[2]["gradients"] == pytest.approx(mem[0]["gradients"] / 8)
     assert mem[3]["parameters"] == pytest.approx(mem[0]["parameters"] / 8)
+    # autoplan's runtime (fp32 module weights under autocast below ZeRO-2): same 16 B without
+    # ZeRO, but ZeRO-1 shards only Adam's moments, so it keeps 4 B/param more than the paper
+    ours = [estimate(graph, _config(global_batch=8, dp=8, tp=1, pp=1, zero_stage=z), cluster)
+            .memory_breakdown_gib for z in range(4)]
+    states = ("parameters", "gradients", "optimizer")
+    assert sum(ours[0][k] for k in states) == pytest.approx(sum(mem[0][k] for k in states))
+    params_gib = mem[0]["parameters"] / 2  # 16-bit weights: 2 B per parameter
+    assert sum(ours[1][k] for k in states) - sum(mem[1][k] for k in states) == \
+        pytest.approx(params_gib * (4 - 4 / 8))
+    assert ours[2] == mem[2] and ours[3] == mem[3]
 
 
 def test_infeasible_when_memory_exceeds_the_gpu(make_gpt_graph, h100_cluster):

@@ -112,8 +112,11 @@ def test_pipelined_fsdp_holds_unsharded_fp32_gradients(make_gpt_graph, h100_clus
     base = dict(global_batch=64, seq_len=1024, dp=8, pp=2, micro_batch=1)
     z1, z2, z3 = (layer_cost(block, graph, ParallelConfig(**base, zero_stage=z), cluster) for z in (1, 2, 3))
     params = z2.dense_params
-    assert z2.grad_bytes >= params * 4 > z1.grad_bytes
-    assert z3.weight_bytes == pytest.approx(z1.weight_bytes)
+    # unsharded fp32 gradients (besides the sharded ones), at least ZeRO-1's fp32 gradients
+    # (autoplan's runtime autocasts from fp32 module weights below ZeRO-2)
+    assert z1.grad_bytes == pytest.approx(params * 4)
+    assert z2.grad_bytes >= params * 4 and z3.grad_bytes >= params * 4
+    assert z3.weight_bytes == pytest.approx(params * 2)  # every block's gathered 16-bit weights
     # one micro-batch per step: nothing to accumulate, ZeRO's sharding holds
     single = dict(base, global_batch=8)
     z2_single = layer_cost(block, graph, ParallelConfig(**single, zero_stage=2), cluster)

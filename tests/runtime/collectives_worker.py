@@ -3,7 +3,9 @@
 usage: torchrun --nproc-per-node 2 collectives_worker.py RESULTS.json RUN_DIR
 For ZeRO-2 and ZeRO-3 plans with 1 and 4 micro-batches per step, rank 0 writes
 {"zero<k>_m<m>": {"reduce_scatter": n, "all_gather": n}} for the second step (the first
-builds FSDP's lazy state).
+builds FSDP's lazy state). For a bf16 ZeRO-1 plan it also writes the model-state bytes the
+run holds ("zero1_bf16_states": parameters and gradients on rank 0, optimizer summed over
+ranks, and the parameter count), which cost/memory.py's autocast_fp32_weights describes.
 """
 
 import gc
@@ -11,6 +13,7 @@ import json
 import sys
 from collections import Counter
 
+import torch
 import torch.distributed as dist
 
 from autoplan.plan import Plan
@@ -32,6 +35,28 @@ def _count_calls(counts: Counter) -> None:
         setattr(dist, name, counted)
 
 
+def _zero1_bf16_states() -> dict:
+    plan = Plan.from_dict(plan_dict(dp=2, zero_stage=1, precision="bf16"))
+    trainer = Trainer(builder("llama"), plan, TrainArgs(steps=1, seed=SEED, log_every=10**9, run_dir=sys.argv[2]))
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    grads = {}  # the step frees gradients: record each as backward completes it
+    for p in trainer.params:
+        p.register_post_accumulate_grad_hook(lambda q: grads.__setitem__(id(q), nbytes(q.grad)))
+    trainer.run()
+    # ZeroRedundancyOptimizer keeps this rank's states in its local optimizer (.optim)
+    optimizer = sum(nbytes(v) for opt in trainer.optimizers for state in getattr(opt, "optim", opt).state.values()
+                    for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    total = torch.tensor([float(optimizer)])
+    dist.all_reduce(total)
+    return {"params": sum(p.numel() for p in trainer.params),
+            "parameters": sum(nbytes(p) for p in trainer.params),
+            "gradients": sum(grads.values()),
+            "optimizer_all_ranks": float(total.item())}
+
+
 def main() -> None:
     init_distributed()
     counts: Counter = Counter()
@@ -47,6 +72,7 @@ def main() -> None:
             counts.clear()
             trainer.step(1)
             results[f"zero{zero}_m{microbatches}"] = dict(counts)
+    results["zero1_bf16_states"] = _zero1_bf16_states()
     if dist.get_rank() == 0:
         json.dump(results, open(sys.argv[1], "w"))
     gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py train)

@@ -1,4 +1,4 @@
-"""FSDP issues the collectives the cost model charges (cost/layers.py zero2_comm_s, zero3_comm_s).
+"""FSDP issues the collectives the cost model charges, and ZeRO-1 holds the states it charges (cost/layers.py zero2_comm_s, zero3_comm_s).
 
 Counted over one step on 2 gloo ranks, 4 transformer blocks + root = 5 FSDP units, with 1
 and with 4 micro-batches per step: ZeRO-2 gathers its weights once per step and
@@ -24,3 +24,15 @@ def test_fsdp_reduce_scatters_every_microbatch(torchrun, tmp_path):
         assert four["reduce_scatter"] == 4 * one["reduce_scatter"] > 0, counts
     assert counts["zero2_m4"]["all_gather"] == counts["zero2_m1"]["all_gather"] > 0, counts
     assert counts["zero3_m4"]["all_gather"] == 4 * counts["zero3_m1"]["all_gather"], counts
+    # bf16 below ZeRO-2: fp32 module weights and gradients (torch.autocast), the optimizer
+    # holds Adam's two fp32 moments, sharded by ZeroRedundancyOptimizer across the 2 ranks
+    # (by whole parameters, so compared summed over ranks): what the cost model charges
+    # with autocast_fp32_weights, 8 + 8/dp bytes per parameter, not the ZeRO paper's 4 + 12/dp.
+    from autoplan.cost import memory
+
+    z1 = counts["zero1_bf16_states"]
+    n = z1["params"]
+    states = memory.model_state_bytes(n, "bf16", 1, 2, autocast_fp32_weights=True)
+    assert z1["parameters"] == states["parameters"] == 4 * n
+    assert z1["gradients"] == states["gradients"] == 4 * n
+    assert z1["optimizer_all_ranks"] == 2 * states["optimizer"] == 8 * n

@@ -95,7 +95,7 @@ def test_plan_with_recomputation_reestimates_exactly(run_cli, tmp_path):
     out = tmp_path / "plan.json"
     code, stdout, err = run_cli("plan", "llama3.1-8b", "--gpu", "a100-sxm4-40gb", "--gpus", "8",
                                 "--global-batch", "64", "--seq-len", "8192", "--fix", "offload=none",
-                                "--fix", "zero=1", "--json", "-o", str(out))
+                                "--fix", "zero=3", "--json", "-o", str(out))
     assert code == 0, err
     data = json.loads(stdout)
     modes = list(data["plan"]["recompute"].values())
