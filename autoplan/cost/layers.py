@@ -30,10 +30,11 @@ class Runtime:
 
     tp_comm_overlap: TP collectives pipelined with their GEMMs (Megatron --tp-comm-overlap,
     Transformer Engine userbuffers); autoplan's own runtime does not.
-    zero3_flat_gather: ZeRO-3 gathers and reduce-scatters run on demand at one NIC's rate per
-    GPU and are not hidden under compute, as DeepSpeed ZeRO-3 of 2021 measured by Narayanan et
-    al. 2021 §5.2 (Table 2: step time ~constant as GPUs double at a fixed batch); FSDP and
-    later runtimes prefetch over the hierarchical ring (zero3_comm_s).
+    zero3_flat_gather: ZeRO-3 gathers and reduce-scatters run at one NIC's rate per GPU, as
+    DeepSpeed ZeRO-3 of 2021 measured by Narayanan et al. 2021 §5.2 (Table 2: step time
+    ~constant as GPUs double at a fixed batch), prefetched under compute
+    (zero3_flat_comm_s); FSDP and later runtimes gather over the hierarchical ring
+    (zero3_comm_s).
     autocast_fp32_weights: without ZeRO-2/3 the module keeps fp32 weights (the master copy)
     and torch.autocast computes in 16 bits, as autoplan's runtime does (DDP and DDP +
     ZeroRedundancyOptimizer); Megatron, DeepSpeed and the ZeRO paper keep 16-bit module
@@ -193,22 +194,33 @@ def zero2_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: com
 
 
 def zero3_flat_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
-                      groups: comm.Groups, recompute: str) -> float:
-    """ZeRO-3 per micro-batch when every gather streams the block through the GPU's own NIC
-    (one NIC per GPU, no hierarchical ring across the node's NICs) and is not overlapped
-    (Runtime.zero3_flat_gather): all-gather in forward, again in the recomputation forward
+                      groups: comm.Groups, recompute: str, fwd_s: float, recompute_s: float,
+                      bwd_s: float) -> tuple[float, float]:
+    """(total, exposed) ZeRO-3 per micro-batch when every gather streams the block through the
+    GPU's own NIC (one NIC per GPU, no hierarchical ring across the node's NICs;
+    Runtime.zero3_flat_gather): all-gather in forward, again in the recomputation forward
     and in backward, reduce-scatter of the gradients in the 16-bit training dtype (DeepSpeed's
     communication_data_type defaults to the model's fp16). A NIC streams at the measured
-    single-NIC rate (the all-to-all fraction, hardware.md B.3 [NCCLT-267])."""
+    single-NIC rate (the all-to-all fraction, hardware.md B.3 [NCCLT-267]). DeepSpeed
+    prefetches the next parameters while a block computes (ZeRO-Infinity's overlap-centric
+    design, Rajbhandari et al. 2021 arXiv:2104.07857 §6; overlap_comm and
+    stage3_prefetch_bucket_size in its ZeRO-3 config), so each pass exposes what its own
+    compute cannot hide, as zero3_comm_s; at the single-NIC rate the larger runs stay
+    communication-bound, the ~constant step time as GPUs double that Narayanan et al. 2021
+    §5.2 (Table 2) measured."""
     if config.zero_stage < 3:
-        return 0.0
+        return 0.0, 0.0
     n = groups.dp.size
     if groups.dp.nodes <= 1 or n <= 1:
-        return zero3_comm_s(params, config, fabric, groups, 0.0, 0.0)[1]
+        return zero3_comm_s(params, config, fabric, groups, fwd_s + recompute_s, bwd_s)
     w = memory.weight_bytes_per_param(config.precision)
     nic = fabric.nic_bytes_per_s * fabric.inter_alltoall_fraction
-    gathers = 3 if recompute == "full" else 2
-    return (params.dense + params.expert) * (gathers + 1) * w * (n - 1) / n / nic
+    one_pass = (params.dense + params.expert) * w * (n - 1) / n / nic  # one gather or scatter
+    full = recompute == "full"
+    total = (4 if full else 3) * one_pass
+    exposed = (max(0.0, one_pass - fwd_s) + (max(0.0, one_pass - recompute_s) if full else 0.0)
+               + max(0.0, 2 * one_pass - bwd_s))
+    return total, exposed
 
 
 def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
@@ -302,7 +314,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, times.fwd_s + recompute_s,
                                       times.bwd_s)
     if runtime.zero3_flat_gather:
-        z_total = z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc)
+        z_total, z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc, times.fwd_s,
+                                               recompute_s, times.bwd_s)
     total["zero3"], exposed["zero3"] = z_total, z_exposed
     total["zero2"], exposed["zero2"] = zero2_comm_s(params, config, fabric, groups, times.bwd_s)
     exposed["zero2"] = comm.contended_exposed_s(total["zero2"], exposed["zero2"])
