@@ -180,6 +180,34 @@ def zero3_flat_gather(run: dict[str, Any]) -> bool:
     return bool(match) and tuple(int(g) for g in match.groups()) < FLAT_ZERO3_BEFORE_ARXIV
 
 
+def _partial_recompute(graph, config: ParallelConfig, cluster, flash: bool, runtime, est,
+                       assumed: dict[str, Any]):
+    """Where recomputation is unstated and none does not fit: the fewest blocks per pipeline
+    stage recomputed fully that fit (Megatron's --recompute-method block
+    --recompute-num-layers k; the planner chooses per-block recomputation the same way),
+    found by bisection (memory falls and time rises with k). Unchanged when no k fits."""
+    from dataclasses import replace
+
+    from autoplan.cost import estimate
+    from autoplan.cost.stages import num_virtual_stages, stage_layer_counts
+
+    stages = num_virtual_stages(config)
+    most = max(stage_layer_counts(graph.num_layers, config))
+    low, high, found = 1, most - 1, None
+    while low <= high:
+        k = (low + high) // 2
+        trial = estimate(graph, replace(config, stage_recompute=((k, 0),) * stages), cluster,
+                         flash_attention=flash, runtime=runtime)
+        if trial.feasible:
+            found, high = (k, trial), k - 1
+        else:
+            low = k + 1
+    if found is None:
+        return est, assumed
+    k, trial = found
+    return trial, {**assumed, "recompute": f"full on {k} of {most} blocks per stage"}
+
+
 def validate_run(run: dict[str, Any]) -> RunResult:
     """Estimate one published run; the best value under the model for unstated settings."""
     from autoplan.cost import Runtime, estimate
@@ -202,6 +230,9 @@ def validate_run(run: dict[str, Any]) -> RunResult:
                 runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat,
                                   autocast_fp32_weights=False)
                 est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
+                if not est.feasible and assumed.get("recompute") == "none":
+                    est, assumed = _partial_recompute(graph, config, cluster, flash, runtime, est,
+                                                      assumed)
                 key = (est.feasible, est.tokens_per_s_per_gpu if est.feasible else -est.memory_gib_per_gpu)
                 if best is None or key > best[0]:
                     best = (key, est, {**assumed, **({"tp_comm_overlap": overlap} if len(overlaps) > 1 else {})})
