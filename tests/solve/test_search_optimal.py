@@ -44,7 +44,9 @@ def exhaustive_best_s(graph, cluster, request) -> float:
 
 @st.composite
 def instances(draw):
-    layers = draw(st.integers(2, 12))
+    # the brute force is exponential in the layer count: 12 layers on 16 GPUs took 201 s
+    # (64 GPUs: 502 s) and made the suite's time swing by minutes; 8 layers take <= 6.4 s
+    layers = draw(st.integers(2, 8))
     heads = draw(st.sampled_from([2, 4, 8]))
     hidden = heads * draw(st.sampled_from([8, 16]))
     config = dict(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
