@@ -73,8 +73,8 @@ def fallback_op(name: str, path: str, module: nn.Module, inputs: list[torch.Tens
     elem = x.element_size()
     # saved per routed token: the token (one copy, shared by every matrix that reads the hidden
     # width: gate and up), each matrix's output, and the inputs of the others (down's input)
-    per_expert_inputs = hidden + sum(a + (b if b != hidden else 0) for a, b in matrices)
-    saved = tokens * hidden * elem + tokens * max(experts, 1) * 4 + routed * per_expert_inputs * elem
+    saved_per_routed_token = hidden + sum(a + (b if b != hidden else 0) for a, b in matrices)
+    saved = tokens * hidden * elem + tokens * max(experts, 1) * 4 + routed * saved_per_routed_token * elem
     params = sum(p.numel() for p in module.parameters())
     out = torch.empty(x.shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
     gemm = None

@@ -63,7 +63,7 @@ def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degr
     weights = params * w / (n if zero_stage >= 3 else 1)
     grads = params * w / (n if zero_stage >= 2 else 1)
     optimizer = params * optimizer_bytes_per_param(precision) / (n if zero_stage >= 1 else 1)
-    if autocast_fp32_weights and zero_stage < 2 and precision != "fp32":
+    if _fp32_module_weights(precision, zero_stage, autocast_fp32_weights):
         weights = grads = params * FP32_BYTES
         optimizer = params * ADAM_FP32_OPTIMIZER_BYTES / (n if zero_stage >= 1 else 1)
     if offload in ("optimizer", "both"):
@@ -73,10 +73,16 @@ def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degr
     return {"parameters": weights, "gradients": grads, "optimizer": optimizer}
 
 
+def _fp32_module_weights(precision: str, zero_stage: int, autocast_fp32_weights: bool) -> bool:
+    """The module itself holds fp32 weights and autocasts: mixed precision below ZeRO-2 on a
+    runtime that does so (model_state_bytes)."""
+    return autocast_fp32_weights and zero_stage < 2 and precision != "fp32"
+
+
 def synced_weight_bytes_per_param(precision: str, zero_stage: int, autocast_fp32_weights: bool) -> int:
     """Bytes per parameter a ZeRO-1/2 step all-gathers after the sharded update: the module's
     weights, fp32 where the runtime autocasts from fp32 weights (model_state_bytes)."""
-    if autocast_fp32_weights and zero_stage < 2 and precision != "fp32":
+    if _fp32_module_weights(precision, zero_stage, autocast_fp32_weights):
         return FP32_BYTES
     return weight_bytes_per_param(precision)
 
