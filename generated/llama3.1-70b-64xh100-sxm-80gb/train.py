@@ -669,23 +669,23 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 28.143377354376852,
-        'tokens_per_s': 74516.71395344636,
-        'tokens_per_s_per_gpu': 1164.3236555225994,
-        'mfu': 0.5667805071908547,
-        'hfu': 0.5691111693916517,
-        'tflops_per_gpu': 560.5459216117553,
-        'bubble_fraction': 0.01496987387932774,
+        'step_time_s': 29.000594090296733,
+        'tokens_per_s': 72314.10478938026,
+        'tokens_per_s_per_gpu': 1129.9078873340666,
+        'mfu': 0.5500272732797011,
+        'hfu': 0.5522890443868165,
+        'tflops_per_gpu': 543.9769732736244,
+        'bubble_fraction': 0.014984667065218643,
         'memory_gib_per_gpu': 79.02662658691406,
         'memory_breakdown_gib': {
             'parameters': 16.9166259765625, 'gradients': 35.94783020019531, 'optimizer': 0.0,
             'activations': 25.09967041015625, 'buffers': 0.0625, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 26.260930907154076, 'recompute': 0.0, 'exposed_comm': 1.4611436376894267,
-            'bubble': 0.4213028095333499,
+            'compute': 27.10966291376489, 'recompute': 0.0, 'exposed_comm': 1.4563669293952,
+            'bubble': 0.4345642471366439,
         },
-        'comm_breakdown_s': {'tp': 1.153465658562092, 'pp': 0.12328899425352113, 'dp': 0.18438898487381367},
+        'comm_breakdown_s': {'tp': 1.153465658562092, 'pp': 0.12328899425352113, 'dp': 0.1796122765795869},
         'model_flops_per_token': 481434796032.0,
         'peak_flops_per_gpu': 989000000000000.0,
         'worst_rank_stage': 0,
@@ -693,7 +693,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4093077361345417,
+                'time_per_microbatch_s': 0.42214817571868346,
                 'memory_gib': 79.02662658691406,
                 'memory_breakdown_gib': {
                     'parameters': 16.9166259765625, 'gradients': 35.94783020019531,
@@ -705,7 +705,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4013325038667719,
+                'time_per_microbatch_s': 0.41396244444133756,
                 'memory_gib': 70.58589172363281,
                 'memory_breakdown_gib': {
                     'parameters': 15.9381103515625, 'gradients': 33.86848449707031,
@@ -717,7 +717,7 @@ PLAN = {
             {
                 'stage': 2,
                 'blocks': 21,
-                'time_per_microbatch_s': 0.4213028095333499,
+                'time_per_microbatch_s': 0.4345642471366439,
                 'memory_gib': 67.16118240356445,
                 'memory_breakdown_gib': {
                     'parameters': 16.735015869140625, 'gradients': 35.56190872192383,
@@ -729,7 +729,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 19,
-                'time_per_microbatch_s': 0.4032493652926758,
+                'time_per_microbatch_s': 0.4160002822555353,
                 'memory_gib': 58.56506824493408,
                 'memory_breakdown_gib': {
                     'parameters': 16.119728088378906, 'gradients': 34.254422187805176,

@@ -98,12 +98,12 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 6.46635714538353,
-        'tokens_per_s': 81079.34470868198,
-        'tokens_per_s_per_gpu': 10134.918088585247,
-        'mfu': 0.5934701882316694,
-        'hfu': 0.5934701882316694,
-        'tflops_per_gpu': 586.942016161121,
+        'step_time_s': 6.643412548297739,
+        'tokens_per_s': 78918.47694064098,
+        'tokens_per_s_per_gpu': 9864.809617580122,
+        'mfu': 0.5776534520992951,
+        'hfu': 0.5776534520992951,
+        'tflops_per_gpu': 571.2992641262028,
         'bubble_fraction': 0.0,
         'memory_gib_per_gpu': 77.11573696136475,
         'memory_breakdown_gib': {
@@ -112,7 +112,7 @@ PLAN = {
             'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 6.157547804746538, 'recompute': 0.0, 'exposed_comm': 0.3088093406369924,
+            'compute': 6.334603207660748, 'recompute': 0.0, 'exposed_comm': 0.3088093406369924,
             'bubble': 0.0,
         },
         'comm_breakdown_s': {'zero2': 0.29080230580206695, 'dp': 0.018007034834925426},
@@ -123,7 +123,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 32,
-                'time_per_microbatch_s': 0.8048327613381371,
+                'time_per_microbatch_s': 0.8269646867024133,
                 'memory_gib': 77.11573696136475,
                 'memory_breakdown_gib': {
                     'parameters': 14.957527160644531, 'gradients': 1.8696908950805664,

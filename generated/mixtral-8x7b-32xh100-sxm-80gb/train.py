@@ -115,13 +115,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 4.664286786158203,
-        'tokens_per_s': 224809.50423369496,
-        'tokens_per_s_per_gpu': 7025.297007302967,
-        'mfu': 0.5891160690237035,
-        'hfu': 0.5891160690237035,
-        'tflops_per_gpu': 582.6357922644428,
-        'bubble_fraction': 0.05860221378243601,
+        'step_time_s': 4.826679344774462,
+        'tokens_per_s': 217245.83820452593,
+        'tokens_per_s_per_gpu': 6788.9324438914355,
+        'mfu': 0.5692953892277097,
+        'hfu': 0.5692953892277097,
+        'tflops_per_gpu': 563.0331399462049,
+        'bubble_fraction': 0.05860965989781705,
         'memory_gib_per_gpu': 76.28459167480469,
         'memory_breakdown_gib': {
             'parameters': 3.4947509765625, 'gradients': 9.723220825195312,
@@ -129,8 +129,8 @@ PLAN = {
             'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 4.326497090817803, 'recompute': 0.0, 'exposed_comm': 0.0644521639553656,
-            'bubble': 0.2733375313850344,
+            'compute': 4.4793371459860465, 'recompute': 0.0, 'exposed_comm': 0.0644521639553656,
+            'bubble': 0.28289003483304964,
         },
         'comm_breakdown_s': {'pp': 0.06106849712676057, 'dp': 0.003383666828605039},
         'model_flops_per_token': 82933972992.0,
@@ -140,7 +140,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.26148083881125456,
+                'time_per_microbatch_s': 0.2706565160325333,
                 'memory_gib': 76.28459167480469,
                 'memory_breakdown_gib': {
                     'parameters': 3.4947509765625, 'gradients': 9.723220825195312,
@@ -152,7 +152,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.26104993356841566,
+                'time_per_microbatch_s': 0.27022561078969437,
                 'memory_gib': 63.95353698730469,
                 'memory_breakdown_gib': {
                     'parameters': 3.2506103515625, 'gradients': 9.204421997070312,
@@ -164,7 +164,7 @@ PLAN = {
             {
                 'stage': 2,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.26104993356841566,
+                'time_per_microbatch_s': 0.27022561078969437,
                 'memory_gib': 52.56877136230469,
                 'memory_breakdown_gib': {
                     'parameters': 3.2506103515625, 'gradients': 9.204421997070312,
@@ -176,7 +176,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.2733375313850344,
+                'time_per_microbatch_s': 0.28289003483304964,
                 'memory_gib': 42.919142723083496,
                 'memory_breakdown_gib': {
                     'parameters': 3.4947586059570312, 'gradients': 9.723237037658691,
