@@ -163,6 +163,19 @@ def tp_comm_overlap_options(run: dict[str, Any]) -> list[bool]:
     return [False]
 
 
+# Runtimes whose published benchmarks ran the 2022 FlashAttention Triton kernel: MosaicML
+# llm-foundry's benchmark sweep (scripts/train/benchmarking/submit_benchmarks.py: `--attn_impl`
+# defaults to 'triton' in every revision that produced its MPT tables, 2023-05 to 2024-01).
+TRITON_FLASH_RUNTIMES = ("llm-foundry",)
+
+
+def flash_kernel(run: dict[str, Any]) -> str:
+    """The FlashAttention kernel of a run (compute.FLASH_KERNEL_SLOWDOWN): "triton" where its
+    runtime's benchmarks default to the Triton kernel, else "flash2"."""
+    source = f"{run.get('source', '')} {run.get('source_locator', '')}".lower()
+    return "triton" if any(name in source for name in TRITON_FLASH_RUNTIMES) else "flash2"
+
+
 # DeepSpeed ZeRO-3 as measured in 2021 (Narayanan et al. 2021 §5.2, Table 2): gathers at one
 # NIC per GPU, not overlapped. Identified by a ZeRO-3 run whose source is an arXiv paper from
 # before PyTorch FSDP / DeepSpeed's hierarchical, prefetched ZeRO-3 (2022).
@@ -223,12 +236,13 @@ def validate_run(run: dict[str, Any]) -> RunResult:
         flash = uses_flash_attention(run)
         overlaps = tp_comm_overlap_options(run)
         flat = zero3_flat_gather(run)
+        kernel = flash_kernel(run)
         best = None
         for config, assumed in candidates:
             for overlap in overlaps:
                 # published runs are Megatron / DeepSpeed / FSDP: 16-bit module weights
                 runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat,
-                                  autocast_fp32_weights=False)
+                                  autocast_fp32_weights=False, flash_kernel=kernel)
                 est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
                 if not est.feasible and assumed.get("recompute") == "none":
                     est, assumed = _partial_recompute(graph, config, cluster, flash, runtime, est,
@@ -242,7 +256,11 @@ def validate_run(run: dict[str, Any]) -> RunResult:
     _, est, assumed = best
     if run["parallel"].get("recompute") is None and recompute_implied_by_truth(run):
         assumed = {**assumed, "recompute": "full (implied by the source's FLOP accounting)"}
-    result.assumed = {**assumed, **({} if flash else {"attention": "unfused (source predates FlashAttention)"})}
+    if not flash:
+        assumed = {**assumed, "attention": "unfused (source predates FlashAttention)"}
+    elif kernel != "flash2":
+        assumed = {**assumed, "attention": f"FlashAttention {kernel} kernel (the runtime's benchmark default)"}
+    result.assumed = assumed
     result.predicted = {"tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu,
                         "memory_gib_per_gpu": est.memory_gib_per_gpu, "feasible": est.feasible,
                         "step_time_s": est.step_time_s,

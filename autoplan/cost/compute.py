@@ -28,6 +28,11 @@ BACKWARD_GEMM_FACTOR = 2.0  # Narayanan et al. 2021 §5.1
 BACKWARD_ATTENTION_FACTOR = 2.5  # Dao 2023 (FlashAttention-2) §3.1.2
 BACKWARD_MEMORY_FACTOR = 2.0  # roofline: grad in + saved input read, one grad written
 CAUSAL_FRACTION = 0.5  # causal mask: half of the score matrix is computed
+# (forward, backward) time of a FlashAttention kernel over FlashAttention-2's, whose speed the
+# GPU file measures. "triton": the 2022 FlashAttention Triton kernel (flash_attn_triton.py, on
+# pre-MLIR Triton): "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in
+# the forward pass and around 2x faster in the backward pass" (Dao 2023 §4.1, A100).
+FLASH_KERNEL_SLOWDOWN = {"flash2": (1.0, 1.0), "triton": (1.4, 2.0)}
 # Cross-entropy over the vocabulary in fp32 (Megatron vocab_parallel_cross_entropy; Korthikanti
 # et al. 2022 App. B keep fp32 logits): forward reads the 16-bit logits (2 B) and makes four
 # fp32 passes, each reading and writing 4 B (upcast, max-subtract, exp-sum, normalise);
@@ -97,11 +102,13 @@ def materialized_attention_s(attention_flops: float, head_dim: int, heads: int, 
 
 def block_times(profile: BlockProfile, hidden: int, experts: int, config: ParallelConfig,
                 gpu, traced_batch: int, traced_dtype_bytes: int, heads: int = 0,
-                seq_len: int = 0, flash_attention: bool = True) -> BlockTimes:
+                seq_len: int = 0, flash_attention: bool = True,
+                flash_kernel: str = "flash2") -> BlockTimes:
     """Forward and backward seconds of one block copy per micro-batch on one rank.
 
     `flash_attention=False` costs the attention core unfused (materialized s x s scores,
-    as Megatron-LM before FlashAttention, Dao et al. 2022)."""
+    as Megatron-LM before FlashAttention, Dao et al. 2022); otherwise `flash_kernel` names the
+    FlashAttention kernel (FLASH_KERNEL_SLOWDOWN)."""
     tp, cp = config.tp, config.cp
     ep = config.ep if experts else 1
     scale = config.micro_batch / traced_batch / cp  # tokens on this rank vs traced
@@ -119,23 +126,26 @@ def block_times(profile: BlockProfile, hidden: int, experts: int, config: Parall
     attention = profile.attention_flops * scale / tp
     flops += attention
     attention_s = 0.0
+    attention_bwd_s = 0.0
     attention_memory_s = 0.0
     if attention and not flash_attention and heads and seq_len:
         attention_s, attention_memory_s = materialized_attention_s(
             attention, profile.head_dim, heads / tp, seq_len, config.micro_batch / cp, gpu,
             config.precision, activation_dtype_bytes(config.precision))
+        attention_bwd_s = BACKWARD_GEMM_FACTOR * attention_s
     elif attention:
         peak16 = hw.peak_flops_per_s(gpu, "fp32" if config.precision == "fp32" else "bf16")
-        attention_s = attention * CAUSAL_FRACTION / (
+        flash2_s = attention * CAUSAL_FRACTION / (
             peak16 * hw.attention_fraction(gpu, attention * CAUSAL_FRACTION, profile.head_dim))
+        slow_fwd, slow_bwd = FLASH_KERNEL_SLOWDOWN[flash_kernel]
+        attention_s = flash2_s * slow_fwd
+        attention_bwd_s = BACKWARD_ATTENTION_FACTOR * flash2_s * slow_bwd
     memory = profile.memory_bytes * scale * activation_dtype_bytes(config.precision) / traced_dtype_bytes
     # without sequence parallelism the norms/dropouts run replicated on every TP rank
     memory /= tp if config.sequence_parallel else 1
     memory_s = memory / hw.hbm_bytes_per_s(gpu) + attention_memory_s
     fwd = gemm_s + attention_s + memory_s
-    attention_bwd = (BACKWARD_ATTENTION_FACTOR if flash_attention else BACKWARD_GEMM_FACTOR)
-    bwd = (BACKWARD_GEMM_FACTOR * gemm_s + attention_bwd * attention_s
-           + BACKWARD_MEMORY_FACTOR * memory_s)
+    bwd = BACKWARD_GEMM_FACTOR * gemm_s + attention_bwd_s + BACKWARD_MEMORY_FACTOR * memory_s
     return BlockTimes(gemm_s, attention_s + attention_memory_s, memory_s, fwd, bwd, flops)
 
 

@@ -39,11 +39,14 @@ class Runtime:
     and torch.autocast computes in 16 bits, as autoplan's runtime does (DDP and DDP +
     ZeroRedundancyOptimizer); Megatron, DeepSpeed and the ZeRO paper keep 16-bit module
     weights and the fp32 master in the optimizer (memory.model_state_bytes).
+    flash_kernel: the FlashAttention kernel (compute.FLASH_KERNEL_SLOWDOWN): "flash2" (FA2 and
+    later, cuDNN/TE, PyTorch SDPA) or "triton" (the 2022 Triton kernel, MosaicML's default).
     """
 
     tp_comm_overlap: bool = False
     zero3_flat_gather: bool = False
     autocast_fp32_weights: bool = True
+    flash_kernel: str = "flash2"
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -241,7 +244,7 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
 
 
 def compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
-                  flash_attention: bool = True) -> compute.BlockTimes:
+                  flash_attention: bool = True, flash_kernel: str = "flash2") -> compute.BlockTimes:
     """Forward/backward seconds of one block copy per micro-batch (GEMMs, attention, memory
     traffic, the fp32 loss in the head, the host's kernel-issue floor).
 
@@ -250,20 +253,20 @@ def compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, g
     across clusters of the same GPU object too (a sweep plans many counts of one GPU)."""
     c = config  # every field read below and by compute.block_times / loss_times_s
     key = ("compute_times", block.name, c.tp, c.cp, c.ep, c.micro_batch, c.precision, c.sequence_parallel,
-           id(gpu), flash_attention)
+           id(gpu), flash_attention, flash_kernel)
     hit = graph.memo.get(key)
     if hit is None or hit[0] is not gpu:
-        hit = (gpu, _compute_times(block, graph, config, gpu, flash_attention))
+        hit = (gpu, _compute_times(block, graph, config, gpu, flash_attention, flash_kernel))
         graph.memo[key] = hit
     return hit[1]
 
 
 def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
-                   flash_attention: bool) -> compute.BlockTimes:
+                   flash_attention: bool, flash_kernel: str = "flash2") -> compute.BlockTimes:
     profile = block_profile(graph, block)
     times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
                                 graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
-                                flash_attention)
+                                flash_attention, flash_kernel)
     if block.kind == "post" and not profile.has_loss and graph.vocab:
         loss_fwd, loss_bwd = compute.loss_times_s(_tokens_per_rank(graph, config), graph.vocab,
                                                   config.tp, gpu)
@@ -289,7 +292,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     fabric = hw.fabric(cluster)
     groups = comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
     profile = block_profile(graph, block)
-    times = compute_times(block, graph, config, gpu, flash_attention)
+    times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel)
     rc = recompute if block.kind not in ("pre", "post") else "none"
     recompute_s = compute.recompute_time_s(times, rc)
     rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc)

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import Runtime, comm, estimate, host, layer_cost
+from autoplan.cost import Runtime, comm, compute, estimate, host, layer_cost
 from autoplan.cost.layers import tp_exposed_s
 from autoplan.cost.profile import block_profile
-from autoplan.validation import load_runs, tp_comm_overlap_options, zero3_flat_gather
+from autoplan.validation import (flash_kernel, load_runs, tp_comm_overlap_options, validate_run,
+                                 zero3_flat_gather)
 
 RUNS = Path(__file__).resolve().parents[2] / "cost_models" / "validation" / "published_runs.json"
 
@@ -89,6 +90,29 @@ def test_runtime_traits_read_from_the_run_records():
     assert zero3_flat_gather(_run("narayanan21_t2_zero3_174.6b_384gpu"))
     assert not zero3_flat_gather(_run("mpt_70b_h100_80gb_64gpu_seq2048_gbs2048"))  # FSDP, not arXiv
     assert not zero3_flat_gather(_run("narayanan21_t2_ptdp_174.6b_384gpu"))  # ZeRO-1 rows
+    assert flash_kernel(_run("mpt_7b_h100_80gb_8gpu_seq2048_gbs48")) == "triton"  # llm-foundry
+    assert flash_kernel(_run("megatron_readme_h100_gpt70b_768gpu")) == "flash2"
+
+
+def test_triton_flash_kernel_slows_attention_only(make_gpt_graph, h100_cluster):
+    """The 2022 Triton FlashAttention kernel: forward 1.4x, backward 2x FlashAttention-2's time
+    (Dao 2023 §4.1); GEMMs and memory traffic are the same kernels either way."""
+    graph = make_gpt_graph(layers=2, hidden=1024, heads=16, seq=8192)
+    config = ParallelConfig(global_batch=1, seq_len=8192, dp=1, micro_batch=1)
+    block = graph.blocks[0]
+    fa2 = layer_cost(block, graph, config, h100_cluster(1))
+    triton = layer_cost(block, graph, config, h100_cluster(1), runtime=Runtime(flash_kernel="triton"))
+    from autoplan.cost.layers import compute_times
+    attention_fwd = compute_times(block, graph, config, h100_cluster(1).gpu).attention_fwd_s
+    assert attention_fwd > 0
+    assert triton.fwd_s - fa2.fwd_s == pytest.approx(0.4 * attention_fwd, rel=1e-9)
+    assert triton.bwd_s - fa2.bwd_s == pytest.approx(
+        compute.BACKWARD_ATTENTION_FACTOR * attention_fwd * (2.0 - 1.0), rel=1e-9)
+
+
+def test_validation_names_the_attention_kernel_it_assumed():
+    result = validate_run(_run("mpt_7b_h100_80gb_8gpu_seq8192_gbs128"))
+    assert "triton" in result.assumed["attention"]
 
 
 def test_zero2_reduce_scatters_every_microbatch_outside_a_pipeline(make_gpt_graph, h100_cluster):
