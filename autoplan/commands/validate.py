@@ -9,8 +9,46 @@ import click
 from autoplan.commands.options import json_option
 
 
+# numeric columns and their widths: they keep them on a narrow terminal (a pipe is 80
+# columns), where the run id folds and the assumptions column is left out
+NUMBER_COLUMNS = (("pred t/s", 8), ("meas t/s", 8), ("error", 6), ("pred GiB", 8), ("meas GiB", 8))
+ASSUMED_MIN_WIDTH = 24
+
+
 def _pct(value) -> str:
     return "-" if value is None else f"{value:+.0%}"
+
+
+def _runs_table(runs: list[dict], title: str, width: int):
+    """(rich Table, whether the assumed column was left out for lack of width)."""
+    from rich.table import Table
+
+    numbers = sum(w for _, w in NUMBER_COLUMNS)
+    run_width = min(max((len(r["id"]) for r in runs), default=3), 48)
+    borders = 3 * (len(NUMBER_COLUMNS) + 2) + 1
+    show_assumed = width - borders - numbers - run_width >= ASSUMED_MIN_WIDTH
+    if not show_assumed:
+        run_width = max(12, min(run_width, width - (borders - 3) - numbers))
+    table = Table(title=title, caption="t/s: tokens/s per GPU; error: predicted / measured - 1")
+    table.add_column("run", width=run_width, overflow="fold")
+    for name, column_width in NUMBER_COLUMNS:
+        table.add_column(name, justify="right", width=column_width, no_wrap=True)
+    if show_assumed:
+        table.add_column("assumed")
+    for run in runs:
+        if run.get("skipped"):
+            table.add_row(run["id"], "skipped", "", "", "", "", *([run["skipped"]] if show_assumed else []))
+            continue
+        p, m, e = run["predicted"], run["measured"], run["error"]
+        fits = "" if p["feasible"] else " OOM"
+        cells = [run["id"], f"{p['tokens_per_s_per_gpu']:,.0f}",
+                 f"{m['tokens_per_s_per_gpu']:,.0f}" if m["tokens_per_s_per_gpu"] else "-",
+                 _pct(e.get("tokens_per_s_per_gpu")), f"{p['memory_gib_per_gpu']:.1f}{fits}",
+                 f"{m['memory_gib_per_gpu']:.1f}" if m.get("memory_gib_per_gpu") else "-"]
+        if show_assumed:
+            cells.append(", ".join(f"{k}={v}" for k, v in run["assumed"].items()))
+        table.add_row(*cells)
+    return table, not show_assumed
 
 
 @click.command("validate")
@@ -55,23 +93,10 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"cost model vs {runs_file}")
-    for name, justify in (("run", "left"), ("pred tok/s/GPU", "right"), ("meas tok/s/GPU", "right"),
-                          ("error", "right"), ("pred GiB", "right"), ("meas GiB", "right"),
-                          ("assumed", "left")):
-        table.add_column(name, justify=justify, no_wrap=name != "assumed")
-    for run in report["runs"]:
-        if run.get("skipped"):
-            table.add_row(run["id"], "skipped", "", "", "", "", run["skipped"])
-            continue
-        p, m, e = run["predicted"], run["measured"], run["error"]
-        fits = "" if p["feasible"] else " (OOM)"
-        table.add_row(run["id"], f"{p['tokens_per_s_per_gpu']:,.0f}",
-                      f"{m['tokens_per_s_per_gpu']:,.0f}" if m["tokens_per_s_per_gpu"] else "-",
-                      _pct(e.get("tokens_per_s_per_gpu")), f"{p['memory_gib_per_gpu']:.1f}{fits}",
-                      f"{m['memory_gib_per_gpu']:.1f}" if m.get("memory_gib_per_gpu") else "-",
-                      ", ".join(f"{k}={v}" for k, v in run["assumed"].items()))
+    table, hidden = _runs_table(report["runs"], f"cost model vs {runs_file}", console.width)
     console.print(table)
+    if hidden:
+        console.print("(the assumed settings need a wider terminal, or --json)")
     s = report["summary"]
     console.print(
         f"{s['count']} runs, {s['skipped']} skipped, {s['predicted_infeasible']} predicted infeasible; "

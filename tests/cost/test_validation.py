@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,25 @@ def test_cli_json(tmp_path):
     first = data["runs"][0]
     assert set(first) >= {"id", "predicted", "measured", "error", "assumed"}
     assert set(first["predicted"]) >= {"tokens_per_s_per_gpu", "mfu", "memory_gib_per_gpu", "feasible"}
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_table_keeps_every_number_on_any_terminal(tmp_path, columns):
+    # a pipe is 80 columns wide: the numbers must survive it whole (the run id folds and the
+    # assumed settings are left out, with a note); a wide terminal shows everything
+    runs = load_runs(RUNS)[:1]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    out = subprocess.run([sys.executable, "-m", "autoplan", "validate", str(path)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "COLUMNS": str(columns)})
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if "%" in line and "│" in line)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    result = validate_file(path)["runs"][0]
+    assert cells[1] == f"{result['predicted']['tokens_per_s_per_gpu']:,.0f}"
+    assert cells[3] == f"{result['error']['tokens_per_s_per_gpu']:+.0%}"
+    assert ("micro_batch=" in out.stdout) == (columns == 200)
+    assert ("wider terminal" in out.stdout) == (columns == 80)
 
 
 def test_bad_runs_file_exits_2(tmp_path):
