@@ -90,7 +90,6 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
         click.echo(json.dumps(report, indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     table, hidden = _runs_table(report["runs"], f"cost model vs {runs_file}", console.width)
