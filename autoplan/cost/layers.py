@@ -35,17 +35,18 @@ class Runtime:
     ~constant as GPUs double at a fixed batch), prefetched under compute
     (zero3_flat_comm_s); FSDP and later runtimes gather over the hierarchical ring
     (zero3_comm_s).
-    autocast_fp32_weights: without ZeRO-2/3 the module keeps fp32 weights (the master copy)
-    and torch.autocast computes in 16 bits, as autoplan's runtime does (DDP and DDP +
-    ZeroRedundancyOptimizer); Megatron, DeepSpeed and the ZeRO paper keep 16-bit module
-    weights and the fp32 master in the optimizer (memory.model_state_bytes).
+    fp32_module_weights: the module's own parameters are the fp32 master weights, with fp32
+    gradients, as in autoplan's runtime: torch.autocast computes in 16 bits below ZeRO-2 (DDP,
+    DDP + ZeroRedundancyOptimizer), FSDP2 casts its fp32 shards to 16 bits for compute at
+    ZeRO-2/3; Megatron, DeepSpeed and the ZeRO paper keep 16-bit module weights and gradients
+    and the fp32 master in the optimizer (memory.model_state_bytes).
     flash_kernel: the FlashAttention kernel (compute.FLASH_KERNEL_SLOWDOWN): "flash2" (FA2 and
     later, cuDNN/TE, PyTorch SDPA) or "triton" (the 2022 Triton kernel, MosaicML's default).
     """
 
     tp_comm_overlap: bool = False
     zero3_flat_gather: bool = False
-    autocast_fp32_weights: bool = True
+    fp32_module_weights: bool = True
     flash_kernel: str = "flash2"
 
 
@@ -336,17 +337,21 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         recompute_s += h_rc
     dense_states = memory.model_state_bytes(params.dense, config.precision, config.zero_stage,
                                             config.dp_shard * config.cp, config.offload,
-                                            runtime.autocast_fp32_weights)
+                                            runtime.fp32_module_weights)
     # HSDP: states are sharded over dp_shard only, replicated over dp_replicate
     expert_states = memory.model_state_bytes(
         params.expert, config.precision, config.zero_stage,
         max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate),
-        config.offload, runtime.autocast_fp32_weights)
+        config.offload, runtime.fp32_module_weights)
     if fsdp_pipeline_unsharded(config):
         unsharded = params.dense + params.expert
         dense_states["gradients"] += unsharded * memory.grad_reduce_bytes_per_param(config.precision)
         if config.zero_stage >= 3 and config.offload not in ("params", "both"):
-            dense_states["parameters"] = unsharded * memory.weight_bytes_per_param(config.precision)
+            # the 16-bit gathered weights stay for the whole step; fp32 master shards stay too
+            # (a 16-bit shard is part of the gathered copy)
+            shards = (dense_states["parameters"] + expert_states["parameters"]
+                      if runtime.fp32_module_weights else 0.0)
+            dense_states["parameters"] = shards + unsharded * memory.weight_bytes_per_param(config.precision)
             expert_states["parameters"] = 0.0
     activation = memory.block_activation_bytes(graph, block, config, rc, flash_attention)
     return LayerCost(

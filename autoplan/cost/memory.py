@@ -47,24 +47,29 @@ def optimizer_bytes_per_param(precision: str) -> int:
 
 
 def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degree: int,
-                      offload: str = "none", autocast_fp32_weights: bool = False) -> dict[str, float]:
+                      offload: str = "none", fp32_module_weights: bool = False) -> dict[str, float]:
     """{parameters, gradients, optimizer} bytes on one rank for `params` parameters it holds.
 
     16 B/param for mixed-precision Adam without ZeRO; ZeRO-1/2/3 divide the optimizer /
     + gradients / + weights by `shard_degree` (ZeRO §5.1, Figure 1).
 
-    `autocast_fp32_weights`: below ZeRO-2 the runtime keeps the fp32 master weights as the
-    module's own parameters and computes in 16 bits under torch.autocast (autoplan's runtime:
-    DDP, DDP + ZeroRedundancyOptimizer), so weights and gradients take 4 B each and the
-    optimizer holds only Adam's two moments (8 B), the part ZeRO-1 shards; still 16 B in all.
+    `fp32_module_weights`: the runtime keeps the fp32 master weights as the module's own
+    parameters, with fp32 gradients (autoplan's runtime), so the optimizer holds only Adam's
+    two moments (8 B). Below ZeRO-2 torch.autocast computes from them (DDP, DDP +
+    ZeroRedundancyOptimizer): 4 + 4 + 8/N_d with ZeRO-1. FSDP2 (ZeRO-2/3) shards the fp32
+    weights and gradients and casts to 16 bits for compute: 4/N_d + 4/N_d + 8/N_d, plus, at
+    ZeRO-2, the 16-bit unsharded weights it keeps from forward to backward. 16 B in all, and
+    2 B more at ZeRO-2; the ZeRO paper's ZeRO-2 shards 16-bit gradients, 2/N_d.
     """
     w = weight_bytes_per_param(precision)
     n = max(shard_degree, 1)
     weights = params * w / (n if zero_stage >= 3 else 1)
     grads = params * w / (n if zero_stage >= 2 else 1)
     optimizer = params * optimizer_bytes_per_param(precision) / (n if zero_stage >= 1 else 1)
-    if _fp32_module_weights(precision, zero_stage, autocast_fp32_weights):
-        weights = grads = params * FP32_BYTES
+    if fp32_module_weights and precision != "fp32":
+        sharded = zero_stage >= 2
+        weights = params * FP32_BYTES / (n if sharded else 1) + (params * w if zero_stage == 2 else 0.0)
+        grads = params * FP32_BYTES / (n if sharded else 1)
         optimizer = params * ADAM_FP32_OPTIMIZER_BYTES / (n if zero_stage >= 1 else 1)
     if offload in ("optimizer", "both"):
         optimizer = 0.0
@@ -73,16 +78,16 @@ def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degr
     return {"parameters": weights, "gradients": grads, "optimizer": optimizer}
 
 
-def _fp32_module_weights(precision: str, zero_stage: int, autocast_fp32_weights: bool) -> bool:
-    """The module itself holds fp32 weights and autocasts: mixed precision below ZeRO-2 on a
-    runtime that does so (model_state_bytes)."""
-    return autocast_fp32_weights and zero_stage < 2 and precision != "fp32"
+def _autocasts_fp32_weights(precision: str, zero_stage: int, fp32_module_weights: bool) -> bool:
+    """Unsharded fp32 module weights under torch.autocast: mixed precision below ZeRO-2 on a
+    runtime with fp32 module weights (model_state_bytes)."""
+    return fp32_module_weights and zero_stage < 2 and precision != "fp32"
 
 
-def synced_weight_bytes_per_param(precision: str, zero_stage: int, autocast_fp32_weights: bool) -> int:
+def synced_weight_bytes_per_param(precision: str, zero_stage: int, fp32_module_weights: bool) -> int:
     """Bytes per parameter a ZeRO-1/2 step all-gathers after the sharded update: the module's
     weights, fp32 where the runtime autocasts from fp32 weights (model_state_bytes)."""
-    if _fp32_module_weights(precision, zero_stage, autocast_fp32_weights):
+    if _autocasts_fp32_weights(precision, zero_stage, fp32_module_weights):
         return FP32_BYTES
     return weight_bytes_per_param(precision)
 

@@ -64,7 +64,7 @@ def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster,
     if groups.dp.size <= 1 and groups.expert_dp.size <= 1:
         return 0.0
     w = memory.synced_weight_bytes_per_param(config.precision, config.zero_stage,
-                                             runtime.autocast_fp32_weights)
+                                             runtime.fp32_module_weights)
     g = memory.grad_reduce_bytes_per_param(config.precision)
     dense = sum(s.dense_params for s in stages)
     expert = sum(s.expert_params for s in stages)

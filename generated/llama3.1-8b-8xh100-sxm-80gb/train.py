@@ -105,10 +105,10 @@ PLAN = {
         'hfu': 0.5776534520992951,
         'tflops_per_gpu': 571.2992641262028,
         'bubble_fraction': 0.0,
-        'memory_gib_per_gpu': 77.11573696136475,
+        'memory_gib_per_gpu': 78.98542785644531,
         'memory_breakdown_gib': {
-            'parameters': 14.957527160644531, 'gradients': 1.8696908950805664,
-            'optimizer': 11.218145370483398, 'activations': 48.07037353515625, 'buffers': 0.0,
+            'parameters': 18.696908950805664, 'gradients': 3.739381790161133,
+            'optimizer': 7.478763580322266, 'activations': 48.07037353515625, 'buffers': 0.0,
             'overhead': 1.0,
         },
         'time_breakdown_s': {
@@ -124,10 +124,10 @@ PLAN = {
                 'stage': 0,
                 'blocks': 32,
                 'time_per_microbatch_s': 0.8269646867024133,
-                'memory_gib': 77.11573696136475,
+                'memory_gib': 78.98542785644531,
                 'memory_breakdown_gib': {
-                    'parameters': 14.957527160644531, 'gradients': 1.8696908950805664,
-                    'optimizer': 11.218145370483398, 'activations': 48.07037353515625,
+                    'parameters': 18.696908950805664, 'gradients': 3.739381790161133,
+                    'optimizer': 7.478763580322266, 'activations': 48.07037353515625,
                     'buffers': 0.0, 'overhead': 1.0,
                 },
                 'in_flight': 1.0,

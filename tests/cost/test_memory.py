@@ -86,16 +86,18 @@ def test_context_parallel_divides_tokens(traced_gpt_block):
     assert two == pytest.approx(one / 2)
 
 
-@pytest.mark.parametrize("stage, dp, expected", [(0, 8, 16.0), (1, 8, 9.0), (1, 64, 8.125)])
-def test_autocast_fp32_weights_runtime_bytes_per_parameter(stage, dp, expected):
-    # autoplan's runtime below ZeRO-2 keeps fp32 weights in the module and autocasts: 4 (fp32
-    # weights) + 4 (fp32 grads) + 8 (Adam moments, the part ZeRO-1 shards) = 8 + 8/dp with
-    # ZeRO-1, where the ZeRO paper's layout would give 4 + 12/dp. Checked against the
-    # runtime's own tensors in tests/runtime/test_collectives.py.
+@pytest.mark.parametrize("stage, dp, expected", [(0, 8, 16.0), (1, 8, 9.0), (1, 64, 8.125),
+                                                 (2, 8, 4.0), (3, 8, 2.0)])
+def test_fp32_module_weights_runtime_bytes_per_parameter(stage, dp, expected):
+    # autoplan's runtime keeps the fp32 master weights as the module's parameters, with fp32
+    # gradients. Below ZeRO-2 it autocasts: 4 (fp32 weights) + 4 (fp32 grads) + 8 (Adam
+    # moments, the part ZeRO-1 shards) = 8 + 8/dp with ZeRO-1, where the ZeRO paper's layout
+    # gives 4 + 12/dp. FSDP2 shards all three, 16/dp, and at ZeRO-2 keeps the 16-bit gathered
+    # weights from forward to backward (2 B); the paper's ZeRO-2 gives 2 + 14/dp. Checked
+    # against the runtime's own tensors in tests/runtime/test_collectives.py.
     states = memory.model_state_bytes(1e9, "bf16", zero_stage=stage, shard_degree=dp,
-                                      autocast_fp32_weights=True)
+                                      fp32_module_weights=True)
     assert sum(states.values()) / 1e9 == pytest.approx(expected)
-    # fp32 training and ZeRO-2/3 are the same for both layouts
-    for precision, z in (("fp32", 1), ("bf16", 2), ("bf16", 3)):
-        assert memory.model_state_bytes(1e9, precision, z, dp, autocast_fp32_weights=True) == \
-            memory.model_state_bytes(1e9, precision, z, dp)
+    # fp32 training is the same for both layouts
+    assert memory.model_state_bytes(1e9, "fp32", 1, dp, fp32_module_weights=True) == \
+        memory.model_state_bytes(1e9, "fp32", 1, dp)

@@ -61,7 +61,7 @@ def test_unstated_recompute_may_be_partial(report):
 
     raw = next(r for r in load_runs(RUNS) if r["id"] == run["id"])
     graph, cluster = _graph_for_run(raw), _cluster_for_run(raw)
-    runtime = Runtime(tp_comm_overlap=True, autocast_fp32_weights=False)
+    runtime = Runtime(tp_comm_overlap=True, fp32_module_weights=False)
     uniform = {c.recompute: estimate(graph, c, cluster, runtime=runtime)
                for c, a in candidate_configs(raw) if a["sequence_parallel"] and a["zero_stage"] == 1}
     assert not uniform["none"].feasible and uniform["full"].feasible

@@ -5,7 +5,8 @@ For ZeRO-2 and ZeRO-3 plans with 1 and 4 micro-batches per step, rank 0 writes
 {"zero<k>_m<m>": {"reduce_scatter": n, "all_gather": n}} for the second step (the first
 builds FSDP's lazy state). For a bf16 ZeRO-1 plan it also writes the model-state bytes the
 run holds ("zero1_bf16_states": parameters and gradients on rank 0, optimizer summed over
-ranks, and the parameter count), which cost/memory.py's autocast_fp32_weights describes.
+ranks, and the parameter count), and for bf16 ZeRO-2/3 (FSDP2) the sharded states summed over
+ranks ("zero<k>_bf16_states"), which cost/memory.py's fp32_module_weights describes.
 """
 
 import gc
@@ -57,6 +58,32 @@ def _zero1_bf16_states() -> dict:
             "optimizer_all_ranks": float(total.item())}
 
 
+def _local_bytes(t) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def _fsdp_bf16_states(zero: int) -> dict:
+    """Sharded parameter, gradient (read just before the optimizer step, which frees them)
+    and Adam state bytes of a bf16 FSDP2 plan, summed over the ranks."""
+    plan = Plan.from_dict(plan_dict(dp=2, zero_stage=zero, precision="bf16"))
+    trainer = Trainer(builder("llama"), plan, TrainArgs(steps=1, seed=SEED, log_every=10**9, run_dir=sys.argv[2]))
+    grads = []
+    for opt in trainer.optimizers:
+        def step(*args, _step=opt.step, **kwargs):
+            grads.append(sum(_local_bytes(p.grad) for p in trainer.params if p.grad is not None))
+            return _step(*args, **kwargs)
+        opt.step = step
+    trainer.run()
+    optimizer = sum(_local_bytes(v) for opt in trainer.optimizers for state in opt.state.values()
+                    for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    totals = torch.tensor([float(sum(_local_bytes(p) for p in trainer.params)), float(sum(grads)),
+                           float(optimizer)])
+    dist.all_reduce(totals)
+    return {"params": sum(p.numel() for p in trainer.params), "parameters_all_ranks": totals[0].item(),
+            "gradients_all_ranks": totals[1].item(), "optimizer_all_ranks": totals[2].item()}
+
+
 def main() -> None:
     init_distributed()
     counts: Counter = Counter()
@@ -73,6 +100,8 @@ def main() -> None:
             trainer.step(1)
             results[f"zero{zero}_m{microbatches}"] = dict(counts)
     results["zero1_bf16_states"] = _zero1_bf16_states()
+    for zero in (2, 3):
+        results[f"zero{zero}_bf16_states"] = _fsdp_bf16_states(zero)
     if dist.get_rank() == 0:
         json.dump(results, open(sys.argv[1], "w"))
     gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py train)
