@@ -10,7 +10,6 @@ moves. The exact numbers of the chosen plan always come from `cost.estimate`.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import layer_cost

@@ -9,7 +9,7 @@ import pytest
 
 from autoplan import calibrate as cal
 from autoplan.errors import UserError
-from autoplan.hardware import GB, TFLOPS, US, load_gpu, load_hardware_file, make_cluster
+from autoplan.hardware import GB, TFLOPS, load_gpu, load_hardware_file, make_cluster
 
 
 def _points(op, n, alpha_s, busbw, sizes=(1024, 65536, 4 * 2**20, 64 * 2**20), scope="intra"):

@@ -36,7 +36,7 @@ def test_unknown_gpu():
 
 
 def test_missing_prices_named_with_fix():
-    from autoplan.hardware import load_gpu, load_prices
+    from autoplan.hardware import load_prices
 
     gpus = sw.parse_gpus("h100,v100-sxm2-32gb,l40s")  # the default list leaves v100 and l40s out
     with pytest.raises(UserError) as info:
