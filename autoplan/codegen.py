@@ -345,6 +345,8 @@ def _estimate_rows(plan: Plan, price: tuple[float, str] | None,
     memory = f"{est.get('memory_gib_per_gpu', float('nan')):.1f} GiB"
     if gpu_memory_gib:
         memory += f" of {gpu_memory_gib:.0f} GiB"
+    if plan.memory_headroom_gib:
+        memory += f", planned to leave at least {plan.memory_headroom_gib:g} GiB free"
     parts = est.get("memory_breakdown_gib") or {}
     rows = [
         ("step time", f"{step_s:.3f} s"),

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
@@ -231,6 +231,8 @@ class Cluster:
     """Date of calibration if the numbers were measured (calibrate writes it)."""
     method: str | None = None
     """How they were measured."""
+    memory_headroom_bytes: float = 0.0
+    """Memory per GPU a plan must leave free (allocator fragmentation, spikes), bytes."""
 
     def nodes_spanned(self, group_size: int, stride: int = 1) -> int:
         """Nodes touched by the group {0, stride, ..., (group_size-1)*stride} of ranks."""
@@ -744,14 +746,27 @@ __all__ = [
 ]
 
 
-def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None):
-    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K -> Cluster (UserError on bad input)."""
+def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None,
+                    memory_headroom_gib: float = 0.0):
+    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K, --memory-headroom GIB ->
+    Cluster (UserError on bad input)."""
     if gpus is None or gpus < 1:
         raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
     if hardware:
         cluster = load_hardware_file(hardware)
-        return make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
-                            cluster.inter_node_bandwidth_bytes_per_s / 1e9)
-    if not gpu:
+        cluster = make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
+                               cluster.inter_node_bandwidth_bytes_per_s / 1e9)
+    elif not gpu:
         raise UserError("give the GPU type with --gpu NAME (see `autoplan gpus`) or a hardware file with --hardware FILE")
-    return make_cluster(load_gpu(gpu), gpus, gpus_per_node)
+    else:
+        cluster = make_cluster(load_gpu(gpu), gpus, gpus_per_node)
+    return with_memory_headroom(cluster, memory_headroom_gib)
+
+
+def with_memory_headroom(cluster: Cluster, headroom_gib: float) -> Cluster:
+    """The cluster with `headroom_gib` of every GPU's memory kept free by plans."""
+    headroom_gib = float(headroom_gib or 0.0)
+    if not 0.0 <= headroom_gib < cluster.gpu.memory_bytes / GIB:
+        raise UserError(f"--memory-headroom must be at least 0 and less than the "
+                        f"{cluster.gpu.memory_bytes / GIB:.0f} GiB of a {cluster.gpu.key}, got {headroom_gib:g} GiB")
+    return replace(cluster, memory_headroom_bytes=headroom_gib * GIB)

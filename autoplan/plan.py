@@ -53,6 +53,7 @@ class Plan:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
     vpp: int = 1
     sequence_parallel: bool = True
+    memory_headroom_gib: float = 0.0  # memory per GPU the plan leaves free (--memory-headroom)
     # pipeline: block module paths of each (virtual) stage, in stage order; the
     # modules before the first block go with stage 0, those after the last with the last.
     stages: list[list[str]] = field(default_factory=list)

@@ -17,3 +17,6 @@ gpus_option = click.option("--gpus", type=int, required=True, help="Number of GP
 gpus_per_node_option = click.option("--gpus-per-node", type=int, default=None,
                                     help="GPUs per node (default: the GPU's typical system).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+memory_headroom_option = click.option(
+    "--memory-headroom", type=float, default=0.0, show_default=True, metavar="GIB",
+    help="GiB of each GPU's memory a plan leaves free (allocator fragmentation, memory spikes).")

@@ -176,11 +176,13 @@ def assemble(graph: ModelGraph, config: ParallelConfig, cluster, stages: list[St
     ranks = rank_memory_bytes(stages, config.pp)
     worst = max(range(config.pp), key=lambda r: sum(ranks[r].values()))
     total = sum(ranks[worst].values())
-    capacity = hw.memory_bytes(cluster.gpu)
+    capacity = hw.usable_memory_bytes(cluster)
     feasible = total <= capacity
+    kept_free = (f" once {cluster.memory_headroom_bytes / GIB:g} GiB of headroom is kept free"
+                 if cluster.memory_headroom_bytes else "")
     reason = "" if feasible else (
         f"pipeline stage {worst} needs {total / GIB:.1f} GiB per GPU but {cluster.gpu.key} has "
-        f"{capacity / GIB:.1f} GiB")
+        f"{capacity / GIB:.1f} GiB{kept_free}")
     per_stage = []
     for r in range(config.pp):
         per_stage.append({

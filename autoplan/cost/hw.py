@@ -34,6 +34,11 @@ def memory_bytes(gpu) -> float:
     return gpu.memory_bytes
 
 
+def usable_memory_bytes(cluster) -> float:
+    """What a plan may fill on each GPU: its memory less the cluster's headroom."""
+    return cluster.gpu.memory_bytes - cluster.memory_headroom_bytes
+
+
 _FABRICS: dict[int, tuple[object, Fabric]] = {}  # id(cluster) -> (cluster, its fabric)
 
 

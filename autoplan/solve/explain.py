@@ -86,11 +86,13 @@ def explain(job) -> list[str]:
     e, c = best.estimate, best.config
     lines = []
     capacity = job.cluster.gpu.memory_bytes / GIB
+    asked = job.cluster.memory_headroom_bytes / GIB
     worst = e.worst_rank_stage
     recomputed = sum(1 for m in (c.layer_recompute or ()) if m != "none")
     lines.append(
         f"memory: pipeline stage {worst} is the fullest rank at {e.memory_gib_per_gpu:.1f} of "
-        f"{capacity:.1f} GiB ({(1 - e.memory_gib_per_gpu / capacity) * 100:.0f}% headroom)"
+        f"{capacity:.1f} GiB ({(1 - e.memory_gib_per_gpu / capacity) * 100:.0f}% free"
+        + (f", at least the {asked:g} GiB of --memory-headroom" if asked else "") + ")"
         + (f"; {recomputed} of {len(c.layer_recompute)} blocks recompute to fit" if recomputed else ""))
     if e.comm_breakdown_s:
         kind, seconds = max(e.comm_breakdown_s.items(), key=lambda kv: kv[1])
@@ -127,9 +129,7 @@ def _sensitivity(job) -> list[str]:
     n2 = c.world_size + job.cluster.gpus_per_node
     rest = c.tp * c.pp * c.cp
     if n2 % rest == 0 and c.global_batch % (n2 // rest) == 0:
-        from autoplan.hardware import make_cluster
-
-        bigger = replace(job, cluster=make_cluster(job.cluster.gpu, n2, job.cluster.gpus_per_node))
+        bigger = replace(job, cluster=_same_kind(job.cluster, n2))
         config = replace(c, dp=n2 // rest, micro_batch=1, stage_layers=None, layer_recompute=None,
                          ep=c.ep if ((n2 // rest) * c.cp) % c.ep == 0 else 1)
         solved = solve_config(bigger, config)
@@ -149,7 +149,9 @@ def infeasible_report(job) -> str:
         f"No plan fits: {r.configurations_considered} configurations searched on "
         f"{job.cluster.num_gpus} x {job.cluster.gpu.key}.",
         f"The least memory per GPU any configuration needs is at least {r.least_memory_gib:.1f} GiB; "
-        f"the GPU has {capacity:.1f} GiB.",
+        f"the GPU has {capacity:.1f} GiB"
+        + (f", less the {job.cluster.memory_headroom_bytes / GIB:g} GiB of --memory-headroom."
+           if job.cluster.memory_headroom_bytes else "."),
     ]
     smallest = _smallest_fitting_count(job)
     if smallest:
@@ -163,13 +165,11 @@ def infeasible_report(job) -> str:
 def _smallest_fitting_count(job) -> int | None:
     """Double the GPU count until one of the most memory-frugal configurations fits
     (micro-batch 1, the highest ZeRO stage and offload, the most model parallelism)."""
-    from autoplan.hardware import make_cluster
-
     n = job.cluster.num_gpus
     for _ in range(8):
         n *= 2
         try:
-            cluster = make_cluster(job.cluster.gpu, n, job.cluster.gpus_per_node)
+            cluster = _same_kind(job.cluster, n)
         except Exception:
             return None
         request = replace(job.request, num_gpus=n, global_batch=max(job.request.global_batch, n))
@@ -242,3 +242,11 @@ def render_job(job, explanation: list[str], console) -> None:
     console.print("[bold]Why:[/]")
     for line in explanation:
         console.print(f"  - {line}")
+
+
+def _same_kind(cluster, num_gpus: int):
+    """`num_gpus` GPUs of the cluster's kind, node size and memory headroom."""
+    from autoplan.hardware import make_cluster
+
+    return replace(make_cluster(cluster.gpu, num_gpus, cluster.gpus_per_node),
+                   memory_headroom_bytes=cluster.memory_headroom_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from autoplan.graph import ModelGraph
+from autoplan.hardware import GIB
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve.search import Candidate
 
@@ -24,6 +25,7 @@ def to_plan(candidate: Candidate, graph: ModelGraph, model: ModelRef, cluster,
         tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, zero_stage=c.zero_stage, offload=c.offload,
         precision=c.precision, micro_batch=c.micro_batch, schedule=c.schedule, vpp=c.vpp,
         sequence_parallel=c.sequence_parallel and c.tp > 1, stages=stages,
+        memory_headroom_gib=cluster.memory_headroom_bytes / GIB,
         recompute=dict(zip(paths, modes)),
         tp_styles=dict(graph.tp_styles) if c.tp > 1 else {},
         cp_modules=list(graph.context_parallel) if c.cp > 1 else [],

@@ -114,7 +114,7 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     return Tables(
         num_layers=graph.num_layers, pp=config.pp, vpp=chunks // config.pp, groups=groups,
         slots=pipeline_slots(config),
-        in_flight=in_flight, capacity_kib=_kib(cost_hw.memory_bytes(cluster.gpu)),
+        in_flight=in_flight, capacity_kib=_kib(cost_hw.usable_memory_bytes(cluster)),
         fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
         fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
         modes=modes,

@@ -63,6 +63,7 @@ PLAN = {
     'schedule': 'zero-bubble',
     'vpp': 1,
     'sequence_parallel': False,
+    'memory_headroom_gib': 0.0,
     'stages': [
         [
             'layers.0', 'layers.1', 'layers.2', 'layers.3', 'layers.4', 'layers.5', 'layers.6',

@@ -118,3 +118,32 @@ def test_no_neighbour_of_the_plan_is_faster(run_cli):
     assert data["solver"]["status"] == "OPTIMAL"
     faster = [line for line in data["explanation"] if " step time" in line and "instead: -" in line]
     assert not faster, faster
+
+
+def test_memory_headroom_is_left_free_and_kept_by_the_plan_file(run_cli, tmp_path):
+    # Without headroom the 8B plan on 8 A100-40GB fills the GPU; asking for 6 GiB free gives a
+    # plan that leaves at least that (and is no faster), and its plan file carries the
+    # headroom, so `estimate --plan` judges it against the same usable memory.
+    base = ["plan", "llama3.1-8b", "--gpu", "a100-sxm4-40gb", "--gpus", "8", "--global-batch", "64",
+            "--seq-len", "8192", "--json"]
+    code, out, err = run_cli(*base)
+    assert code == 0, err
+    full = json.loads(out)["estimate"]
+    assert full["memory_gib_per_gpu"] > 40 - 6  # the headroom must bind for the test to mean anything
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli(*base, "--memory-headroom", "6", "-o", str(path))
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["estimate"]["memory_gib_per_gpu"] <= 40 - 6
+    assert data["estimate"]["step_time_s"] >= full["step_time_s"]
+    assert data["plan"]["memory_headroom_gib"] == 6
+    assert any("--memory-headroom" in line for line in data["explanation"])
+    code, again, err = run_cli("estimate", "--plan", str(path), "--json")
+    assert code == 0, err
+    assert json.loads(again)["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("headroom", ["-1", "8"])  # negative; all of the cpu device's 8 GiB
+def test_memory_headroom_out_of_range_exits_2(run_cli, headroom):
+    code, _, err = run_cli("plan", *ARGS, "--memory-headroom", headroom)
+    assert code == 2 and "--memory-headroom" in err and "Traceback" not in err
