@@ -73,12 +73,24 @@ def time_vs_cost_svg(sweep) -> str:
         line.set_gid("time-cost-frontier")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    _plain_log_ticks(ax.xaxis, "{:g}")
+    _plain_log_ticks(ax.yaxis, "${:,.0f}")
     ax.set_xlabel("time to train (days, with checkpoints and interruptions)")
     ax.set_ylabel("cost (USD)")
     ax.set_title(f"{sweep.model}: time vs cost" + (" (bars: measured cost-model error)" if sweep.error else ""))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return _svg(fig, "time-vs-cost")
+
+
+def _plain_log_ticks(axis, fmt: str) -> None:
+    """Label a log axis at 1, 2 and 5 times powers of ten as plain numbers; matplotlib's default
+    mantissa x 10^k labels on minor ticks overlap when the range spans less than a decade."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: fmt.format(v)))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def memory_svg(estimate: dict, capacity_gib: float, title: str) -> str:
