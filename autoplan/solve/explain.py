@@ -81,6 +81,10 @@ def _illegal(job, c: ParallelConfig) -> str | None:
             or space.pp_reason(g, c.pp, c.vpp) or space.ep_reason(g, c.ep, c.dp, c.cp))
 
 
+# above this fraction of the GPU's memory, explain suggests --memory-headroom
+FULL_FRACTION = 0.95
+
+
 def explain(job) -> list[str]:
     best = job.result.best
     e, c = best.estimate, best.config
@@ -94,6 +98,9 @@ def explain(job) -> list[str]:
         f"{capacity:.1f} GiB ({(1 - e.memory_gib_per_gpu / capacity) * 100:.0f}% free"
         + (f", at least the {asked:g} GiB of --memory-headroom" if asked else "") + ")"
         + (f"; {recomputed} of {len(c.layer_recompute)} blocks recompute to fit" if recomputed else ""))
+    if not asked and e.memory_gib_per_gpu > FULL_FRACTION * capacity:
+        lines.append("memory: the plan fills the GPU to the estimate; allocator fragmentation and "
+                     "spikes need room it does not count: --memory-headroom GIB keeps some free")
     if e.comm_breakdown_s:
         kind, seconds = max(e.comm_breakdown_s.items(), key=lambda kv: kv[1])
         lines.append(f"communication: {LINKS.get(kind, kind)} is the largest exposed communication, "
