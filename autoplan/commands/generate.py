@@ -40,8 +40,9 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, memory_he
         given = [name for name in _CHOOSING
                  if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
         if given:
-            raise UserError(f"--plan takes the plan as it is, so --{' --'.join(given)} would be "
-                            "ignored; drop them, or plan again without --plan")
+            flags = " ".join("--" + name.replace("_", "-") for name in given)
+            raise UserError(f"--plan takes the plan as it is, so {flags} would be ignored; drop them, "
+                            "or plan again without --plan")
         plan = _load_plan(plan_file)
         _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len)
         loaded = load_model(model, seq_len=plan.seq_len)

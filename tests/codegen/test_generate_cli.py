@@ -64,6 +64,7 @@ def test_plan_for_another_model(plan_file):
 
 def test_plan_options_that_would_be_ignored(plan_file):
     expect_user_error("tiny-gpt", "--plan", str(plan_file), "--fix", "tp=2", match="--fix")
+    expect_user_error("tiny-gpt", "--plan", str(plan_file), "--memory-headroom", "1", match="--memory-headroom ")
 
 
 def test_nothing_to_plan_with():
