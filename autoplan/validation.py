@@ -165,8 +165,10 @@ def tp_comm_overlap_options(run: dict[str, Any]) -> list[bool]:
 
 # Runtimes whose published benchmarks ran the 2022 FlashAttention Triton kernel: MosaicML
 # llm-foundry's benchmark sweep (scripts/train/benchmarking/submit_benchmarks.py: `--attn_impl`
-# defaults to 'triton' in every revision that produced its MPT tables, 2023-05 to 2024-01).
-TRITON_FLASH_RUNTIMES = ("llm-foundry",)
+# defaults to 'triton' in every revision that produced its MPT tables, 2023-05 to 2024-01; the
+# MPT pretraining yamls say `attn_impl: triton` over the same period, `flash` by 2025, when the
+# MosaicML name was gone).
+TRITON_FLASH_RUNTIMES = ("llm-foundry", "mosaicml")
 
 
 def flash_kernel(run: dict[str, Any]) -> str:
