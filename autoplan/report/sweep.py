@@ -177,15 +177,16 @@ def _plan_job_kwargs(time_limit_s: float | None) -> dict:
 
 def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int, tokens: int,
              precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
-             error: ErrorBand | None, time_limit_s: float | None = None) -> Row:
+             error: ErrorBand | None, time_limit_s: float | None = None,
+             memory_headroom_gib: float = 0.0) -> Row:
     """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`), priced."""
-    from autoplan.hardware import make_cluster
+    from autoplan.hardware import make_cluster, with_memory_headroom
     from autoplan.solve.api import plan_job
 
     row = Row(gpu=gpu.key, gpu_name=gpu.name, num_gpus=num_gpus, capacity_gib=gpu.memory_bytes / GIB,
               usd_per_gpu_hour=usd_per_gpu_hour)
     try:
-        cluster = make_cluster(gpu, num_gpus)
+        cluster = with_memory_headroom(make_cluster(gpu, num_gpus), memory_headroom_gib)
         # top=0: only the best is needed; the search then prunes against it alone
         job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                        top=0, **_plan_job_kwargs(time_limit_s))
@@ -199,7 +200,8 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
                       "configurations solved); not proven not to fit: raise --time-limit")
         return row
     if job.plan is None:
-        row.reason = (f"no configuration fits in {row.capacity_gib:.1f} GiB per GPU "
+        kept = f" less {memory_headroom_gib:g} GiB of headroom" if memory_headroom_gib else ""
+        row.reason = (f"no configuration fits in {row.capacity_gib:.1f} GiB per GPU{kept} "
                       f"({job.result.configurations_considered} searched; any needs at least "
                       f"{job.result.least_memory_gib:.1f} GiB)")
         return row
@@ -239,6 +241,7 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
               assumptions: GoodputAssumptions = GoodputAssumptions(), error: ErrorBand | None = None,
               price_list: str = "default", budget_usd: float | None = None,
               deadline_days: float | None = None, time_limit_s: float | None = None,
+              memory_headroom_gib: float = 0.0,
               progress: Callable[[int, int, str], None] | None = None, workers: int | None = None) -> Sweep:
     """Every (GPU, count) planned on one traced graph; frontier marked. `progress(done, total, label)`
     with the label of a cluster being planned. Clusters are planned in `workers` processes
@@ -249,7 +252,8 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
     tasks = [(i, n) for i, gpu in enumerate(gpus) for n in counts]
     labels = [f"{n} x {gpus[i].key}" for i, n in tasks]
     kwargs = dict(seq_len=seq_len, global_batch=global_batch, tokens=tokens, precision=precision,
-                  assumptions=assumptions, error=error, time_limit_s=time_limit_s)
+                  assumptions=assumptions, error=error, time_limit_s=time_limit_s,
+                  memory_headroom_gib=memory_headroom_gib)
     shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs)
     workers = default_workers(len(tasks)) if workers is None else max(1, min(workers, len(tasks)))
     if "fork" not in multiprocessing.get_all_start_methods():

@@ -108,6 +108,19 @@ def test_cluster_where_nothing_fits_is_a_row_not_an_error(graph8b):
     assert "no configuration fits in 40.0 GiB" in row.reason
 
 
+def test_memory_headroom_is_left_free_on_every_cluster(graph8b):
+    from autoplan.hardware import load_gpu
+
+    graph, ref, seq = graph8b
+    gpu = load_gpu("a100-sxm4-40gb")
+    common = dict(seq_len=seq, global_batch=BATCH, tokens=TOKENS, precision="bf16", usd_per_gpu_hour=2.5,
+                  assumptions=sw.GoodputAssumptions(), error=None)
+    full = sw.plan_row(graph, ref, gpu, 8, **common)
+    kept = sw.plan_row(graph, ref, gpu, 8, **common, memory_headroom_gib=8.0)
+    assert full.headroom_gib < 8.0 <= kept.headroom_gib  # it binds, and it is honoured
+    assert kept.estimate["step_time_s"] >= full.estimate["step_time_s"]
+
+
 def test_parallel_sweep_has_the_serial_rows_in_order(graph8b):
     from autoplan.hardware import load_gpu
 
