@@ -347,8 +347,8 @@ def make_cluster(gpu: GPU, num_gpus: int, gpus_per_node: int | None = None,
         sources["gpus_per_node"] = "command line --gpus-per-node"
     if inter_node_bandwidth_gb_per_s is not None:
         if not inter_node_bandwidth_gb_per_s > 0:
-            raise UserError(f"Inter-node bandwidth must be positive, got {inter_node_bandwidth_gb_per_s} "
-                            "GB/s per GPU.")
+            raise UserError(f"--inter-node-bandwidth must be a positive number of GB/s per GPU (50 for a "
+                            f"400 Gb/s NIC per GPU), got {inter_node_bandwidth_gb_per_s:g}.")
         sources["nic_bandwidth_gb_per_s"] = "command line"
     per_node = gpu.gpus_per_node if gpus_per_node is None else gpus_per_node
     domain = gpu.scaleup_domain_gpus
@@ -747,19 +747,20 @@ __all__ = [
 
 
 def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None,
-                    memory_headroom_gib: float = 0.0):
-    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K, --memory-headroom GIB ->
-    Cluster (UserError on bad input)."""
+                    memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None):
+    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K, --memory-headroom GIB,
+    --inter-node-bandwidth GB/S -> Cluster (UserError on bad input)."""
     if gpus is None or gpus < 1:
         raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
     if hardware:
         cluster = load_hardware_file(hardware)
-        cluster = make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node,
-                               cluster.inter_node_bandwidth_bytes_per_s / 1e9)
+        nic = (cluster.inter_node_bandwidth_bytes_per_s / GB if inter_node_bandwidth_gb_per_s is None
+               else inter_node_bandwidth_gb_per_s)
+        cluster = make_cluster(cluster.gpu, gpus, gpus_per_node or cluster.gpus_per_node, nic)
     elif not gpu:
         raise UserError("give the GPU type with --gpu NAME (see `autoplan gpus`) or a hardware file with --hardware FILE")
     else:
-        cluster = make_cluster(load_gpu(gpu), gpus, gpus_per_node)
+        cluster = make_cluster(load_gpu(gpu), gpus, gpus_per_node, inter_node_bandwidth_gb_per_s)
     return with_memory_headroom(cluster, memory_headroom_gib)
 
 

@@ -54,6 +54,7 @@ class Plan:
     vpp: int = 1
     sequence_parallel: bool = True
     memory_headroom_gib: float = 0.0  # memory per GPU the plan leaves free (--memory-headroom)
+    inter_node_bandwidth_gb_per_s: float | None = None  # NIC per GPU if not the GPU's default
     # pipeline: block module paths of each (virtual) stage, in stage order; the
     # modules before the first block go with stage 0, those after the last with the last.
     stages: list[list[str]] = field(default_factory=list)

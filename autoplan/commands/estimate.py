@@ -59,7 +59,8 @@ def estimate_plan_file(path: str):
         raise UserError(f"cannot read plan {path}: {exc}; give a plan.json written by `autoplan plan -o`") from None
     spec = plan.model.path or plan.model.name
     graph, _ = load_graph(spec, plan.seq_len)
-    cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node, plan.memory_headroom_gib)
+    cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node, plan.memory_headroom_gib,
+                              plan.inter_node_bandwidth_gb_per_s)
     config = ParallelConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, dp=plan.dp,
                             tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, zero_stage=plan.zero_stage,
                             offload=plan.offload, micro_batch=plan.micro_batch,
@@ -118,6 +119,7 @@ def render(est, console) -> None:
 @o.hardware_option
 @click.option("--gpus", type=int, default=None, help="Number of GPUs (ranks).")
 @o.gpus_per_node_option
+@o.inter_node_bandwidth_option
 @o.memory_headroom_option
 @click.option("--dp", type=int, default=None, help="Data-parallel degree (default: N / (tp x pp x cp)).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
@@ -140,9 +142,9 @@ def render(est, console) -> None:
               help="Estimate a plan.json (its config, stages and per-block recomputation).")
 @import_options
 @o.json_option
-def command(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, dp, tp, pp, cp, ep, zero, offload, micro_batch,
-            global_batch, seq_len, recompute, schedule, vpp, precision, sequence_parallel, plan_path,
-            from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
+def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, dp, tp, pp, cp, ep,
+            zero, offload, micro_batch, global_batch, seq_len, recompute, schedule, vpp, precision,
+            sequence_parallel, plan_path, from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
     """Predict step time, tokens/s, MFU and memory per GPU of MODEL under one configuration
     (given by the options, a plan.json, or your DeepSpeed / Megatron-LM / torchtitan config)."""
     from autoplan.cost import estimate
@@ -158,12 +160,13 @@ def command(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, dp, tp, 
             raise UserError("give MODEL and --gpus N with an imported configuration")
         from autoplan.importers.compare import estimate_imported_model
 
-        cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom)
+        cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
         est, imported = estimate_imported_model(model, cluster, *chosen, global_batch=global_batch,
                                                 seq_len=seq_len)
     elif plan_path:
-        if memory_headroom:
-            raise UserError("--plan takes the plan's own --memory-headroom; drop it, or plan again")
+        if memory_headroom or inter_node_bandwidth is not None:
+            raise UserError("--plan takes the plan's own cluster (--memory-headroom, --inter-node-bandwidth); "
+                            "drop them, or plan again")
         est, _ = estimate_plan_file(plan_path)
     else:
         if not model:
@@ -172,7 +175,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, dp, tp, 
             raise UserError("give the number of GPUs with --gpus N")
         if global_batch is None:
             raise UserError("give the global batch in sequences with --global-batch G")
-        cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom)
+        cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
         graph, seq = load_graph(model, seq_len)
         config = config_from_options(gpus, dp, tp, pp, cp, ep, zero, offload, micro_batch,
                                      global_batch, seq, recompute, schedule, vpp, precision,

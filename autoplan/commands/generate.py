@@ -12,7 +12,7 @@ from autoplan.commands.plan import plan_options, run_plan
 from autoplan.errors import NoFeasiblePlan, UserError
 
 # Options that choose a plan; with --plan the plan is already chosen.
-_CHOOSING = ("hardware", "memory_headroom", "objective", "fix", "precision")
+_CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective", "fix", "precision")
 
 
 @click.command("generate")
@@ -24,8 +24,8 @@ _CHOOSING = ("hardware", "memory_headroom", "objective", "fix", "precision")
               help="Job directory (default: generated/<model>-<gpus>x<gpu> here).")
 @click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
 @click.pass_context
-def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, memory_headroom, global_batch,
-            seq_len, objective, fix, precision, output, force):
+def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
+            global_batch, seq_len, objective, fix, precision, output, force):
     """Write train.py, launch.sh, slurm.sbatch, plan.json, ds_config.json and README.md for MODEL.
 
     Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
@@ -51,8 +51,8 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, memory_he
         if gpus is None or global_batch is None:
             raise UserError("give the cluster and batch to plan for (--gpu NAME --gpus N "
                             "--global-batch B, as for `autoplan plan`), or a plan file with --plan FILE")
-        job = run_plan(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, global_batch,
-                       seq_len, objective, fix, precision, top=1, quiet=True)
+        job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
+                       global_batch, seq_len, objective, fix, precision, top=1, quiet=True)
         if job.plan is None:
             from autoplan.solve.explain import infeasible_report
 

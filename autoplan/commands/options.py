@@ -17,6 +17,10 @@ gpus_option = click.option("--gpus", type=int, required=True, help="Number of GP
 gpus_per_node_option = click.option("--gpus-per-node", type=int, default=None,
                                     help="GPUs per node (default: the GPU's typical system).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+inter_node_bandwidth_option = click.option(
+    "--inter-node-bandwidth", type=float, default=None, metavar="GB/S",
+    help="Scale-out (NIC) bandwidth per GPU, one direction, in GB/s (default: the GPU's typical "
+         "system, e.g. 50 = 400 Gb/s per H100).")
 memory_headroom_option = click.option(
     "--memory-headroom", type=float, default=0.0, show_default=True, metavar="GIB",
     help="GiB of each GPU's memory a plan leaves free (allocator fragmentation, memory spikes).")

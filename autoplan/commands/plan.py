@@ -16,7 +16,7 @@ def plan_options(func):
     """The options shared by `plan` and `generate`."""
     for option in reversed([
         o.gpu_option, o.hardware_option, o.gpus_option, o.gpus_per_node_option,
-        o.memory_headroom_option, o.global_batch_option, o.seq_len_option,
+        o.inter_node_bandwidth_option, o.memory_headroom_option, o.global_batch_option, o.seq_len_option,
         click.option("--objective", type=click.Choice(["time", "cost"]), default="time", show_default=True,
                      help="Minimise step time, or cost per step."),
         click.option("--fix", multiple=True, metavar="KEY=VALUE",
@@ -28,13 +28,13 @@ def plan_options(func):
     return func
 
 
-def run_plan(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, global_batch, seq_len,
-             objective, fix, precision, top, quiet):
+def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
+             global_batch, seq_len, objective, fix, precision, top, quiet):
     from autoplan.solve.api import load_graph, plan_job, resolve_cluster
     from autoplan.solve.space import parse_fix
 
     fixed = parse_fix(fix)
-    cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom)
+    cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
     graph, ref, seq = load_graph(model, seq_len)
     if quiet:
         return plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
@@ -57,15 +57,15 @@ def run_plan(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, global_
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @compare_with_option
-def command(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, global_batch, seq_len,
-            objective, fix, precision, top, as_json, output, force, compare_with):
+def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
+            seq_len, objective, fix, precision, top, as_json, output, force, compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
     from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
 
     if output and Path(output).exists() and not force:
         raise UserError(f"{output} exists; pass --force to overwrite it or choose another -o path")
-    job = run_plan(model, gpu, hardware, gpus, gpus_per_node, memory_headroom, global_batch, seq_len,
-                   objective, fix, precision, top, quiet=as_json)
+    job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
+                   global_batch, seq_len, objective, fix, precision, top, quiet=as_json)
     if job.plan is None:
         report = infeasible_report(job)
         if as_json:

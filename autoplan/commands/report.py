@@ -45,7 +45,7 @@ def _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes):
 
 
 def _run_sweep(model, tokens, seq_len, global_batch, gpu, gpus, prices, precision, assumptions, error,
-               price_list, budget, deadline, time_limit, memory_headroom, show_progress):
+               price_list, budget, deadline, time_limit, memory_headroom, inter_node_bandwidth, show_progress):
     from autoplan.report.sweep import check_positive, gpu_prices, parse_counts, parse_gpus, run_sweep
     from autoplan.solve.api import load_graph
 
@@ -61,7 +61,8 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, gpus, prices, precisio
     graph, ref, seq = load_graph(model, seq_len)  # traced once, reused for every cluster
     kwargs = dict(seq_len=seq, global_batch=global_batch, tokens=tokens, prices=usd, precision=precision,
                   assumptions=assumptions, error=error, price_list=price_list, budget_usd=budget,
-                  deadline_days=deadline, time_limit_s=time_limit, memory_headroom_gib=memory_headroom)
+                  deadline_days=deadline, time_limit_s=time_limit, memory_headroom_gib=memory_headroom,
+                  inter_node_bandwidth_gb_per_s=inter_node_bandwidth)
     if not show_progress:
         return run_sweep(graph, ref, gpu_list, counts, **kwargs)
     from rich.console import Console
@@ -97,13 +98,14 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, gpus, prices, precisio
 @click.option("--restart-minutes", type=float, default=None, help="Time to restart after an interruption (default 10).")
 @click.option("--time-limit", type=float, default=None, help="Search time limit per cluster in seconds.")
 @o.memory_headroom_option
+@o.inter_node_bandwidth_option
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="terminal (default), md, html or json; with -o the file suffix decides when not given.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def command(model, plan_file, tokens, seq_len, global_batch, gpu, gpus, price, price_list, budget, deadline,
-            precision, failure_rate, checkpoint_gb_per_s, restart_minutes, time_limit, memory_headroom, fmt,
-            output, force):
+            precision, failure_rate, checkpoint_gb_per_s, restart_minutes, time_limit, memory_headroom,
+            inter_node_bandwidth, fmt, output, force):
     """Plan MODEL on every GPU type and count and compare time to train, GPU-hours and cost.
 
     For each cluster: the best plan, step time, time to train --tokens (with checkpoints,
@@ -128,9 +130,9 @@ def command(model, plan_file, tokens, seq_len, global_batch, gpu, gpus, price, p
     if plan_file:
         from autoplan.report.document import load_plan_detail, plan_dict
 
-        if model or gpu or gpus or memory_headroom:
-            raise UserError("--plan reports one plan file; leave out MODEL, --gpu, --gpus and --memory-headroom "
-                            "(or drop --plan to sweep clusters).")
+        if model or gpu or gpus or memory_headroom or inter_node_bandwidth is not None:
+            raise UserError("--plan reports one plan file; leave out MODEL, --gpu, --gpus, --memory-headroom and "
+                            "--inter-node-bandwidth (or drop --plan to sweep clusters).")
 
         detail = load_plan_detail(plan_file, tokens=n_tokens, prices=prices, assumptions=assumptions, error=error)
         sweep = None
@@ -140,7 +142,8 @@ def command(model, plan_file, tokens, seq_len, global_batch, gpu, gpus, price, p
 
         show = fmt != "json" and sys.stderr.isatty()
         sweep = _run_sweep(model, n_tokens, seq_len, global_batch, gpu, gpus, prices, precision, assumptions,
-                           error, prices.name, budget, deadline, time_limit, memory_headroom, show)
+                           error, prices.name, budget, deadline, time_limit, memory_headroom,
+                           inter_node_bandwidth, show)
         detail = fastest_detail(sweep)
         doc = sweep_dict(sweep)
     _emit(doc, fmt, out, force, sweep, detail)

@@ -178,7 +178,7 @@ def _plan_job_kwargs(time_limit_s: float | None) -> dict:
 def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int, tokens: int,
              precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
              error: ErrorBand | None, time_limit_s: float | None = None,
-             memory_headroom_gib: float = 0.0) -> Row:
+             memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None) -> Row:
     """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`), priced."""
     from autoplan.hardware import make_cluster, with_memory_headroom
     from autoplan.solve.api import plan_job
@@ -186,7 +186,8 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
     row = Row(gpu=gpu.key, gpu_name=gpu.name, num_gpus=num_gpus, capacity_gib=gpu.memory_bytes / GIB,
               usd_per_gpu_hour=usd_per_gpu_hour)
     try:
-        cluster = with_memory_headroom(make_cluster(gpu, num_gpus), memory_headroom_gib)
+        cluster = with_memory_headroom(make_cluster(gpu, num_gpus, None, inter_node_bandwidth_gb_per_s),
+                                       memory_headroom_gib)
         # top=0: only the best is needed; the search then prunes against it alone
         job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                        top=0, **_plan_job_kwargs(time_limit_s))
@@ -241,7 +242,7 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
               assumptions: GoodputAssumptions = GoodputAssumptions(), error: ErrorBand | None = None,
               price_list: str = "default", budget_usd: float | None = None,
               deadline_days: float | None = None, time_limit_s: float | None = None,
-              memory_headroom_gib: float = 0.0,
+              memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None,
               progress: Callable[[int, int, str], None] | None = None, workers: int | None = None) -> Sweep:
     """Every (GPU, count) planned on one traced graph; frontier marked. `progress(done, total, label)`
     with the label of a cluster being planned. Clusters are planned in `workers` processes
@@ -253,7 +254,8 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
     labels = [f"{n} x {gpus[i].key}" for i, n in tasks]
     kwargs = dict(seq_len=seq_len, global_batch=global_batch, tokens=tokens, precision=precision,
                   assumptions=assumptions, error=error, time_limit_s=time_limit_s,
-                  memory_headroom_gib=memory_headroom_gib)
+                  memory_headroom_gib=memory_headroom_gib,
+                  inter_node_bandwidth_gb_per_s=inter_node_bandwidth_gb_per_s)
     shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs)
     workers = default_workers(len(tasks)) if workers is None else max(1, min(workers, len(tasks)))
     if "fork" not in multiprocessing.get_all_start_methods():

@@ -64,6 +64,7 @@ PLAN = {
     'vpp': 1,
     'sequence_parallel': False,
     'memory_headroom_gib': 0.0,
+    'inter_node_bandwidth_gb_per_s': None,
     'stages': [
         [
             'layers.0', 'layers.1', 'layers.2', 'layers.3', 'layers.4', 'layers.5', 'layers.6',

@@ -64,6 +64,7 @@ PLAN = {
     'vpp': 1,
     'sequence_parallel': False,
     'memory_headroom_gib': 0.0,
+    'inter_node_bandwidth_gb_per_s': None,
     'stages': [['layers.0', 'layers.1']],
     'recompute': {'layers.0': 'none', 'layers.1': 'none'},
     'tp_styles': {},

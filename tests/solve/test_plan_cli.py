@@ -150,3 +150,30 @@ def test_memory_headroom_is_left_free_and_kept_by_the_plan_file(run_cli, tmp_pat
 def test_memory_headroom_out_of_range_exits_2(run_cli, headroom):
     code, _, err = run_cli("plan", *ARGS, "--memory-headroom", headroom)
     assert code == 2 and "--memory-headroom" in err and "Traceback" not in err
+
+
+def test_inter_node_bandwidth_from_the_command_line(run_cli, tmp_path):
+    # issue 3: a cluster's inter-node bandwidth defaults to the GPU's typical system and is
+    # overridable on the command line. A quarter of the NIC rate slows the cross-node gradient
+    # sync of a dp-across-nodes layout, and a plan made with it keeps it for estimate --plan.
+    config = ["llama3.1-8b", "--gpu", "h100", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
+              "--dp", "16", "--zero", "1", "--json"]
+    code, out, err = run_cli("estimate", *config)
+    assert code == 0, err
+    default = json.loads(out)
+    code, out, err = run_cli("estimate", *config, "--inter-node-bandwidth", "12.5")
+    assert code == 0, err
+    slow = json.loads(out)
+    assert slow["comm_breakdown_s"]["dp"] > 2 * default["comm_breakdown_s"]["dp"]
+    assert slow["step_time_s"] > default["step_time_s"]
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", "llama3.1-8b", "--gpu", "h100", "--gpus", "16", "--global-batch", "32",
+                             "--seq-len", "4096", "--inter-node-bandwidth", "12.5", "--json", "-o", str(path))
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["inter_node_bandwidth_gb_per_s"] == 12.5
+    code, again, err = run_cli("estimate", "--plan", str(path), "--json")
+    assert code == 0, err
+    assert json.loads(again)["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)
+    code, _, err = run_cli("estimate", *config, "--inter-node-bandwidth", "0")
+    assert code == 2 and "--inter-node-bandwidth" in err and "Traceback" not in err
