@@ -124,7 +124,33 @@ def _cluster_for_run(run: dict[str, Any]):
     hardware = run["hardware"]
     gpu = load_gpu(hardware["gpu_key"])
     per_node = hardware.get("gpus_per_node") or None
-    return make_cluster(gpu, int(hardware["n_gpus"]), gpus_per_node=per_node)
+    return make_cluster(gpu, int(hardware["n_gpus"]), gpus_per_node=per_node,
+                        inter_node_bandwidth_gb_per_s=stated_nic_gb_per_s(run, per_node or gpu.gpus_per_node))
+
+
+# Intel Omni-Path Architecture, its only deployed generation ("100 Series"): 100 Gb/s per port
+OMNI_PATH_PORT_GBPS = 100.0
+
+
+def stated_nic_gb_per_s(run: dict[str, Any], gpus_per_node: int) -> float | None:
+    """Scale-out bandwidth per GPU (GB/s, one direction) where the run's `interconnect` states
+    it ("8x200 Gb/s HDR InfiniBand per node", "1600 Gbps node-node RoCE", "4x Omni-Path links
+    per node", "400 Gb/s per GPU"), else None (the GPU's typical system). Figures are per node
+    unless the text says per GPU."""
+    import re
+
+    text = (run["hardware"].get("interconnect") or "").lower()
+    rate = r"(\d+(?:\.\d+)?)\s*(?:gb/s|gbit/s|gbps|gb\b)"
+    gbps = None
+    if links := re.search(r"(\d+)\s*[x×]\s*(?:[a-z-]+\s+)?(\d+(?:\.\d+)?)\s*(?:gb/s|gbit/s|gbps|gb\b|g\b)", text):
+        gbps = int(links.group(1)) * float(links.group(2))
+    elif opa := re.search(r"(\d+)\s*[x×]?\s*omni-?path", text):
+        gbps = int(opa.group(1)) * OMNI_PATH_PORT_GBPS
+    elif single := re.search(rate, text):
+        gbps = float(single.group(1))
+    if not gbps:
+        return None
+    return gbps / 8 / (1 if "per gpu" in text else gpus_per_node)
 
 
 # FlashAttention (Dao et al., arXiv:2205.14135, May 2022): runs published before it used an

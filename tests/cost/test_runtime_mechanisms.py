@@ -11,8 +11,8 @@ from autoplan.config import ParallelConfig
 from autoplan.cost import Runtime, comm, compute, estimate, host, layer_cost
 from autoplan.cost.layers import tp_exposed_s
 from autoplan.cost.profile import block_profile
-from autoplan.validation import (flash_kernel, load_runs, tp_comm_overlap_options, validate_run,
-                                 zero3_flat_gather)
+from autoplan.validation import (flash_kernel, load_runs, stated_nic_gb_per_s, tp_comm_overlap_options,
+                                 validate_run, zero3_flat_gather)
 
 RUNS = Path(__file__).resolve().parents[2] / "cost_models" / "validation" / "published_runs.json"
 
@@ -92,6 +92,11 @@ def test_runtime_traits_read_from_the_run_records():
     assert not zero3_flat_gather(_run("narayanan21_t2_ptdp_174.6b_384gpu"))  # ZeRO-1 rows
     assert flash_kernel(_run("mpt_7b_h100_80gb_8gpu_seq2048_gbs48")) == "triton"  # llm-foundry
     assert flash_kernel(_run("megatron_readme_h100_gpt70b_768gpu")) == "flash2"
+    # the NIC rate per GPU where the interconnect text states it: 4 x 100 Gb/s Omni-Path per
+    # 8-GPU node, 8 x 200 Gb/s HDR per node (Selene); nothing stated: the GPU's default
+    assert stated_nic_gb_per_s(_run("bloom176b_384gpu_tr11"), 8) == 6.25
+    assert stated_nic_gb_per_s(_run("narayanan21_t1_gpt1.7b_32gpu"), 8) == 25.0
+    assert stated_nic_gb_per_s(_run("mbridge_2511_dgx_h100_llama3_70b_64gpu_fp8cs"), 8) is None
 
 
 def test_triton_flash_kernel_slows_attention_only(make_gpt_graph, h100_cluster):
