@@ -371,12 +371,12 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
 def param_offload_comm_s(params: memory.BlockParams, config: ParallelConfig, gpu,
                          fwd_s: float, bwd_s: float) -> tuple[float, float]:
     """(total, exposed) host<->device copies per micro-batch of a block whose weights are
-    offloaded (offload.param_offload_s); under ZeRO-3 each rank copies only its shard, then
-    all-gathers it (ZeRO-Infinity §5)."""
+    offloaded (offload.param_offload_s); under ZeRO-2/3 each rank copies only its shard, then
+    all-gathers it (ZeRO-Infinity §5; FSDP2 CPUOffloadPolicy)."""
     if config.offload not in ("params", "both"):
         return 0.0, 0.0
     held = params.dense + params.expert
-    if config.zero_stage >= 3:
+    if config.zero_stage >= 2:
         expert_shard = max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
                            // config.dp_replicate)
         held = params.dense / (config.dp_shard * config.cp) + params.expert / expert_shard

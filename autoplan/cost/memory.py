@@ -75,6 +75,11 @@ def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degr
         optimizer = 0.0
     if offload in ("params", "both"):
         weights = 0.0
+        if fp32_module_weights and precision != "fp32" and zero_stage >= 2:
+            # FSDP2's CPUOffloadPolicy: the fp32 shards, their gradients and the optimizer step
+            # live on the CPU; ZeRO-2 still holds its gathered 16-bit weights from forward to backward
+            weights = params * w if zero_stage == 2 else 0.0
+            grads = optimizer = 0.0
     return {"parameters": weights, "gradients": grads, "optimizer": optimizer}
 
 

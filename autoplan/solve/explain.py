@@ -71,7 +71,7 @@ def _neighbours(c: ParallelConfig, n: int) -> list[tuple[str, ParallelConfig]]:
         for zero in (0, 1, 2, 3):
             if zero != c.zero_stage:
                 out.append((f"zero={zero}", replace(c, zero_stage=zero, stage_layers=None, layer_recompute=None,
-                                                    offload="none" if zero < 3 and c.offload in ("params", "both") else c.offload)))
+                                                    offload=c.offload if zero >= 2 else "none")))
     return out
 
 

@@ -178,22 +178,30 @@ def _schedule_options(pp: int, m: int, layers: int, fixed: dict) -> list[tuple[s
     return options
 
 
+# What autoplan's runtime can offload: FSDP2's CPUOffloadPolicy moves the sharded parameters,
+# their gradients and the optimizer step to the CPU together, so only "both", and only with
+# ZeRO-2/3 (runtime/data_parallel.py). DeepSpeed's optimizer-only ZeRO-Offload is not a plan
+# the runtime could run; `autoplan estimate --offload optimizer` still costs it.
+RUNTIME_OFFLOADS = ("none", "both")
+
+
 def _offloads(zero: int, fixed: dict, allow: bool) -> list[str]:
     if "offload" in fixed:
-        return [fixed["offload"]]
-    if not allow:
+        return [fixed["offload"]] if fixed["offload"] == "none" or zero >= 2 else []
+    if not allow or zero < 2:
         return ["none"]
-    options = ["none"]
-    if zero >= 1:  # ZeRO-Offload moves the sharded optimizer step to the CPU
-        options.append("optimizer")
-    if zero == 3:
-        options += ["params", "both"]
-    return options
+    return list(RUNTIME_OFFLOADS)
 
 
 def check_fixed(graph: ModelGraph, request: Request) -> None:
     """A --fix outside the space is a user error naming the rule it breaks."""
     fixed, n = request.fixed, request.num_gpus
+    if fixed.get("offload", "none") not in RUNTIME_OFFLOADS:
+        raise UserError(f"--fix offload={fixed['offload']}: autoplan's runtime offloads with FSDP2, which moves "
+                        "parameters, gradients and the optimizer step to the CPU together; use offload=both "
+                        "(with zero 2 or 3) or offload=none")
+    if fixed.get("offload") == "both" and fixed.get("zero", 2) < 2:
+        raise UserError(f"--fix offload=both needs zero 2 or 3 (FSDP2), not zero={fixed['zero']}")
     for key in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "vpp"):
         if key in fixed and fixed[key] < 1:
             raise UserError(f"--fix {key}={fixed[key]}: degrees and sizes are positive integers")

@@ -101,3 +101,15 @@ def test_fp32_module_weights_runtime_bytes_per_parameter(stage, dp, expected):
     # fp32 training is the same for both layouts
     assert memory.model_state_bytes(1e9, "fp32", 1, dp, fp32_module_weights=True) == \
         memory.model_state_bytes(1e9, "fp32", 1, dp)
+
+
+def test_fsdp2_cpu_offload_leaves_only_the_gathered_weights_on_the_gpu():
+    # FSDP2's CPUOffloadPolicy (the runtime's only offload) keeps the fp32 shards, their
+    # gradients and the optimizer step on the CPU; ZeRO-2 still holds the gathered 16-bit weights
+    # from forward to backward. The ZeRO-Offload layout (fp32_module_weights=False) is unchanged.
+    z2 = memory.model_state_bytes(1e9, "bf16", 2, 8, "both", fp32_module_weights=True)
+    z3 = memory.model_state_bytes(1e9, "bf16", 3, 8, "both", fp32_module_weights=True)
+    assert z2 == {"parameters": 2e9, "gradients": 0.0, "optimizer": 0.0}
+    assert z3 == {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    paper = memory.model_state_bytes(1e9, "bf16", 3, 8, "both")
+    assert paper["gradients"] == pytest.approx(2e9 / 8)

@@ -177,3 +177,12 @@ def test_inter_node_bandwidth_from_the_command_line(run_cli, tmp_path):
     assert json.loads(again)["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)
     code, _, err = run_cli("estimate", *config, "--inter-node-bandwidth", "0")
     assert code == 2 and "--inter-node-bandwidth" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fix", [["--fix", "offload=optimizer"], ["--fix", "offload=params"],
+                                 ["--fix", "offload=both", "--fix", "zero=1"]])
+def test_offloads_the_runtime_cannot_apply_exit_2(run_cli, fix):
+    # the runtime offloads with FSDP2 (parameters, gradients and optimizer together, ZeRO-2/3):
+    # a plan it would silently run without offload must not be made
+    code, _, err = run_cli("plan", *ARGS, *fix)
+    assert code == 2 and "offload" in err and "Traceback" not in err

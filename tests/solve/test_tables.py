@@ -25,3 +25,11 @@ def test_time_lower_bound_is_the_tables_bound(gpu, gpus):
     for config in configs:
         tables = build_tables(graph, config, cluster)
         assert time_lower_bound_ns(graph, config, cluster) == lower_bound_ns(tables, memory_aware=False)
+
+
+def test_the_space_offers_only_offloads_the_runtime_applies():
+    from autoplan.solve.space import RUNTIME_OFFLOADS, _offloads
+
+    assert RUNTIME_OFFLOADS == ("none", "both")
+    assert [_offloads(z, {}, True) for z in range(4)] == [["none"], ["none"], ["none", "both"], ["none", "both"]]
+    assert _offloads(1, {"offload": "both"}, True) == []  # no ZeRO-1 configuration with it
