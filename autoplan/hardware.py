@@ -234,6 +234,12 @@ class Cluster:
     memory_headroom_bytes: float = 0.0
     """Memory per GPU a plan must leave free (allocator fragmentation, spikes), bytes."""
 
+    @property
+    def inter_node_override_gb_per_s(self) -> float | None:
+        """The NIC rate per GPU where it is not the GPU's typical system's, else None."""
+        nic = self.inter_node_bandwidth_bytes_per_s
+        return None if nic == self.gpu.nic_bandwidth_bytes_per_s else nic / GB
+
     def nodes_spanned(self, group_size: int, stride: int = 1) -> int:
         """Nodes touched by the group {0, stride, ..., (group_size-1)*stride} of ranks."""
         return _units_spanned(group_size, stride, self.gpus_per_node, self.num_gpus)
@@ -762,6 +768,12 @@ def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_n
     else:
         cluster = make_cluster(load_gpu(gpu), gpus, gpus_per_node, inter_node_bandwidth_gb_per_s)
     return with_memory_headroom(cluster, memory_headroom_gib)
+
+
+def with_num_gpus(cluster: Cluster, num_gpus: int) -> Cluster:
+    """The same kind of cluster (GPU, node size, NIC rate, memory headroom) at another size."""
+    resized = make_cluster(cluster.gpu, num_gpus, cluster.gpus_per_node, cluster.inter_node_override_gb_per_s)
+    return replace(resized, memory_headroom_bytes=cluster.memory_headroom_bytes)
 
 
 def with_memory_headroom(cluster: Cluster, headroom_gib: float) -> Cluster:

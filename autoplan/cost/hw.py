@@ -30,10 +30,6 @@ def hbm_bytes_per_s(gpu) -> float:
     return gpu.hbm_bandwidth_bytes_per_s * gpu.efficiency.hbm_fraction
 
 
-def memory_bytes(gpu) -> float:
-    return gpu.memory_bytes
-
-
 def usable_memory_bytes(cluster) -> float:
     """What a plan may fill on each GPU: its memory less the cluster's headroom."""
     return cluster.gpu.memory_bytes - cluster.memory_headroom_bytes

@@ -66,20 +66,21 @@ def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degr
     weights = params * w / (n if zero_stage >= 3 else 1)
     grads = params * w / (n if zero_stage >= 2 else 1)
     optimizer = params * optimizer_bytes_per_param(precision) / (n if zero_stage >= 1 else 1)
-    if fp32_module_weights and precision != "fp32":
+    fp32_master = fp32_module_weights and precision != "fp32"
+    gathered = params * w if fp32_master and zero_stage == 2 else 0.0  # FSDP2 ZeRO-2, fwd to bwd
+    if fp32_master:
         sharded = zero_stage >= 2
-        weights = params * FP32_BYTES / (n if sharded else 1) + (params * w if zero_stage == 2 else 0.0)
+        weights = params * FP32_BYTES / (n if sharded else 1) + gathered
         grads = params * FP32_BYTES / (n if sharded else 1)
         optimizer = params * ADAM_FP32_OPTIMIZER_BYTES / (n if zero_stage >= 1 else 1)
     if offload in ("optimizer", "both"):
         optimizer = 0.0
     if offload in ("params", "both"):
         weights = 0.0
-        if fp32_module_weights and precision != "fp32" and zero_stage >= 2:
+        if fp32_master and zero_stage >= 2:
             # FSDP2's CPUOffloadPolicy: the fp32 shards, their gradients and the optimizer step
-            # live on the CPU; ZeRO-2 still holds its gathered 16-bit weights from forward to backward
-            weights = params * w if zero_stage == 2 else 0.0
-            grads = optimizer = 0.0
+            # live on the CPU; only ZeRO-2's gathered 16-bit weights stay
+            weights, grads, optimizer = gathered, 0.0, 0.0
     return {"parameters": weights, "gradients": grads, "optimizer": optimizer}
 
 

@@ -6,12 +6,12 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.config import ParallelConfig
+from autoplan.hardware import GIB, with_num_gpus
 from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
 from autoplan.solve.search import Candidate, estimate_candidate, partition_to_config
 from autoplan.solve.tables import block_runs, build_tables
 
-GIB = 2**30
 LINKS = {"tp": "TP all-reduce/all-gather", "cp": "CP ring K/V exchange", "ep": "EP all-to-all",
          "zero3": "ZeRO-3 parameter gathers", "zero2": "ZeRO-2 gradient reduce-scatters", "pp": "pipeline send/recv", "dp": "DP gradient sync"}
 
@@ -136,7 +136,7 @@ def _sensitivity(job) -> list[str]:
     n2 = c.world_size + job.cluster.gpus_per_node
     rest = c.tp * c.pp * c.cp
     if n2 % rest == 0 and c.global_batch % (n2 // rest) == 0:
-        bigger = replace(job, cluster=_same_kind(job.cluster, n2))
+        bigger = replace(job, cluster=with_num_gpus(job.cluster, n2))
         config = replace(c, dp=n2 // rest, micro_batch=1, stage_layers=None, layer_recompute=None,
                          ep=c.ep if ((n2 // rest) * c.cp) % c.ep == 0 else 1)
         solved = solve_config(bigger, config)
@@ -176,7 +176,7 @@ def _smallest_fitting_count(job) -> int | None:
     for _ in range(8):
         n *= 2
         try:
-            cluster = _same_kind(job.cluster, n)
+            cluster = with_num_gpus(job.cluster, n)
         except Exception:
             return None
         request = replace(job.request, num_gpus=n, global_batch=max(job.request.global_batch, n))
@@ -249,11 +249,3 @@ def render_job(job, explanation: list[str], console) -> None:
     console.print("[bold]Why:[/]")
     for line in explanation:
         console.print(f"  - {line}")
-
-
-def _same_kind(cluster, num_gpus: int):
-    """`num_gpus` GPUs of the cluster's kind, node size and memory headroom."""
-    from autoplan.hardware import make_cluster
-
-    return replace(make_cluster(cluster.gpu, num_gpus, cluster.gpus_per_node),
-                   memory_headroom_bytes=cluster.memory_headroom_bytes)

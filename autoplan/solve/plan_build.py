@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autoplan.graph import ModelGraph
-from autoplan.hardware import GB, GIB
+from autoplan.hardware import GIB
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve.search import Candidate
 
@@ -26,9 +26,7 @@ def to_plan(candidate: Candidate, graph: ModelGraph, model: ModelRef, cluster,
         precision=c.precision, micro_batch=c.micro_batch, schedule=c.schedule, vpp=c.vpp,
         sequence_parallel=c.sequence_parallel and c.tp > 1, stages=stages,
         memory_headroom_gib=cluster.memory_headroom_bytes / GIB,
-        inter_node_bandwidth_gb_per_s=(None if cluster.inter_node_bandwidth_bytes_per_s
-                                       == cluster.gpu.nic_bandwidth_bytes_per_s
-                                       else cluster.inter_node_bandwidth_bytes_per_s / GB),
+        inter_node_bandwidth_gb_per_s=cluster.inter_node_override_gb_per_s,
         recompute=dict(zip(paths, modes)),
         tp_styles=dict(graph.tp_styles) if c.tp > 1 else {},
         cp_modules=list(graph.context_parallel) if c.cp > 1 else [],

@@ -186,3 +186,16 @@ def test_offloads_the_runtime_cannot_apply_exit_2(run_cli, fix):
     # a plan it would silently run without offload must not be made
     code, _, err = run_cli("plan", *ARGS, *fix)
     assert code == 2 and "offload" in err and "Traceback" not in err
+
+
+def test_clusters_the_explanation_resizes_keep_the_nic_and_headroom():
+    # "one more node" and "the smallest count that fits" are the same kind of cluster: an
+    # --inter-node-bandwidth or --memory-headroom given for the plan must carry over
+    from autoplan.hardware import resolve_cluster, with_num_gpus
+
+    cluster = resolve_cluster("h100", None, 16, None, memory_headroom_gib=4, inter_node_bandwidth_gb_per_s=12.5)
+    bigger = with_num_gpus(cluster, 32)
+    assert bigger.num_gpus == 32 and bigger.inter_node_bandwidth_bytes_per_s == 12.5e9
+    assert bigger.memory_headroom_bytes == cluster.memory_headroom_bytes == 4 * 2**30
+    default = with_num_gpus(resolve_cluster("h100", None, 16, None), 32)
+    assert default.inter_node_override_gb_per_s is None
