@@ -20,11 +20,11 @@ example_inputs. Catalog and config models take token ids.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import inspect
 import json
 import sys
 import traceback
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -214,13 +214,16 @@ def _exec_file(path: Path, spec: str) -> Any:
         raise UserError(f"model file {spec} does not exist; check the path")
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     module_name = f"autoplan_user_model_{path.stem.replace('-', '_')}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+    module = types.ModuleType(module_name)
+    module.__file__ = str(path)
     sys.modules[module_name] = module  # dataclasses, pickling and inspect look the module up
     sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
     try:
+        # Compiled from the bytes on disk now, never from a cached .pyc: the bytecode cache keys on
+        # mtime and size, so an edit of the same size within a second would load the old model.
+        code = compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
         with torch.device("meta"):
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+            exec(code, module.__dict__)
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)
         raise UserError(f"syntax error in {spec} at line {exc.lineno}: {exc.msg}; fix the file") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -142,10 +143,14 @@ def test_build_from_ref_round_trips_each_source(tmp_path):
         assert n_params(rebuilt) == n_params(loaded.module)
 
 
-def test_build_from_ref_detects_a_changed_file(write_file):
+def test_build_from_ref_detects_a_changed_file(write_file, monkeypatch):
+    # A user's shell writes bytecode; an edit of the same size within the same second must still
+    # be seen, so the file may never be loaded from a cached .pyc.
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
     path = write_file("m.py", "import torch.nn as nn\nmodel = nn.Sequential(nn.Embedding(8, 4))\n")
     ref = load_model(path).ref
     Path(path).write_text("import torch.nn as nn\nmodel = nn.Sequential(nn.Embedding(8, 5))\n")
+    assert not (Path(path).parent / "__pycache__").exists()  # nothing cached beside the user's file
     with pytest.raises(UserError, match="changed since the plan"):
         build_from_ref(ref)
     assert n_params(build_from_ref(ref, verify=False)) == 40
