@@ -129,7 +129,7 @@ class ModelSource:
 
 # train.py's imports beyond the common ones, per ModelSource.kind: (standard library, autoplan)
 _MODEL_IMPORTS = {
-    "catalog": ([], ["from autoplan.catalog import load_catalog_config",
+    "catalog": ([], ["from autoplan.models.catalog import load_catalog_config",
                      "from autoplan.models import build_model as build_reference_model"]),
     "config": (["import json"], ["from autoplan.models import build_model as build_reference_model"]),
     "file": (["import runpy"], []),
@@ -141,7 +141,7 @@ def train_imports(kind: str) -> str:
     stdlib, ours = _MODEL_IMPORTS[kind]
     stdlib = sorted(["import os", *stdlib]) + ["from pathlib import Path"]
     ours = sorted(["from autoplan import runtime", "from autoplan.errors import UserError",
-                   "from autoplan.sources import fingerprint", *ours])
+                   "from autoplan.models.sources import fingerprint", *ours])
     return "\n".join(["from __future__ import annotations", "", *stdlib, "", "import torch.nn as nn",
                       "", *ours])
 
@@ -162,7 +162,7 @@ def model_source(spec: str, source: str, name: str, model_class: str) -> ModelSo
 
 
 def _file_builder(source: bytes, model_class: str) -> tuple[str, str]:
-    """The rule of autoplan.sources: build_model(), else a module-level `model`, else the class."""
+    """The rule of autoplan.models.sources: build_model(), else a module-level `model`, else the class."""
     tree = ast.parse(source)
     bound: dict[str, ast.AST] = {}
     for node in tree.body:

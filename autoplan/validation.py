@@ -111,8 +111,8 @@ def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[st
 
 
 def _graph_for_run(run: dict[str, Any]):
-    from autoplan.catalog import config_from_published
-    from autoplan.trace import graph_for_config
+    from autoplan.models.catalog import config_from_published
+    from autoplan.trace.tracer import graph_for_config
 
     config = config_from_published(run["model"])
     return graph_for_config(config, 1, int(run["model"]["seq_len"]))

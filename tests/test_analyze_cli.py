@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from autoplan.sources import load_model
+from autoplan.models.sources import load_model
 
 KEYS = {"parameters", "forward_flops", "train_flops", "activation_bytes", "blocks",
         "tensor_parallel", "context_parallel", "expert_parallel", "fallback_modules"}

@@ -12,8 +12,8 @@ from autoplan.errors import UserError
 
 def analyze_model(spec: str, batch_size: int, seq_len: int | None):
     """Load MODEL (file, config.json or catalog name) and trace it: (LoadedModel, ModelGraph)."""
-    from autoplan.sources import load_model
-    from autoplan.trace import trace_model
+    from autoplan.models.sources import load_model
+    from autoplan.trace.tracer import trace_model
 
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
@@ -34,7 +34,7 @@ def analyze_model(spec: str, batch_size: int, seq_len: int | None):
 def command(model: str, batch_size: int, seq_len: int | None, as_json: bool) -> None:
     """Trace MODEL on the meta device: parameters, FLOPs, activation memory, structure and
     the parallelism it allows. Nothing is allocated and no weights are loaded."""
-    from autoplan.analyze import render, summarize
+    from autoplan.trace.summary import render, summarize
 
     _, graph = analyze_model(model, batch_size, seq_len)
     summary = summarize(graph)

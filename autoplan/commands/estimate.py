@@ -38,8 +38,8 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
 
 def load_graph(spec: str, seq_len: int | None):
     """Trace MODEL at batch 1 and its training sequence length: (graph, sequence length)."""
-    from autoplan.sources import load_model
-    from autoplan.trace import trace_model
+    from autoplan.models.sources import load_model
+    from autoplan.trace.tracer import trace_model
 
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")

@@ -25,7 +25,7 @@ def command(as_json: bool) -> None:
     Any name listed here can be given as MODEL to the other commands (case-insensitive).
     Parameters are counted by building each model on the meta device.
     """
-    from autoplan.catalog import list_catalog
+    from autoplan.models.catalog import list_catalog
 
     entries = list_catalog()
     if as_json:

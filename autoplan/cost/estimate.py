@@ -17,7 +17,7 @@ from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime
 from autoplan.cost.stages import StageCost, num_virtual_stages, partition, stage_cost
 from autoplan.cost.step import StepTime, step_time_s
 from autoplan.errors import UserError
-from autoplan.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph
 
 GIB = 2**30
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "activations", "buffers", "overhead")

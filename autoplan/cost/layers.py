@@ -19,7 +19,7 @@ from typing import Mapping
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, compute, host, hw, memory, offload
 from autoplan.cost.profile import block_profile
-from autoplan.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph
 
 COMM_KINDS = ("tp", "cp", "ep", "zero3", "pp", "dp", "offload")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.config import ParallelConfig
-from autoplan.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph
 
 ADAM_MIXED_OPTIMIZER_BYTES = 12  # ZeRO §3: fp32 master + momentum + variance
 ADAM_FP32_OPTIMIZER_BYTES = 8  # momentum + variance; the fp32 weights are the master copy

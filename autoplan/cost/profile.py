@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph
 
 GEMM_KINDS = ("linear", "matmul", "conv")
 

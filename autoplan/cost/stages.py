@@ -9,7 +9,7 @@ from typing import Mapping
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, compute, hw, memory, pipeline
 from autoplan.cost.layers import DEFAULT_RUNTIME, LayerCost, Runtime, layer_cost
-from autoplan.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph
 
 
 @dataclass(frozen=True)

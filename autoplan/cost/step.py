@@ -25,7 +25,7 @@ from autoplan.config import ParallelConfig
 from autoplan.cost import comm, hw, memory, offload, pipeline
 from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime, fsdp_pipeline_unsharded
 from autoplan.cost.stages import StageCost
-from autoplan.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph
 
 ADAM_UPDATE_BYTES_MIXED = 3 * 4 * 2 + 2 + 2  # fp32 master/m/v read+write, grad read, weight write
 ADAM_UPDATE_BYTES_FP32 = 3 * 4 * 2 + 4  # weight/m/v read+write, grad read

@@ -7,7 +7,7 @@ from typing import Callable
 
 from autoplan.errors import UserError
 from autoplan.hardware import resolve_cluster  # noqa: F401  (re-exported for commands)
-from autoplan.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve.search import SearchResult, search
 from autoplan.solve.space import Request, check_fixed
@@ -33,8 +33,8 @@ def precisions_for(precision: str, cluster) -> tuple[str, ...]:
 
 def load_graph(model_spec: str, seq_len: int | None) -> tuple[ModelGraph, ModelRef, int]:
     """Load and trace MODEL at batch 1 and the training sequence length."""
-    from autoplan.sources import load_model
-    from autoplan.trace import trace_model
+    from autoplan.models.sources import load_model
+    from autoplan.trace.tracer import trace_model
 
     loaded = load_model(model_spec, seq_len=seq_len)
     seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)

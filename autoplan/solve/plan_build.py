@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoplan.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph
 from autoplan.hardware import GIB
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve.search import Candidate

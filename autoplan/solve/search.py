@@ -19,7 +19,7 @@ from typing import Callable
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import Estimate
-from autoplan.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph
 from autoplan.solve.cpsat import Partition, solve_partition
 from autoplan.solve.space import Request, outer_configs
 from autoplan.solve.tables import (LayerCostCache, build_tables, lower_bound_ns, memory_lower_bound_kib,

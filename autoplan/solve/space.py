@@ -20,7 +20,7 @@ from typing import Iterator
 
 from autoplan.config import PRECISIONS, ParallelConfig
 from autoplan.errors import UserError
-from autoplan.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int,
            "micro_batch": int, "mb": int, "vpp": int, "schedule": str, "offload": str,

@@ -18,7 +18,7 @@ from autoplan.cost import pipeline as cost_pipeline
 from autoplan.cost.stages import num_virtual_stages, partition, pp_p2p_s, stage_cost
 from autoplan.cost.step import step_time_s
 from autoplan.cost import hw as cost_hw
-from autoplan.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph
 from autoplan.solve.cpsat import MODES, GroupTable, Tables, TIME_UNIT_S, MEMORY_UNIT_B
 
 

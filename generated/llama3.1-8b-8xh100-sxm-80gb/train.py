@@ -30,10 +30,10 @@ from pathlib import Path
 import torch.nn as nn
 
 from autoplan import runtime
-from autoplan.catalog import load_catalog_config
 from autoplan.errors import UserError
 from autoplan.models import build_model as build_reference_model
-from autoplan.sources import fingerprint
+from autoplan.models.catalog import load_catalog_config
+from autoplan.models.sources import fingerprint
 
 HERE = Path(__file__).resolve().parent
 

@@ -6,7 +6,7 @@ import networkx as nx
 import pytest
 import torch
 
-from autoplan.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph
 from gpt_blocks import Stack
 
 
@@ -59,7 +59,7 @@ def make_gpt_graph():
 @pytest.fixture(scope="session")
 def traced_gpt_block():
     """(graph, block, h, a, s, b) of a traced Korthikanti GPT block (meta, bf16)."""
-    from autoplan.trace import trace_model
+    from autoplan.trace.tracer import trace_model
 
     h, a, s, b = 64, 4, 128, 2
     with torch.device("meta"):

@@ -12,7 +12,7 @@ import pytest
 from autoplan.config import ParallelConfig
 from autoplan.cost import layers
 from autoplan.hardware import load_gpu, make_cluster
-from autoplan.trace import graph_for_config
+from autoplan.trace.tracer import graph_for_config
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=128)

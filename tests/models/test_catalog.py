@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from autoplan.catalog import (
+from autoplan.models.catalog import (
     catalog_metadata,
     config_from_published,
     count_parameters,

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import UserError
-from autoplan.sources import build_from_ref, fingerprint, load_model
+from autoplan.models.sources import build_from_ref, fingerprint, load_model
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

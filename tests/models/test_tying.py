@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoplan.catalog import load_catalog_config
+from autoplan.models.catalog import load_catalog_config
 from autoplan.models import build_model
 
 TIED = dict(model_type="llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,

@@ -19,7 +19,7 @@ from runtime_models import builder
 def test_import_pulls_no_planner_dependencies():
     code = ("import sys, autoplan.runtime; bad = [m for m in sys.modules if m.split('.')[0] in "
             "('ortools','jinja2','networkx','click','rich') or m.startswith(('autoplan.cost',"
-            "'autoplan.solve','autoplan.trace','autoplan.analyze','autoplan.cli'))]; print(bad)")
+            "'autoplan.solve','autoplan.trace.tracer','autoplan.trace.summary','autoplan.cli'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

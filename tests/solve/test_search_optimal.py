@@ -20,7 +20,7 @@ from autoplan.solve.exhaustive import best_objective_ns
 from autoplan.solve.search import estimate_candidate, partition_to_config, search
 from autoplan.solve.space import Request, outer_configs
 from autoplan.solve.tables import block_runs, build_tables
-from autoplan.trace import graph_for_config
+from autoplan.trace.tracer import graph_for_config
 
 
 def exhaustive_best_s(graph, cluster, request) -> float:

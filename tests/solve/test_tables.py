@@ -7,7 +7,7 @@ import pytest
 from autoplan.hardware import load_gpu, make_cluster
 from autoplan.solve.space import Request, outer_configs
 from autoplan.solve.tables import build_tables, lower_bound_ns, time_lower_bound_ns
-from autoplan.trace import graph_for_config
+from autoplan.trace.tracer import graph_for_config
 
 LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=128)

@@ -15,8 +15,8 @@ from collections import defaultdict
 import torch.fx as fx
 import torch.nn as nn
 
-from autoplan.fallback import moe_facts
-from autoplan.graph import ModelGraph, OpInfo
+from autoplan.trace.fallback import moe_facts
+from autoplan.trace.graph import ModelGraph, OpInfo
 
 _STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv"}
 _SPLITS = {"split", "chunk", "split_with_sizes", "unbind"}

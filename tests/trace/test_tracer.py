@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.errors import UserError
 from gpt_blocks import Stack
 from autoplan.models import build_model
-from autoplan.trace import trace_model
+from autoplan.trace.tracer import trace_model
 
 
 def tokens(batch: int, seq: int) -> tuple[torch.Tensor]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from autoplan.graph import OpInfo
-from autoplan.ops import tensor_bytes
+from autoplan.trace.graph import OpInfo
+from autoplan.trace.ops import tensor_bytes
 
 _EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "n_experts")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "k", "n_activated_experts")

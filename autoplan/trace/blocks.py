@@ -6,8 +6,8 @@ from collections import OrderedDict
 
 import torch.nn as nn
 
-from autoplan.fallback import moe_facts
-from autoplan.graph import BlockInfo, OpInfo
+from autoplan.trace.fallback import moe_facts
+from autoplan.trace.graph import BlockInfo, OpInfo
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -152,7 +152,7 @@ def _with_block_facts(info: BlockInfo, module: nn.Module, ops: list[OpInfo],
                       edges: list[tuple[str, str]]) -> BlockInfo:
     from dataclasses import replace
 
-    from autoplan.facts import block_tp_facts
+    from autoplan.trace.facts import block_tp_facts
 
     experts, top_k = 0, 0
     expert_params = 0
@@ -160,7 +160,7 @@ def _with_block_facts(info: BlockInfo, module: nn.Module, ops: list[OpInfo],
         e, k = moe_facts(sub) if sub is not module else (0, 0)
         if e:
             experts, top_k = e, k
-            from autoplan.fallback import expert_matrices
+            from autoplan.trace.fallback import expert_matrices
 
             _, ids = expert_matrices(sub, e)
             expert_params = sum(p.numel() for p in sub.parameters() if id(p) in ids)

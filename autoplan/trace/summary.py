@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoplan.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph
 
 
 def summarize(graph: ModelGraph) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from autoplan import catalog
+from autoplan.models import catalog
 from autoplan.errors import UserError
 from autoplan.models import MODEL_TYPES, ConfigError, build_model
 from autoplan.plan import ModelRef

@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.errors import UserError
-from autoplan.fallback import fallback_op
-from autoplan.graph import ModelGraph, OpInfo
-from autoplan.ops import classify, gemm_mnk, tensor_bytes
-from autoplan.segments import build_segments, find_block_groups
+from autoplan.trace.fallback import fallback_op
+from autoplan.trace.graph import ModelGraph, OpInfo
+from autoplan.trace.ops import classify, gemm_mnk, tensor_bytes
+from autoplan.trace.blocks import build_segments, find_block_groups
 
 TRACE_DTYPE = torch.bfloat16
 
@@ -289,7 +289,7 @@ def fingerprint(module: nn.Module) -> str:
 
 def trace_model(module: nn.Module, example_inputs: tuple, *, name: str = "") -> ModelGraph:
     """Trace `module` (parameters on meta) called with `example_inputs` into a ModelGraph."""
-    from autoplan.facts import add_parallelism_facts
+    from autoplan.trace.facts import add_parallelism_facts
 
     module = module.to(device="meta", dtype=TRACE_DTYPE)
     inputs = tuple(_to_meta(x) for x in example_inputs)

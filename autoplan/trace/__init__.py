@@ -1,0 +1,1 @@
+"""The trace stage: a model on meta tensors -> ModelGraph (ops, blocks, parallelism facts)."""
