@@ -778,7 +778,7 @@ def measured_error(path: str | Path) -> float | None:
     |predicted - measured| / measured over every GEMM, copy and collective timed, predictions
     from the file's own numbers through the cost model's functions) or a run directory with
     metrics.jsonl next to its job's plan.json (the relative error of the step time, see
-    `autoplan.runs.validate_run`). The report uses it as the half-width of its range.
+    `autoplan.validate.measured.compare_run_dir`). The report uses it as the half-width of its range.
     """
     details = measured_error_details(path)
     return None if details is None else details["median_abs_rel_error"]
@@ -790,9 +790,9 @@ def measured_error_details(path: str | Path) -> dict[str, Any] | None:
     if path.is_dir():
         if not (path / "metrics.jsonl").is_file():
             return None
-        from autoplan.runs import validate_run
+        from autoplan.validate.measured import compare_run_dir
 
-        report = validate_run(path)
+        report = compare_run_dir(path)
         err = report["error"].get("step_time_s")
         if err is None:
             return None

@@ -21,7 +21,7 @@ from autoplan.cost import estimate
 from autoplan.errors import UserError
 from autoplan.solve.search import search
 from autoplan.solve.space import Request
-from autoplan.validation import _cluster_for_run, _graph_for_run, candidate_configs, load_runs
+from autoplan.validate.published import _cluster_for_run, _graph_for_run, candidate_configs, load_runs
 
 REPO = Path(__file__).resolve().parent.parent
 

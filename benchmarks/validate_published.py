@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from autoplan.validation import load_runs, summarize, validate_run
+from autoplan.validate.published import load_runs, summarize, validate_run
 
 DEFAULT = Path(__file__).resolve().parent.parent / "cost_models" / "validation" / "published_runs.json"
 

@@ -30,7 +30,7 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
 
     Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
     """
-    from autoplan.codegen import default_output_dir, model_source, render_job, write_job
+    from autoplan.codegen.job import default_output_dir, model_source, render_job, write_job
     from autoplan.models.sources import load_model
 
     if output and Path(output).exists() and not Path(output).is_dir():

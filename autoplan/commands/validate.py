@@ -69,12 +69,12 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
     parallelism) take the best value under the cost model; the table says which.
     """
     from autoplan.errors import UserError
-    from autoplan.validation import validate_file
+    from autoplan.validate.published import validate_file
 
     if run_dir:
-        from autoplan.runs import render_run, validate_run
+        from autoplan.validate.measured import render_run, compare_run_dir
 
-        report = validate_run(run_dir, plan_path=plan_path, warmup=warmup)
+        report = compare_run_dir(run_dir, plan_path=plan_path, warmup=warmup)
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:

@@ -5,7 +5,7 @@ for every report, so its summary is stored in cost_models/validation/accuracy_su
 with a fingerprint of what it depends on (the runs file, the cost model's code, the GPU data).
 Regenerate it with `python -m autoplan.report.accuracy`; tests/report checks it is fresh.
 
-The error of a run is predicted / measured - 1 of tokens/s per GPU (autoplan.validation), so
+The error of a run is predicted / measured - 1 of tokens/s per GPU (autoplan.validate.published), so
 the true time of a predicted time T is T x (1 + error): the range is T x (1 -+ e) for the
 90th percentile e of |error|. An `ErrorBand` is the one place a report takes its error from;
 a calibration (issue 8) can supply another.
@@ -50,10 +50,10 @@ def _summary_path() -> Path:
 def dependency_files() -> list[Path]:
     """What the measured error depends on: runs file, cost code, validation code, GPU data."""
     import autoplan.cost
-    import autoplan.validation
+    import autoplan.validate.published
 
     cost_dir = Path(autoplan.cost.__file__).parent
-    return ([cost_models_dir() / "validation" / RUNS_NAME, Path(autoplan.validation.__file__)]
+    return ([cost_models_dir() / "validation" / RUNS_NAME, Path(autoplan.validate.published.__file__)]
             + sorted(cost_dir.glob("*.py")) + sorted((cost_models_dir() / "gpus").glob("*.toml")))
 
 
@@ -76,7 +76,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def build_summary(runs_path: Path | None = None) -> dict:
     """Run the validation (slow) and summarise |error| of tokens/s per GPU."""
-    from autoplan.validation import validate_file
+    from autoplan.validate.published import validate_file
 
     runs_path = runs_path or cost_models_dir() / "validation" / RUNS_NAME
     report = validate_file(runs_path)
@@ -84,7 +84,7 @@ def build_summary(runs_path: Path | None = None) -> dict:
               if not r.get("skipped") and "tokens_per_s_per_gpu" in r["error"]]
     return {
         "what": "|predicted / measured - 1| of tokens/s per GPU over the published runs "
-                "(autoplan.validation.validate_file)",
+                "(autoplan.validate.published.validate_file)",
         "runs_file": f"cost_models/validation/{RUNS_NAME}",
         "runs": len(errors),
         "skipped": report["summary"]["skipped"],

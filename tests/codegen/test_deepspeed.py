@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from autoplan.deepspeed import ds_config, ds_config_notes
+from autoplan.codegen.deepspeed import ds_config, ds_config_notes
 from autoplan.plan import ModelRef, Plan
 
 # Key names as documented in deepspeedai/DeepSpeed docs/_pages/config-json.md (top level,

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoplan.codegen import (_file_builder, environment, md_escape, py_literal, safe_name,
+from autoplan.codegen.job import (_file_builder, environment, md_escape, py_literal, safe_name,
                               sh_quote)
 from autoplan.errors import UserError
 from autoplan.plan import Plan

@@ -11,7 +11,7 @@ from autoplan.config import ParallelConfig
 from autoplan.cost import Runtime, comm, compute, estimate, host, layer_cost
 from autoplan.cost.layers import tp_exposed_s
 from autoplan.cost.profile import block_profile
-from autoplan.validation import (flash_kernel, load_runs, stated_nic_gb_per_s, tp_comm_overlap_options,
+from autoplan.validate.published import (flash_kernel, load_runs, stated_nic_gb_per_s, tp_comm_overlap_options,
                                  validate_run, zero3_flat_gather)
 
 RUNS = Path(__file__).resolve().parents[2] / "cost_models" / "validation" / "published_runs.json"

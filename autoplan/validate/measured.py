@@ -68,7 +68,7 @@ def _rel(predicted: float | None, measured: float | None) -> float | None:
     return (predicted - measured) / measured
 
 
-def validate_run(run_dir: str | Path, plan_path: str | Path | None = None,
+def compare_run_dir(run_dir: str | Path, plan_path: str | Path | None = None,
                  warmup: int | None = None) -> dict[str, Any]:
     """Measured step time, tokens/s, MFU and peak memory per rank next to the plan's estimate.
 

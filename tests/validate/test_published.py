@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.validation import candidate_configs, load_runs, uses_flash_attention, validate_file
+from autoplan.validate.published import candidate_configs, load_runs, uses_flash_attention, validate_file
 
 RUNS = Path(__file__).resolve().parents[2] / "cost_models" / "validation" / "published_runs.json"
 
@@ -57,7 +57,7 @@ def test_unstated_recompute_may_be_partial(report):
     run = next(r for r in report["runs"] if r["id"] == "mbridge_2511_dgx_gb300_llama3_1_405b_256gpu_fp8cs")
     assert run["assumed"]["recompute"].startswith("full on ")
     from autoplan.cost import Runtime, estimate
-    from autoplan.validation import _cluster_for_run, _graph_for_run
+    from autoplan.validate.published import _cluster_for_run, _graph_for_run
 
     raw = next(r for r in load_runs(RUNS) if r["id"] == run["id"])
     graph, cluster = _graph_for_run(raw), _cluster_for_run(raw)

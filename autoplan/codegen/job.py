@@ -8,7 +8,7 @@ template raw: Python code gets them through the `py` filter (repr), shell code t
 string of "safe" characters (`_checked`), so an unquoted model name or path fails the render
 instead of producing broken or injectable code.
 
-`python -m autoplan.codegen --regenerate-examples` rewrites the committed examples in generated/.
+`python -m autoplan.codegen.job --regenerate-examples` rewrites the committed examples in generated/.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import jinja2
 
-from autoplan.deepspeed import ds_config, ds_config_notes
+from autoplan.codegen.deepspeed import ds_config, ds_config_notes
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.paths import repo_root, templates_dir
@@ -412,7 +412,7 @@ def regenerate_examples(target: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m autoplan.codegen")
+    parser = argparse.ArgumentParser(prog="python -m autoplan.codegen.job")
     parser.add_argument("--regenerate-examples", action="store_true", required=True,
                         help="rewrite the committed examples under generated/ (see generated/examples.json)")
     parser.add_argument("--into", default=None, help="another root directory to write them to")

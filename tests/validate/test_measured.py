@@ -14,7 +14,7 @@ import pytest
 from autoplan.calibrate import measured_error
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
-from autoplan.runs import render_run, validate_run
+from autoplan.validate.measured import render_run, compare_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_synthetic_run_errors_skip_warmup(tmp_path):
         rows.append({"step": step, "loss": 5.0, "lr": 1e-4, "tokens_per_s": 1024 / t, "mfu": 0.01,
                      "peak_memory_gib": 2.0, "step_time_s": t, "rank": 3})
     _metrics(run, rows)
-    report = validate_run(run)
+    report = compare_run_dir(run)
     assert (report["warmup_steps"], report["steps_used"]) == (2, 3)
     assert report["measured"]["step_time_s"] == pytest.approx(0.4)  # median of 0.4, 0.4, 0.6
     assert report["error"]["step_time_s"] == pytest.approx((0.5 - 0.4) / 0.4)
@@ -61,7 +61,7 @@ def test_short_run_keeps_one_step_and_step_time_from_tokens(tmp_path):
     run = _job(tmp_path) / "runs" / "r1"
     _metrics(run, [{"step": 0, "loss": 1.0, "lr": 0.0, "tokens_per_s": 2048.0, "mfu": None,
                     "peak_memory_gib": 1.0}])
-    report = validate_run(run)
+    report = compare_run_dir(run)
     assert (report["warmup_steps"], report["steps_used"]) == (0, 1)
     assert report["measured"]["step_time_s"] == pytest.approx(0.5)  # 8 x 128 tokens / 2048 tok/s
     assert report["error"]["mfu"] is None and report["notes"]
@@ -74,7 +74,7 @@ def test_render_prints_every_metric(tmp_path):
     _metrics(run, [{"step": s, "loss": 1.0, "lr": 0.0, "tokens_per_s": 2048.0, "mfu": 0.01,
                     "peak_memory_gib": 1.0, "step_time_s": 0.5} for s in range(4)])
     console = Console(record=True, width=150)
-    render_run(validate_run(run), console)
+    render_run(compare_run_dir(run), console)
     text = console.export_text()
     for label in ("step time", "tokens/s", "MFU", "peak memory", "+0.0%"):
         assert label in text
@@ -84,16 +84,16 @@ def test_bad_runs_are_user_errors(tmp_path):
     job = _job(tmp_path)
     run = job / "runs" / "r1"
     with pytest.raises(UserError, match="does not exist"):
-        validate_run(run)
+        compare_run_dir(run)
     (run / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
     with pytest.raises(UserError, match="line 2"):
-        validate_run(run)
+        compare_run_dir(run)
     with pytest.raises(UserError, match="no plan.json"):
-        validate_run(tmp_path)  # metrics aside, there is no plan above tmp_path
+        compare_run_dir(tmp_path)  # metrics aside, there is no plan above tmp_path
     _job(tmp_path, estimate={})
     _metrics(run, [{"step": 0, "step_time_s": 1.0}])
     with pytest.raises(UserError, match="no predicted estimate"):
-        validate_run(run)
+        compare_run_dir(run)
 
 
 GENERATED = REPO / "generated" / "tiny-gpt-4xcpu"
@@ -115,7 +115,7 @@ def test_validate_a_real_run_of_the_generated_tiny_job(tmp_path):
         out, err = proc.communicate()
         pytest.fail(f"tiny job hung:\n{out[-2000:]}\n{err[-2000:]}")
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
-    report = validate_run(run)
+    report = compare_run_dir(run)
     assert report["steps_total"] == 6 and report["warmup_steps"] == 2
     for key in ("step_time_s", "tokens_per_s", "peak_memory_gib"):
         assert report["measured"][key] > 0 and report["error"][key] is not None

@@ -1,0 +1,1 @@
+"""The cost model against measurements: published training runs and measured run directories."""
