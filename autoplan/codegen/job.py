@@ -8,7 +8,7 @@ template raw: Python code gets them through the `py` filter (repr), shell code t
 string of "safe" characters (`_checked`), so an unquoted model name or path fails the render
 instead of producing broken or injectable code.
 
-`python -m autoplan.codegen.job --regenerate-examples` rewrites the committed examples in generated/.
+`python -m autoplan.commands.examples --regenerate-examples` rewrites the committed examples in generated/.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import math
 import re
 import shlex
 import stat
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import jinja2
 from autoplan.codegen.deepspeed import ds_config, ds_config_notes
 from autoplan.errors import UserError
 from autoplan.plan import Plan
-from autoplan.paths import repo_root, templates_dir
+from autoplan.paths import templates_dir
 
 # What a template may print unquoted: no whitespace, quotes, backslashes, $, `, ;, braces, #.
 _SAFE_TEXT = re.compile(r"[A-Za-z0-9_.,:/=+@%-]*")
@@ -380,48 +379,3 @@ def _file_rows(source: ModelSource) -> list[tuple[str, str]]:
         rows.append((source.copy_name, "a copy of the model the plan was made for; train.py builds it"))
     return rows
 
-
-# ---------------------------------------------------------------- committed examples
-
-
-def examples_spec() -> list[dict[str, Any]]:
-    """generated/examples.json: [{"dir": name, "args": [MODEL, plan options...]}]."""
-    root = repo_root()
-    if root is None:
-        raise UserError("the committed examples live in a source checkout of autoplan; run this there")
-    return json.loads((root / "generated" / "examples.json").read_text())
-
-
-def regenerate_examples(target: Path) -> list[Path]:
-    """Generate every example of generated/examples.json into target/<dir> (replacing it)."""
-    import shutil
-
-    from autoplan.commands.generate import command
-
-    dirs = []
-    for example in examples_spec():
-        out = target / example["dir"]
-        if out.is_dir():
-            shutil.rmtree(out)
-        command.main(args=[*example["args"], "-o", str(out)], prog_name="autoplan generate",
-                     standalone_mode=False)
-        dirs.append(out)
-    return dirs
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m autoplan.codegen.job")
-    parser.add_argument("--regenerate-examples", action="store_true", required=True,
-                        help="rewrite the committed examples under generated/ (see generated/examples.json)")
-    parser.add_argument("--into", default=None, help="another root directory to write them to")
-    args = parser.parse_args(argv)
-    root = Path(args.into) if args.into else (repo_root() or Path.cwd()) / "generated"
-    for path in regenerate_examples(root):
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

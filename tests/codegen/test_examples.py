@@ -1,7 +1,7 @@
 """The committed examples in generated/ are exactly what the current code generates.
 
 When this fails after a planner, cost-model or template change, regenerate them with
-`python -m autoplan.codegen.job --regenerate-examples`, review the diff, and commit it.
+`python -m autoplan.commands.examples --regenerate-examples`, review the diff, and commit it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from autoplan.codegen.job import examples_spec, regenerate_examples
+from autoplan.commands.examples import examples_spec, regenerate_examples
 
 from codegen_helpers import REPO
 
@@ -38,7 +38,7 @@ def test_committed_example_is_current(regenerated, name):
     assert sorted(committed) == sorted(fresh), "the example's files differ; regenerate it"
     stale = [rel for rel in fresh if fresh[rel].read_bytes() != committed[rel].read_bytes()]
     assert not stale, (f"generated/{name}: {stale} differ from a fresh generation; run "
-                       "`python -m autoplan.codegen.job --regenerate-examples` and commit the result")
+                       "`python -m autoplan.commands.examples --regenerate-examples` and commit the result")
 
 
 def test_the_examples_asked_for():
