@@ -91,16 +91,16 @@ def command(output, quick, model, seq_len, gpu, device, device_only, gpus_per_no
     """
     from pathlib import Path
 
-    from autoplan import calibrate as cal
+    from autoplan.calibrate import fit, measure
 
-    env = cal.launch_env()
-    cal.check_launch(env, device_only)  # before any work: exit 2 with what could be measured
+    env = measure.launch_env()
+    measure.check_launch(env, device_only)  # before any work: exit 2 with what could be measured
     if gpus_per_node is not None and gpus_per_node < 1:
         raise UserError(f"--gpus-per-node must be positive, got {gpus_per_node}")
     dev = _device(device)
-    base = cal.base_gpu_for(dev, gpu)
+    base = fit.base_gpu_for(dev, gpu)
     shapes = gemm_shapes_of(model, seq_len) if model else None
-    settings = cal.Settings(device=dev, quick=quick, gemm_shapes=shapes, device_only=device_only,
+    settings = measure.Settings(device=dev, quick=quick, gemm_shapes=shapes, device_only=device_only,
                             dtypes=("fp32", "tf32", "bf16", "fp16"))
     if env.rank == 0 and not as_json:
         click.echo(f"autoplan calibrate: {env.world_size} rank(s), {env.num_nodes} node(s), {dev}, "
@@ -111,13 +111,13 @@ def command(output, quick, model, seq_len, gpu, device, device_only, gpus_per_no
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       transient=False) as bar:
             task = bar.add_task("calibrating", total=None)
-            result = cal.run(settings, env, base, lambda done, total, text: bar.update(
+            result = measure.run(settings, env, base, lambda done, total, text: bar.update(
                 task, completed=done, total=total, description=text))
     else:
-        result = cal.run(settings, env, base)
+        result = measure.run(settings, env, base)
     if env.rank != 0:
         return
-    path, cluster = cal.write(result, base, Path(output), standard_shapes=shapes is None,
+    path, cluster = fit.write(result, base, Path(output), standard_shapes=shapes is None,
                               gpus_per_node=gpus_per_node)
     if as_json:
         data = result.to_dict()

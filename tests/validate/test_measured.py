@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.calibrate import measured_error
+from autoplan.calibrate.error import measured_error
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
 from autoplan.validate.measured import render_run, compare_run_dir
