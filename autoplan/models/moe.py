@@ -33,10 +33,6 @@ class GroupedExperts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
 
-    def expert_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
-        return (F.silu(x @ w_gate[index].t()) * (x @ w_up[index].t())) @ w_down[index].t()
-
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens sorted by (local) expert; counts: tokens per local expert."""
         w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)

@@ -10,7 +10,6 @@ planning whole clusters exactly as the serial sweep does; the rows keep their or
 
 from __future__ import annotations
 
-import inspect
 import math
 import multiprocessing
 import os
@@ -163,18 +162,6 @@ class Sweep:
     wall_s: float = 0.0
 
 
-def _plan_job_kwargs(time_limit_s: float | None) -> dict:
-    """Pass a search time limit where plan_job takes one (requested of solve.api)."""
-    from autoplan.solve.api import plan_job
-
-    if time_limit_s is None:
-        return {}
-    if "time_limit_s" not in inspect.signature(plan_job).parameters:
-        raise UserError("--time-limit is not supported by this version's solver (solve.api.plan_job takes no "
-                        "time limit); leave it out.")
-    return {"time_limit_s": time_limit_s}
-
-
 def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int, tokens: int,
              precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
              error: ErrorBand | None, time_limit_s: float | None = None,
@@ -190,7 +177,7 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
                                        memory_headroom_gib)
         # top=0: only the best is needed; the search then prunes against it alone
         job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                       top=0, **_plan_job_kwargs(time_limit_s))
+                       top=0, time_limit_s=SEARCH_DEFAULT_LIMIT_S if time_limit_s is None else time_limit_s)
     except UserError as exc:  # the batch does not split, a partial node, ...: this cluster only
         row.reason = str(exc)
         return row
