@@ -28,6 +28,21 @@ from autoplan.solve.tables import (LayerCostCache, build_tables, lower_bound_ns,
 GIB_KIB = 2**20
 
 
+def rounding_s(slots: float, layers: int) -> float:
+    """How far a bound from the tables can exceed the exact one: every per-block and fixed
+    time is rounded to the nearest ns (at most 0.5 ns each, blocks plus embedding, head and
+    pipeline transfers), and a rank's time counts `slots` times. A configuration is pruned
+    only when its bound, less this, reaches the best step time."""
+    return slots * (layers + 3) * 0.5e-9 * 2
+
+
+def capacity_kib(cluster) -> int:
+    from autoplan.cost import hw
+    from autoplan.solve.cpsat import MEMORY_UNIT_B
+
+    return round(hw.usable_memory_bytes(cluster) / MEMORY_UNIT_B)
+
+
 @dataclass(frozen=True)
 class Candidate:
     config: ParallelConfig  # with stage_layers and layer_recompute from the solver
@@ -102,26 +117,23 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
     skipped_memory: list[tuple[float, int]] = []
     bounds = []
     for key, members in families.items():
-        # memory bound: the most ZeRO and offload (they only save memory); time bound: the
-        # least per-block time over the family's ZeRO/offload variants (ZeRO and offload
-        # change per-block time both ways: sharded gradients accumulate less, offload
-        # transfers more) at the family's smallest bubble
-        frugal = replace(members[0], zero_stage=max(m.zero_stage for m in members),
-                         offload=max((m.offload for m in members), key=OFFLOAD_ORDER.get),
-                         schedule="1f1b", vpp=1)
-        frugal_tables = build_tables(graph, frugal, cluster, fixed_rc, cache=cache)
-        if memory_lower_bound_kib(frugal_tables) > frugal_tables.capacity_kib:
-            family_least = memory_lower_bound_kib(frugal_tables) / GIB_KIB
-            skipped_memory.append((family_least, len(members)))
+        # per ZeRO/offload variant of the family at its least pipeline memory and time (1F1B,
+        # one chunk per rank): neither ZeRO nor offload saves memory or time in every case
+        # (ZeRO-3 in a pipeline holds gathered weights and gather buffers), so the family is
+        # out only if every variant is, and its time bound is the least over variants
+        variants = [replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1)
+                    for z, o in sorted({(m.zero_stage, m.offload) for m in members})]
+        least = [memory_lower_bound_kib(build_tables(graph, v, cluster, fixed_rc, cache=cache, tail_table=False))
+                 for v in variants]
+        fitting = [v for v, kib in zip(variants, least) if kib <= capacity_kib(cluster)]
+        if not fitting:
+            skipped_memory.append((min(least) / GIB_KIB, len(members)))
             continue
-        variants = {(m.zero_stage, m.offload) for m in members}
-        slots = pipeline_slots(replace(members[0], schedule="1f1b", vpp=1))
-        per_slot = min(
-            time_lower_bound_ns(graph, replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1),
-                                cluster, cache=cache) / slots
-            for z, o in variants)
+        slots = pipeline_slots(variants[0])
+        per_slot = min(time_lower_bound_ns(graph, v, cluster, cache=cache) / slots for v in fitting)
         bound = min(pipeline_slots(m) for m in members) * per_slot * 1e-9
-        bounds.append((bound, key))
+        slack = rounding_s(max(pipeline_slots(m) for m in members) * max(m.vpp for m in members), graph.num_layers)
+        bounds.append((bound - slack, key))
     bounds.sort()
     runs = block_runs(graph)
     kept: dict[tuple, Candidate] = {}
@@ -141,20 +153,23 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             if mem_lb > tables.capacity_kib:
                 infeasible += 1
                 continue
-            if lower_bound_ns(tables) * 1e-9 >= threshold:
+            if lower_bound_ns(tables) * 1e-9 - rounding_s(tables.slots * tables.vpp, graph.num_layers) >= threshold:
                 continue
             part = solve_partition(tables, time_limit_s=max(1.0, time_limit_s / 10))
             solved += 1
             if part is None:
                 infeasible += 1
                 continue
-            all_optimal &= part.status == "OPTIMAL"
+            # exact only where the tables carry the step-end tail the estimate adds
+            exact = part.status == "OPTIMAL" and tables.tail_ns is not None
+            all_optimal &= exact
             cand_config = partition_to_config(config, part, runs)
             est = estimate_candidate(graph, cand_config, cluster)
-            if not est.feasible:  # rounding at the capacity edge
+            if not est.feasible:  # rounding at the capacity edge: another partition may fit
                 infeasible += 1
+                all_optimal = False
                 continue
-            cand = Candidate(cand_config, est, part.status)
+            cand = Candidate(cand_config, est, "OPTIMAL" if exact else "FEASIBLE")
             if cand.signature not in kept or cand.step_time_s < kept[cand.signature].step_time_s:
                 kept[cand.signature] = cand
             # the bound proves the best plan; runners-up are the best found on the way
