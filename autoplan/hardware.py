@@ -753,8 +753,10 @@ __all__ = [
 
 
 def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_node: int | None,
-                    memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None):
-    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K, --memory-headroom GIB,
+                    memory_headroom_gib: float | None = None,
+                    inter_node_bandwidth_gb_per_s: float | None = None):
+    """--gpu NAME or --hardware FILE, --gpus N, --gpus-per-node K, --memory-headroom GIB (None:
+    the default fraction of the GPU's memory),
     --inter-node-bandwidth GB/S -> Cluster (UserError on bad input)."""
     if gpus is None or gpus < 1:
         raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
@@ -776,9 +778,19 @@ def with_num_gpus(cluster: Cluster, num_gpus: int) -> Cluster:
     return replace(resized, memory_headroom_bytes=cluster.memory_headroom_bytes)
 
 
-def with_memory_headroom(cluster: Cluster, headroom_gib: float) -> Cluster:
-    """The cluster with `headroom_gib` of every GPU's memory kept free by plans."""
-    headroom_gib = float(headroom_gib or 0.0)
+def default_memory_headroom_fraction() -> float:
+    """Fraction of each GPU's memory plans leave free by default (cost_models/memory_headroom.toml,
+    sources there: the caching allocator's fragmentation, not counted by the estimate)."""
+    with open(cost_models_dir() / "memory_headroom.toml", "rb") as f:
+        return float(tomllib.load(f)["fraction_of_memory"])
+
+
+def with_memory_headroom(cluster: Cluster, headroom_gib: float | None) -> Cluster:
+    """The cluster with `headroom_gib` of every GPU's memory kept free by plans; None: the
+    default fraction of the GPU's memory (`default_memory_headroom_fraction`)."""
+    if headroom_gib is None:
+        headroom_gib = default_memory_headroom_fraction() * cluster.gpu.memory_bytes / GIB
+    headroom_gib = float(headroom_gib)
     if not 0.0 <= headroom_gib < cluster.gpu.memory_bytes / GIB:
         raise UserError(f"--memory-headroom must be at least 0 and less than the "
                         f"{cluster.gpu.memory_bytes / GIB:.0f} GiB of a {cluster.gpu.key}, got {headroom_gib:g} GiB")

@@ -22,5 +22,7 @@ inter_node_bandwidth_option = click.option(
     help="Scale-out (NIC) bandwidth per GPU, one direction, in GB/s (default: the GPU's typical "
          "system, e.g. 50 = 400 Gb/s per H100).")
 memory_headroom_option = click.option(
-    "--memory-headroom", type=float, default=0.0, show_default=True, metavar="GIB",
-    help="GiB of each GPU's memory a plan leaves free (allocator fragmentation, memory spikes).")
+    "--memory-headroom", type=float, default=None, metavar="GIB",
+    help="GiB of each GPU's memory a plan leaves free for the allocator's fragmentation and memory "
+         "spikes (default: 10% of the GPU's memory, cost_models/memory_headroom.toml; 0 lets a plan "
+         "fill the GPU to the estimate).")

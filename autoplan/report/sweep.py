@@ -188,7 +188,8 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
                       "configurations solved); not proven not to fit: raise --time-limit")
         return row
     if job.plan is None:
-        kept = f" less {memory_headroom_gib:g} GiB of headroom" if memory_headroom_gib else ""
+        headroom_gib = cluster.memory_headroom_bytes / GIB
+        kept = f" less {headroom_gib:g} GiB of headroom" if headroom_gib else ""
         row.reason = (f"no configuration fits in {row.capacity_gib:.1f} GiB per GPU{kept} "
                       f"({job.result.configurations_considered} searched; any needs at least "
                       f"{job.result.least_memory_gib:.1f} GiB)")

@@ -9,6 +9,7 @@ from autoplan.errors import UserError
 from autoplan.hardware import resolve_cluster  # noqa: F401  (re-exported for commands)
 from autoplan.trace.graph import ModelGraph
 from autoplan.plan import ModelRef, Plan
+from autoplan.solve import preference
 from autoplan.solve.search import SearchResult, search
 from autoplan.solve.space import Request, check_fixed
 
@@ -47,7 +48,7 @@ def load_graph(model_spec: str, seq_len: int | None) -> tuple[ModelGraph, ModelR
 def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, seq_len: int,
              fixed: dict | None = None, precision: str = "bf16", objective: str = "time",
              top: int = 3, progress: Callable[[int, int], None] | None = None,
-             time_limit_s: float = 60.0) -> PlanJob:
+             time_limit_s: float = 60.0, equivalence_band: float | None = None) -> PlanJob:
     """Search the plan space of `graph` on `cluster`; the best as a Plan plus the ranked result."""
     from autoplan.solve.plan_build import to_plan
 
@@ -57,7 +58,9 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
                       global_batch=global_batch, seq_len=seq_len,
                       precisions=precisions_for(precision, cluster) if "precision" not in (fixed or {})
                       else (fixed["precision"],),
-                      fixed=dict(fixed or {}), objective=objective)
+                      fixed=dict(fixed or {}), objective=objective,
+                      equivalence_band=preference.equivalence_band() if equivalence_band is None
+                      else equivalence_band)
     check_fixed(graph, request)
     result = search(graph, cluster, request, top=top, progress=progress, time_limit_s=time_limit_s)
     if result.configurations_considered == 0:

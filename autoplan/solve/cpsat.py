@@ -58,6 +58,10 @@ class Tables:
     fixed_activation_kib: list[int]  # per rank: pre/post activations per micro-batch in flight
     fixed_sync_ns: list[int] = field(default_factory=list)  # per rank
     modes: tuple[str, ...] = MODES
+    # per rank r and block count n (0..num_layers): the step-end time (DP sync + optimizer,
+    # >= 0) of rank r holding n blocks, where it is not linear in n; one group only
+    # (homogeneous.py; indexable rows, tables.RankTails computes them on demand)
+    tail_ns: tuple | None = None
 
     @property
     def chunks(self) -> int:
@@ -103,9 +107,11 @@ def objective_ns(tables: Tables, cuts, full, selective) -> float:
     times = [0] * tables.pp
     syncs = list(tables.fixed_sync_ns or [0] * tables.pp)
     mems = [fixed_memory_kib(tables, r) for r in range(tables.pp)]
+    blocks = [0] * tables.pp
     for k in range(tables.chunks):
         rank = k % tables.pp
         times[rank] += tables.fixed_time_ns[k]
+        blocks[rank] += cuts[k + 1] - cuts[k]
         for g, group in enumerate(tables.groups):
             n = _count(tables, cuts[k], cuts[k + 1], group)
             f, s = full[k][g], selective[k][g]
@@ -118,17 +124,27 @@ def objective_ns(tables: Tables, cuts, full, selective) -> float:
             mems[rank] += n * per_block + f * per_full + s * per_sel
     if any(m > tables.capacity_kib for m in mems):
         return float("inf")
+    if tables.tail_ns:
+        syncs = [d + tables.tail_ns[r][n] for r, (d, n) in enumerate(zip(syncs, blocks))]
     scale = objective_scale(tables)
     return (round(tables.slots * scale) * max(times) + scale * max(syncs)) / scale
 
 
 def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1,
                     hint: Partition | None = None) -> Partition | None:
-    """Best partition and recomputation for one outer configuration, or None if nothing fits."""
+    """Best partition and recomputation for one outer configuration, or None if nothing fits.
+    Tables with a step-end tail outside the direct solver's reach are solved without it: the
+    partition is then only FEASIBLE (its objective, with the tail, is not proven least)."""
+    from dataclasses import replace
+
     from autoplan.solve import homogeneous
 
     if homogeneous.applies(tables):  # one group of identical blocks: exact, no MIP needed
         return homogeneous.solve_identical(tables)
+    if tables.tail_ns:
+        part = solve_partition(replace(tables, tail_ns=None), time_limit_s, workers, hint)
+        return part and replace(part, status="FEASIBLE",
+                                objective_ns=objective_ns(tables, part.cuts, part.full, part.selective))
     if len(tables.groups) == 1:
         return _solve_homogeneous(tables, time_limit_s, workers)
     model = cp_model.CpModel()

@@ -9,6 +9,7 @@ from autoplan.config import ParallelConfig
 from autoplan.hardware import GIB, with_num_gpus
 from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
+from autoplan.solve.preference import mechanisms, within_band
 from autoplan.solve.search import Candidate, estimate_candidate, partition_to_config
 from autoplan.solve.tables import block_runs, build_tables
 
@@ -98,6 +99,11 @@ def explain(job) -> list[str]:
         f"{capacity:.1f} GiB ({(1 - e.memory_gib_per_gpu / capacity) * 100:.0f}% free"
         + (f", at least the {asked:g} GiB of --memory-headroom" if asked else "") + ")"
         + (f"; {recomputed} of {len(c.layer_recompute)} blocks recompute to fit" if recomputed else ""))
+    lines += _preference(job.result)
+    if job.request.objective == "cost":
+        lines.append(f"objective cost: a step costs its time x {c.world_size} GPUs x the price per GPU-hour, "
+                     "the same price for every plan on this cluster, so the cheapest plan is the fastest; "
+                     "`autoplan report` compares clusters, where the two objectives differ")
     if not asked and e.memory_gib_per_gpu > FULL_FRACTION * capacity:
         lines.append("memory: the plan fills the GPU to the estimate; allocator fragmentation and "
                      "spikes need room it does not count: --memory-headroom GIB keeps some free")
@@ -121,6 +127,25 @@ def explain(job) -> list[str]:
         lines.append(f"{label} instead: not possible, {reason}")
     lines += _sensitivity(job)
     return lines
+
+
+def _preference(r) -> list[str]:
+    """Why this plan and not the fastest, when they differ (preference.py)."""
+    fastest, best = r.fastest, r.best
+    if fastest is None or fastest is best:
+        return []
+    used = mechanisms(fastest.config)
+    left = [m for m in used if m not in mechanisms(best.config)]
+    return [f"preferred to the fastest plan ({fastest.step_time_s:.3f} s, "
+            f"{_pct(fastest.step_time_s, best.step_time_s)}, with {', '.join(used)}): within the cost "
+            f"model's error band of {r.band:.1%} (its median |error| over the published runs) the two "
+            f"are equivalent, and this one does without "
+            f"{', '.join(left)}, which the model has not been validated on"]
+
+
+def equivalent(r, cand: Candidate) -> bool:
+    """A runner-up the cost model cannot tell from the fastest plan."""
+    return r.fastest is not None and within_band(cand.step_time_s, r.fastest.step_time_s, r.band)
 
 
 def _sensitivity(job) -> list[str]:
@@ -208,7 +233,9 @@ def job_json(job, explanation: list[str]) -> dict[str, Any]:
     return {
         "plan": job.plan.to_dict() if job.plan else None,
         "estimate": r.best.estimate.to_dict() if r.best else None,
-        "alternatives": [candidate_json(a, r.best) for a in r.alternatives],
+        "alternatives": [{**candidate_json(a, r.best), "equivalent_within_error_band": equivalent(r, a)}
+                         for a in r.alternatives],
+        "fastest": candidate_json(r.fastest) if r.fastest else None,
         "solver": {"status": r.status, "wall_s": r.wall_s,
                    "configurations_considered": r.configurations_considered,
                    "configurations_solved": r.configurations_solved},
@@ -238,13 +265,14 @@ def render_job(job, explanation: list[str], console) -> None:
     console.print(head)
     if r.alternatives:
         alt = Table(title="Runners-up")
-        for col in ("dp/tp/pp/cp/ep", "ZeRO", "mb", "schedule", "step s", "vs best", "GiB"):
+        for col in ("dp/tp/pp/cp/ep", "ZeRO", "mb", "schedule", "step s", "vs best", "GiB", "note"):
             alt.add_column(col)
         for a in r.alternatives:
             ac = a.config
             alt.add_row(f"{ac.dp}/{ac.tp}/{ac.pp}/{ac.cp}/{ac.ep}", str(ac.zero_stage), str(ac.micro_batch),
                         f"{ac.schedule}" + (f" v{ac.vpp}" if ac.vpp > 1 else ""), f"{a.step_time_s:.3f}",
-                        _pct(a.step_time_s, e.step_time_s), f"{a.estimate.memory_gib_per_gpu:.1f}")
+                        _pct(a.step_time_s, e.step_time_s), f"{a.estimate.memory_gib_per_gpu:.1f}",
+                        "equivalent within the error band" if equivalent(r, a) else "")
         console.print(alt)
     console.print("[bold]Why:[/]")
     for line in explanation:

@@ -13,9 +13,12 @@ CP-SAT model (`cpsat._solve_homogeneous`), whose objective this solver minimises
    vpp blocks (one per chunk) and each further block goes to the rank whose time grows
    to the least value. Its max is the (L - pp * vpp)-th smallest increment, which no
    assignment can undercut (each rank's increments are nondecreasing).
-3. sync_r = n_r * sync + fixed_r trades against time when sync > 0: every attainable
-   max sync is tried as a cap on the blocks per rank (the time part only gets worse as the
-   cap tightens); with sync = 0 (the search's tables) there is a single cap.
+3. sync_r(n_r) (the step-end DP sync and optimizer, tabled per block count: it is not
+   monotone in n_r, since more blocks also lengthen the backward that hides the sync) is
+   added exactly: for every level G of the time part, from the least up, each rank may
+   hold the blocks whose time stays within G, and the least max sync over those counts is
+   found by a binary search on sync levels with a reachable-sums check. Levels stop when
+   slot_weight * G alone reaches the best objective found.
 
 Coefficients outside `applies` (negative times, a block whose removal costs memory) break
 step 2's monotonicity; `solve_partition` then uses CP-SAT.
@@ -35,7 +38,7 @@ def applies(tables: Tables) -> bool:
     if len(tables.groups) != 1:
         return False
     group = tables.groups[0]
-    if min(group.time_ns.values()) < 0 or group.sync_ns < 0:
+    if min(group.time_ns.values()) < 0 or group.sync_ns < 0 or min(tables.fixed_sync_ns or [0]) < 0:
         return False
     t = group.time_ns
     if t["full"] < t["none"] or t["selective"] < t["none"]:
@@ -129,36 +132,87 @@ def _least_max_time(ranks: list[_RankTime], vpp: int, layers: int, cap: list[int
     return counts
 
 
+def _rank_sync(tables: Tables, rank: int, n: int) -> int:
+    """Step-end time of `rank` holding n blocks: linear sync plus the tabled tail."""
+    tail = tables.tail_ns[rank][n] if tables.tail_ns else 0
+    fixed = tables.fixed_sync_ns[rank] if tables.fixed_sync_ns else 0
+    return n * tables.groups[0].sync_ns + fixed + tail
+
+
+def _sums_to(allowed: list[list[int]], total: int) -> list[int] | None:
+    """One count per rank from its allowed counts summing to `total`, or None: reachable sums
+    as bit sets, then back from the total."""
+    mask = (1 << (total + 1)) - 1
+    reach = [1]
+    for options in allowed:
+        bits = 0
+        for n in options:
+            bits |= reach[-1] << n
+        reach.append(bits & mask)
+    if not reach[-1] >> total & 1:
+        return None
+    counts, left = [], total
+    for r in range(len(allowed) - 1, -1, -1):
+        n = next(n for n in allowed[r] if n <= left and reach[r] >> (left - n) & 1)
+        counts.append(n)
+        left -= n
+    return counts[::-1]
+
+
+def _least_max_sync(tables: Tables, caps: list[int]) -> tuple[int, list[int]] | None:
+    """(least max_r sync_r, counts) over counts vpp <= n_r <= caps_r summing to L: a binary
+    search over the attainable sync levels (sync_r need not be monotone in n_r: more blocks
+    also lengthen the backward that hides the DP sync)."""
+    vpp, L = tables.vpp, tables.num_layers
+    lows = [max(vpp, L - (sum(caps) - cap)) for cap in caps]  # the others hold at most their caps
+    syncs = [[(n, _rank_sync(tables, r, n)) for n in range(low, cap + 1)]
+             for r, (low, cap) in enumerate(zip(lows, caps))]
+    levels = sorted({d for rank in syncs for _, d in rank})
+    best = None
+    lo, hi = 0, len(levels) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        counts = _sums_to([[n for n, d in rank if d <= levels[mid]] for rank in syncs], L)
+        if counts is None:
+            lo = mid + 1
+        else:
+            best, hi = (levels[mid], counts), mid - 1
+    return best
+
+
 def solve_identical(tables: Tables) -> Partition | None:
     """Best partition of one group of identical blocks (see the module docstring), or None if
-    nothing fits. Call only where `applies(tables)`."""
+    nothing fits. Call only where `applies(tables)`.
+
+    The objective is slot_weight * max_r g_r(n_r) + scale * max_r sync_r(n_r). Every level G
+    of the time part, from the least upwards, caps each rank's blocks at the most whose time
+    stays within G; the least max sync under those caps completes the objective. Levels stop
+    once slot_weight * G alone reaches the best objective found, so the result is exact."""
     pp, vpp, L = tables.pp, tables.vpp, tables.num_layers
     if pp * vpp > L:
         return None
     ranks = [_RankTime(tables, r) for r in range(pp)]
-    sync = tables.groups[0].sync_ns
-    fixed_sync = list(tables.fixed_sync_ns or [0] * pp)
     scale = objective_scale(tables)
     slot_weight = round(tables.slots * scale)
 
     def objective(counts: list[int]) -> int:
         times = max(ranks[r].least(n)[0] for r, n in enumerate(counts))
-        return slot_weight * times + scale * max(n * sync + d for n, d in zip(counts, fixed_sync))
+        return slot_weight * times + scale * max(_rank_sync(tables, r, n) for r, n in enumerate(counts))
 
-    if sync == 0:
-        caps = [(max(fixed_sync), [L] * pp)]
-    else:  # every attainable max sync, tightest first, and the blocks per rank it allows
-        levels = sorted({n * sync + d for d in fixed_sync for n in range(vpp, L + 1)})
-        caps = [(level, [(level - d) // sync for d in fixed_sync]) for level in levels]
-    best, best_value = None, None
-    for level, cap in caps:
-        if best_value is not None and scale * level >= best_value:
-            break  # every later cap costs at least its own max sync
-        counts = _least_max_time(ranks, vpp, L, cap)
-        if counts is not None and (best_value is None or objective(counts) < best_value):
-            best, best_value = counts, objective(counts)
-    if best is None:
+    greedy = _least_max_time(ranks, vpp, L, [L] * pp)
+    if greedy is None:
         return None
+    best, best_value = greedy, objective(greedy)
+    times = [[(n, ranks[r].least(n)) for n in range(vpp, L + 1)] for r in range(pp)]
+    times = [[(n, c[0]) for n, c in rank if c is not None] for rank in times]
+    least_time = max(ranks[r].least(n)[0] for r, n in enumerate(greedy))
+    for level in sorted({t for rank in times for _, t in rank if t >= least_time}):
+        if slot_weight * level >= best_value:
+            break
+        caps = [max((n for n, t in rank if t <= level), default=vpp - 1) for rank in times]
+        found = _least_max_sync(tables, caps)
+        if found is not None and objective(found[1]) < best_value:
+            best, best_value = found[1], objective(found[1])
     choice = [ranks[r].least(n) for r, n in enumerate(best)]
     return fill_chunks(tables, best, [c[1] for c in choice], [c[2] for c in choice],
                        objective_ns=best_value / scale, status="OPTIMAL")

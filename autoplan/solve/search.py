@@ -18,14 +18,31 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from autoplan.config import ParallelConfig
+from autoplan.errors import UserError
 from autoplan.cost import Estimate
 from autoplan.trace.graph import ModelGraph
 from autoplan.solve.cpsat import Partition, solve_partition
+from autoplan.solve.preference import mechanisms, preference_key, within_band
 from autoplan.solve.space import Request, outer_configs
 from autoplan.solve.tables import (LayerCostCache, build_tables, lower_bound_ns, memory_lower_bound_kib,
                                    pipeline_slots, time_lower_bound_ns)
 
 GIB_KIB = 2**20
+
+
+def rounding_s(slots: float, layers: int) -> float:
+    """How far a bound from the tables can exceed the exact one: every per-block and fixed
+    time is rounded to the nearest ns (at most 0.5 ns each, blocks plus embedding, head and
+    pipeline transfers), and a rank's time counts `slots` times. A configuration is pruned
+    only when its bound, less this, reaches the best step time."""
+    return slots * (layers + 3) * 0.5e-9 * 2
+
+
+def capacity_kib(cluster) -> int:
+    from autoplan.cost import hw
+    from autoplan.solve.cpsat import MEMORY_UNIT_B
+
+    return round(hw.usable_memory_bytes(cluster) / MEMORY_UNIT_B)
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,8 @@ class SearchResult:
     least_memory_gib: float  # least memory per GPU any configuration could need (lower bound)
     infeasible_by_memory: int = 0
     notes: list[str] = field(default_factory=list)
+    fastest: Candidate | None = None  # the proven fastest plan; `best` may be a simpler one
+    band: float = 0.0  # relative step-time difference treated as equivalent (preference.py)
 
 
 def partition_to_config(config: ParallelConfig, part: Partition, runs: list[tuple[int, int, str]]) -> ParallelConfig:
@@ -93,6 +112,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
     from autoplan.solve.tables import block_runs
 
     start = time.perf_counter()
+    objective_per_step(request.objective, 1.0, request.num_gpus)  # UserError for an unknown objective
     configs = list(outer_configs(graph, request))
     families: dict[tuple, list[ParallelConfig]] = defaultdict(list)
     for c in configs:
@@ -102,85 +122,141 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
     skipped_memory: list[tuple[float, int]] = []
     bounds = []
     for key, members in families.items():
-        # memory bound: the most ZeRO and offload (they only save memory); time bound: the
-        # least per-block time over the family's ZeRO/offload variants (ZeRO and offload
-        # change per-block time both ways: sharded gradients accumulate less, offload
-        # transfers more) at the family's smallest bubble
-        frugal = replace(members[0], zero_stage=max(m.zero_stage for m in members),
-                         offload=max((m.offload for m in members), key=OFFLOAD_ORDER.get),
-                         schedule="1f1b", vpp=1)
-        frugal_tables = build_tables(graph, frugal, cluster, fixed_rc, cache=cache)
-        if memory_lower_bound_kib(frugal_tables) > frugal_tables.capacity_kib:
-            family_least = memory_lower_bound_kib(frugal_tables) / GIB_KIB
-            skipped_memory.append((family_least, len(members)))
+        # per ZeRO/offload variant of the family at its least pipeline memory and time (1F1B,
+        # one chunk per rank): neither ZeRO nor offload saves memory or time in every case
+        # (ZeRO-3 in a pipeline holds gathered weights and gather buffers), so the family is
+        # out only if every variant is, and its time bound is the least over variants
+        variants = [replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1)
+                    for z, o in sorted({(m.zero_stage, m.offload) for m in members})]
+        least = [memory_lower_bound_kib(build_tables(graph, v, cluster, fixed_rc, cache=cache,
+                                                     tail_table=False)) for v in variants]
+        fitting = [v for v, kib in zip(variants, least) if kib <= capacity_kib(cluster)]
+        if not fitting:
+            skipped_memory.append((min(least) / GIB_KIB, len(members)))
             continue
-        variants = {(m.zero_stage, m.offload) for m in members}
-        slots = pipeline_slots(replace(members[0], schedule="1f1b", vpp=1))
-        per_slot = min(
-            time_lower_bound_ns(graph, replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1),
-                                cluster, cache=cache) / slots
-            for z, o in variants)
+        slots = pipeline_slots(variants[0])
+        per_slot = min(time_lower_bound_ns(graph, v, cluster, cache=cache) / slots for v in fitting)
         bound = min(pipeline_slots(m) for m in members) * per_slot * 1e-9
-        bounds.append((bound, key))
+        most_slots = max(pipeline_slots(m) for m in members) * max(m.vpp for m in members)
+        slack = rounding_s(most_slots, graph.num_layers)
+        bounds.append((bound - slack, key))
     bounds.sort()
     runs = block_runs(graph)
+    band = request.equivalence_band
     kept: dict[tuple, Candidate] = {}
     threshold = float("inf")
     solved, infeasible, all_optimal = 0, sum(n for _, n in skipped_memory), True
     least_mem = min((m for m, _ in skipped_memory), default=float("inf"))
-    done = 0
+    done, completed = 0, True
     for bound, key in bounds:
-        if bound >= threshold or time.perf_counter() - start > time_limit_s:
+        if bound >= threshold * (1 + band):
             break
+        if time.perf_counter() - start > time_limit_s:
+            completed = False
+            break
+        # every plan left is at least `bound`: kept plans within the band of it stay within the
+        # band of the fastest, whatever is found later
+        preferred = _preferred_key(kept.values(), min(threshold, bound), band)
         members = families[key]
         for config in members:
             done += 1
+            if not _worth_solving(bound, config, threshold, band, preferred):
+                continue
             tables = build_tables(graph, config, cluster, fixed_rc, cache=cache)
             mem_lb = memory_lower_bound_kib(tables)
             least_mem = min(least_mem, mem_lb / GIB_KIB)
             if mem_lb > tables.capacity_kib:
                 infeasible += 1
                 continue
-            if lower_bound_ns(tables) * 1e-9 >= threshold:
+            lower_s = lower_bound_ns(tables) * 1e-9 - rounding_s(tables.slots * tables.vpp, graph.num_layers)
+            if not _worth_solving(lower_s, config, threshold, band, preferred):
                 continue
             part = solve_partition(tables, time_limit_s=max(1.0, time_limit_s / 10))
             solved += 1
             if part is None:
                 infeasible += 1
                 continue
-            all_optimal &= part.status == "OPTIMAL"
+            # exact only where the tables carry the step-end tail the estimate adds
+            exact = part.status == "OPTIMAL" and tables.tail_ns is not None
+            all_optimal &= exact
             cand_config = partition_to_config(config, part, runs)
             est = estimate_candidate(graph, cand_config, cluster)
-            if not est.feasible:  # rounding at the capacity edge
+            if not est.feasible:  # rounding at the capacity edge: another partition may fit
                 infeasible += 1
+                all_optimal = False
                 continue
-            cand = Candidate(cand_config, est, part.status)
+            cand = Candidate(cand_config, est, "OPTIMAL" if exact else "FEASIBLE")
             if cand.signature not in kept or cand.step_time_s < kept[cand.signature].step_time_s:
                 kept[cand.signature] = cand
-            # the bound proves the best plan; runners-up are the best found on the way
+            # the bound proves the fastest plan; runners-up are the best found on the way
             threshold = min(threshold, cand.step_time_s)
         if progress:
             progress(done, len(configs))
-    ranked = sorted(kept.values(), key=rank_key)
-    completed = not bounds or bound >= threshold or done + infeasible_families(skipped_memory) == len(configs)
-    status = "INFEASIBLE" if not ranked else ("OPTIMAL" if all_optimal and completed else "FEASIBLE")
+    fastest, best, alternatives = choose(list(kept.values()), band, top)
+    status = "INFEASIBLE" if best is None else ("OPTIMAL" if all_optimal and completed else "FEASIBLE")
     return SearchResult(
-        best=ranked[0] if ranked else None, alternatives=ranked[1:top + 1], status=status,
+        best=best, alternatives=alternatives, status=status,
         wall_s=time.perf_counter() - start, configurations_considered=len(configs),
         configurations_solved=solved, least_memory_gib=least_mem, infeasible_by_memory=infeasible,
+        fastest=fastest, band=band,
     )
+
+
+OBJECTIVES = ("time", "cost")
+
+
+def objective_per_step(objective: str, step_s: float, num_gpus: int) -> float:
+    """What the search minimises: step seconds ("time") or GPU-seconds per step ("cost": the
+    price per GPU-hour is the same for every plan of one cluster, so it is left out). On one
+    cluster both order plans alike; they differ across clusters (`autoplan report`)."""
+    if objective not in OBJECTIVES:
+        raise UserError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    return step_s * (num_gpus if objective == "cost" else 1)
+
+
+def _preferred_key(kept, floor_s: float, band: float) -> tuple:
+    """Preference key of the plan preferred so far among those sure to stay within the band."""
+    return min((preference_key(c.step_time_s, c.config) for c in kept
+                if within_band(c.step_time_s, floor_s, band)), default=(float("inf"),))
+
+
+def _worth_solving(lower_s: float, config: ParallelConfig, threshold: float, band: float,
+                   preferred: tuple) -> bool:
+    """Could a configuration whose step time is at least `lower_s` be the fastest plan, or a
+    plan within the band preferred to the one preferred so far?"""
+    if lower_s < threshold:
+        return True
+    return within_band(lower_s, threshold, band) and preference_key(lower_s, config) < preferred
+
+
+def choose(candidates: list[Candidate], band: float, top: int) -> tuple:
+    """(fastest, preferred, runners-up): the preferred plan is the one with the fewest
+    unvalidated mechanisms within the band of the fastest (preference.py); runners-up by step
+    time, one of each set tied to the microsecond with the same memory to 0.1 GiB."""
+    if not candidates:
+        return None, None, []
+    ranked = sorted(candidates, key=rank_key)
+    fastest = ranked[0]
+    best = min((c for c in ranked if within_band(c.step_time_s, fastest.step_time_s, band)),
+               key=lambda c: (preference_key(c.step_time_s, c.config), rank_key(c)))
+    seen, alternatives = {_tie(best)}, []
+    for c in ranked:
+        if c is not best and _tie(c) not in seen:
+            seen.add(_tie(c))
+            alternatives.append(c)
+    return fastest, best, alternatives[:top]
+
+
+def _tie(c: Candidate) -> tuple:
+    return (round(c.step_time_s, 6), round(c.estimate.memory_gib_per_gpu, 1))
 
 
 OFFLOAD_ORDER = {"none": 0, "optimizer": 1, "params": 2, "both": 3}
 
 
 def rank_key(c: Candidate) -> tuple:
-    """Fastest first; among plans equally fast (to 1 us), the simpler one: no offload,
-    lower ZeRO stage, less model parallelism."""
+    """Fastest first; among plans equally fast (to 1 us), the simpler one: fewer unvalidated
+    mechanisms, no offload, lower ZeRO stage, less model parallelism."""
     cfg = c.config
-    return (round(c.step_time_s, 6), OFFLOAD_ORDER[cfg.offload], cfg.zero_stage,
+    return (round(c.step_time_s, 6), len(mechanisms(cfg)), OFFLOAD_ORDER[cfg.offload], cfg.zero_stage,
             cfg.tp * cfg.pp * cfg.cp, cfg.vpp)
-
-
-def infeasible_families(skipped: list[tuple[float, int]]) -> int:
-    return sum(n for _, n in skipped)

@@ -40,6 +40,9 @@ class Request:
     objective: str = "time"  # time | cost
     max_micro_batch: int = 16
     allow_offload: bool = True
+    # relative step-time difference within which the simpler plan is preferred (preference.py);
+    # 0: the fastest plan
+    equivalence_band: float = 0.0
 
 
 def divisors(n: int) -> list[int]:

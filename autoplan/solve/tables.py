@@ -15,8 +15,8 @@ from autoplan.config import ParallelConfig
 from autoplan.cost import layer_cost
 from autoplan.cost import memory as cost_memory
 from autoplan.cost import pipeline as cost_pipeline
-from autoplan.cost.stages import num_virtual_stages, partition, pp_p2p_s, stage_cost
-from autoplan.cost.step import step_time_s
+from autoplan.cost.stages import StageCost, num_virtual_stages, partition, pp_p2p_s, stage_cost
+from autoplan.cost.step import dp_sync_s, optimizer_s, step_time_s
 from autoplan.cost import hw as cost_hw
 from autoplan.trace.graph import ModelGraph
 from autoplan.solve.cpsat import MODES, GroupTable, Tables, TIME_UNIT_S, MEMORY_UNIT_B
@@ -88,7 +88,10 @@ def _fixed_time_s(graph: ModelGraph, config: ParallelConfig, cluster, pre, post)
 
 def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
                  fixed_recompute: str | None = None, with_tail: bool = False,
-                 cache: LayerCostCache | None = None) -> Tables:
+                 cache: LayerCostCache | None = None, tail_table: bool = True) -> Tables:
+    """The tables of one configuration. `with_tail`: the even partition's step-end time as a
+    fixed term (a fixed partition's report); else, with `tail_table`, the step-end time per
+    rank and block count (`rank_tail_ns`) that the search minimises with the step."""
     cache = cache or LayerCostCache()
     modes = allowed_modes(config, fixed_recompute)
     groups, largest_gather = _group_tables(graph, config, cluster, cache)
@@ -118,7 +121,60 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
         fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
         fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
         modes=modes,
+        tail_ns=None if with_tail or not tail_table else rank_tail_ns(graph, config, cluster, pre, post, cache),
     )
+
+
+def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre, post,
+                 cache: LayerCostCache) -> tuple[RankTails, ...] | None:
+    """Per rank and block count n = 0..L: the step-end time (exposed DP sync + optimizer,
+    `cost.step`) of the rank holding n blocks, for a model of one group of identical blocks.
+    These read only the rank's parameter counts and backward time, which recomputation
+    does not change (checked: None otherwise, and for several groups)."""
+    runs = block_runs(graph)
+    if len(runs) != 1:
+        return None
+    block = graph.segment(runs[0][2])
+    costs = [cache.get(block, graph, config, cluster, mode) for mode in MODES]
+    if len({(c.bwd_s, c.dense_params, c.expert_params) for c in costs}) != 1:
+        return None
+    chunks = num_virtual_stages(config)
+    last_rank = (chunks - 1) % config.pp
+    rows: dict[tuple, RankTails] = {}
+    for rank in range(config.pp):
+        key = (rank == 0, rank == last_rank)
+        if key not in rows:
+            ends = tuple(c for c, here in zip((pre, post), key) if here)
+            rows[key] = RankTails(lambda n, ends=ends: _ns(_tail_s(config, cluster, costs[0], n, ends)))
+    return tuple(rows[(rank == 0, rank == last_rank)] for rank in range(config.pp))
+
+
+class RankTails:
+    """One rank's step-end time by block count, computed when first asked (the solver asks
+    for a few counts near L / pp; most configurations are pruned before it asks at all)."""
+
+    def __init__(self, tail_ns):
+        self.tail_ns = tail_ns
+        self.memo: dict[int, int] = {}
+
+    def __getitem__(self, n: int) -> int:
+        if n not in self.memo:
+            self.memo[n] = self.tail_ns(n)
+        return self.memo[n]
+
+
+def _tail_s(config: ParallelConfig, cluster, block, n: int, ends: tuple) -> float:
+    """`step.dp_sync_s + step.optimizer_s` of a rank with n blocks and the embedding/head
+    `ends`: they read only the sums of parameters and backward time, and the largest layer."""
+    layers = [block] * min(n, 1) + list(ends)
+    stage = StageCost(
+        stage_index=0, physical_stage=0, layers=(), fwd_s=0.0,
+        bwd_s=n * block.bwd_s + sum(c.bwd_s for c in ends), recompute_s=0.0, comm_s={},
+        comm_total_s={}, in_flight=0.0, memory_bytes={}, model_flops=0.0, hardware_flops=0.0,
+        dense_params=n * block.dense_params + sum(c.dense_params for c in ends),
+        expert_params=n * block.expert_params + sum(c.expert_params for c in ends),
+        largest_block_params=max((c.dense_params + c.expert_params for c in layers), default=0.0))
+    return dp_sync_s([stage], config, cluster) + optimizer_s([stage], config, cluster)
 
 
 def pipeline_slots(config: ParallelConfig) -> float:

@@ -63,7 +63,7 @@ PLAN = {
     'schedule': '1f1b',
     'vpp': 1,
     'sequence_parallel': False,
-    'memory_headroom_gib': 0.0,
+    'memory_headroom_gib': 0.8,
     'inter_node_bandwidth_gb_per_s': None,
     'stages': [['layers.0', 'layers.1']],
     'recompute': {'layers.0': 'none', 'layers.1': 'none'},

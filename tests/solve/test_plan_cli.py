@@ -106,27 +106,31 @@ def test_plan_with_recomputation_reestimates_exactly(run_cli, tmp_path):
     assert json.loads(again)["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)
 
 
-def test_no_neighbour_of_the_plan_is_faster(run_cli):
+def test_no_neighbour_of_the_plan_is_faster():
     # Regression: the family bound once assumed the least ZeRO stage has the least per-block
     # time; under the cost model ZeRO-2 accumulates gradients more cheaply, so the bound
     # pruned faster plans. Every neighbour the explanation evaluates (tp/pp/cp x2 or /2,
-    # other ZeRO stages) is in the search space, so none may be faster than the plan.
-    code, out, err = run_cli("plan", "llama3.1-70b", "--gpu", "h100", "--gpus", "64",
-                             "--global-batch", "256", "--json")
-    assert code == 0, err
-    data = json.loads(out)
-    assert data["solver"]["status"] == "OPTIMAL"
-    faster = [line for line in data["explanation"] if " step time" in line and "instead: -" in line]
+    # other ZeRO stages) is in the search space, so none may be faster than the fastest plan
+    # (band 0: no preference for a simpler, slower one).
+    from autoplan.hardware import resolve_cluster
+    from autoplan.solve.api import load_graph, plan_job
+    from autoplan.solve.explain import explain
+
+    graph, ref, seq = load_graph("llama3.1-70b", None)
+    job = plan_job(graph, ref, resolve_cluster("h100", None, 64, None, memory_headroom_gib=0),
+                   global_batch=256, seq_len=seq, equivalence_band=0.0)
+    assert job.result.status == "OPTIMAL" and job.result.best is job.result.fastest
+    faster = [line for line in explain(job) if " step time" in line and "instead: -" in line]
     assert not faster, faster
 
 
 def test_memory_headroom_is_left_free_and_kept_by_the_plan_file(run_cli, tmp_path):
-    # Without headroom the 8B plan on 8 A100-40GB fills the GPU; asking for 6 GiB free gives a
-    # plan that leaves at least that (and is no faster), and its plan file carries the
+    # With --memory-headroom 0 the 8B plan on 8 A100-40GB fills the GPU; asking for 6 GiB free
+    # gives a plan that leaves at least that (and is no faster), and its plan file carries the
     # headroom, so `estimate --plan` judges it against the same usable memory.
     base = ["plan", "llama3.1-8b", "--gpu", "a100-sxm4-40gb", "--gpus", "8", "--global-batch", "64",
             "--seq-len", "8192", "--json"]
-    code, out, err = run_cli(*base)
+    code, out, err = run_cli(*base, "--memory-headroom", "0")
     assert code == 0, err
     full_job = json.loads(out)
     full = full_job["estimate"]
@@ -144,6 +148,20 @@ def test_memory_headroom_is_left_free_and_kept_by_the_plan_file(run_cli, tmp_pat
     code, again, err = run_cli("estimate", "--plan", str(path), "--json")
     assert code == 0, err
     assert json.loads(again)["step_time_s"] == pytest.approx(data["estimate"]["step_time_s"], rel=1e-9)
+
+
+def test_default_memory_headroom_is_a_tenth_of_the_gpu_and_recorded(run_cli, tmp_path):
+    # The estimate does not count the caching allocator's fragmentation: by default a plan
+    # keeps 10% of each GPU free (cost_models/memory_headroom.toml), 4 GiB of an A100-40GB,
+    # and the plan file records it for `estimate --plan`.
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", "llama3.1-8b", "--gpu", "a100-sxm4-40gb", "--gpus", "8",
+                             "--global-batch", "64", "--seq-len", "8192", "--json", "-o", str(path))
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["memory_headroom_gib"] == pytest.approx(4.0)
+    assert data["estimate"]["memory_gib_per_gpu"] <= 36.0
+    assert json.loads(path.read_text())["memory_headroom_gib"] == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("headroom", ["-1", "8"])  # negative; all of the cpu device's 8 GiB
@@ -199,3 +217,44 @@ def test_clusters_the_explanation_resizes_keep_the_nic_and_headroom():
     assert bigger.memory_headroom_bytes == cluster.memory_headroom_bytes == 4 * 2**30
     default = with_num_gpus(resolve_cluster("h100", None, 16, None), 32)
     assert default.inter_node_override_gb_per_s is None
+
+
+def test_more_memory_never_gives_a_slower_optimal_plan(run_cli):
+    # Regression: the partition solver ignored the step-end DP sync and optimizer, which depend
+    # on how many blocks each stage holds; with the whole GPU it kept a partition 17 ms slower
+    # than the one it found with 8 GiB kept free. Every plan that fits in 72 GiB fits in 80.
+    steps = {}
+    for headroom in ("0", "8"):
+        code, out, err = run_cli("plan", "llama3.1-70b", "--gpu", "h100", "--gpus", "64",
+                                 "--global-batch", "256", "--memory-headroom", headroom, "--json")
+        assert code == 0, err
+        data = json.loads(out)
+        assert data["solver"]["status"] == "OPTIMAL"
+        steps[headroom] = data["estimate"]["step_time_s"]
+    assert steps["0"] <= steps["8"]
+
+
+def test_objective_cost_is_read_and_on_one_cluster_picks_the_fastest_plan(run_cli):
+    plans = {}
+    for objective in ("time", "cost"):
+        code, out, err = run_cli("plan", *ARGS, "--objective", objective, "--json")
+        assert code == 0, err
+        plans[objective] = json.loads(out)
+    assert plans["cost"]["plan"]["stages"] == plans["time"]["plan"]["stages"]
+    assert plans["cost"]["estimate"]["step_time_s"] == plans["time"]["estimate"]["step_time_s"]
+    assert any(line.startswith("objective cost:") for line in plans["cost"]["explanation"])
+    assert not any(line.startswith("objective cost:") for line in plans["time"]["explanation"])
+
+
+def test_an_unknown_objective_is_a_user_error():
+    from autoplan.errors import UserError
+    from autoplan.hardware import load_gpu, make_cluster
+    from autoplan.solve.search import search
+    from autoplan.solve.space import Request
+    from autoplan.trace.tracer import graph_for_config
+
+    graph = graph_for_config(dict(model_type="llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, intermediate_size=64, vocab_size=256), 1, 32)
+    request = Request(num_gpus=1, gpus_per_node=1, global_batch=1, seq_len=32, objective="money")
+    with pytest.raises(UserError, match="objective 'money'"):
+        search(graph, make_cluster(load_gpu("cpu"), 1, 1), request)
