@@ -6,7 +6,7 @@ import json
 
 import click
 
-from autoplan.commands.options import json_option, model_argument
+from autoplan.commands import options as o
 from autoplan.errors import UserError
 
 
@@ -26,11 +26,10 @@ def analyze_model(spec: str, batch_size: int, seq_len: int | None):
 
 
 @click.command("analyze")
-@model_argument
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Sequences per step.")
-@click.option("--seq-len", type=int, default=None,
-              help="Tokens per sequence (default: the model's, else 2048).")
-@json_option
+@o.model_argument
+@o.batch_size_option
+@o.seq_len_option
+@o.json_option
 def command(model: str, batch_size: int, seq_len: int | None, as_json: bool) -> None:
     """Trace MODEL on the meta device: parameters, FLOPs, activation memory, structure and
     the parallelism it allows. Nothing is allocated and no weights are loaded."""
