@@ -133,7 +133,9 @@ def render(est, console) -> None:
                    "ZeRO-Offload), the parameters, or both (with ZeRO-2/3: FSDP2's CPUOffloadPolicy, "
                    "which moves parameters, gradients and the optimizer step together).")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@o.global_batch_unless_plan_option
+@click.option("--global-batch", type=int, default=None,
+              help="Global batch in sequences per optimizer step (required unless --plan or an imported "
+                   "configuration gives it).")
 @o.seq_len_option
 @click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
               help="Activation recomputation of every block: none, selective (attention only) or full.")
