@@ -12,13 +12,13 @@ from autoplan.errors import UserError
 
 def analyze_model(spec: str, batch_size: int, seq_len: int | None):
     """Load MODEL (file, config.json or catalog name) and trace it: (LoadedModel, ModelGraph)."""
-    from autoplan.models.sources import load_model
+    from autoplan.models.sources import FALLBACK_SEQ_LEN, load_model
     from autoplan.trace.tracer import trace_model
 
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     loaded = load_model(spec, seq_len=seq_len)
-    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
+    seq = seq_len if seq_len is not None else (loaded.default_seq_len or FALLBACK_SEQ_LEN)
     if batch_size <= 0 or seq <= 0:
         raise UserError(f"--batch-size and --seq-len must be positive, got {batch_size} and {seq}")
     graph = trace_model(loaded.module, loaded.example_inputs(batch_size, seq), name=loaded.ref.name)

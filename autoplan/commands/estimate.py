@@ -38,13 +38,13 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
 
 def load_graph(spec: str, seq_len: int | None):
     """Trace MODEL at batch 1 and its training sequence length: (graph, sequence length)."""
-    from autoplan.models.sources import load_model
+    from autoplan.models.sources import FALLBACK_SEQ_LEN, load_model
     from autoplan.trace.tracer import trace_model
 
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     loaded = load_model(spec, seq_len=seq_len)
-    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
+    seq = seq_len if seq_len is not None else (loaded.default_seq_len or FALLBACK_SEQ_LEN)
     return trace_model(loaded.module, loaded.example_inputs(1, seq), name=loaded.ref.name), seq
 
 
