@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from autoplan.cost.memory import runtime_overhead_bytes
 from autoplan.errors import UserError
 from autoplan.plan import Plan, PlanFormatError
 
@@ -152,8 +153,8 @@ def _notes(device: str, plan: Plan, model_gpu: str, error: dict[str, Any], measu
                      f"{plan.world_size} CPU ranks (cost_models/gpus/cpu.toml)")
     if device == "cpu" and measured.get("peak_memory_gib") is not None:
         notes.append("memory is not compared: a CPU rank reports its process's peak resident set (Python and the "
-                     "torch libraries included), the cost model predicts device memory (with a 1 GiB CUDA "
-                     "context allowance a CPU process does not have)")
+                     "torch libraries included), the cost model predicts device memory (with a "
+                     f"{runtime_overhead_bytes() / 2**30:g} GiB CUDA context allowance a CPU process does not have)")
     step = error.get("step_time_s")
     if device == "cpu" and step is not None and step < 0:
         notes.append(f"steps took {1 / (1 + step):.1f}x the predicted time: the CPU cost model times matmuls, "
