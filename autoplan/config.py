@@ -10,6 +10,14 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 OFFLOAD = ("none", "optimizer", "params", "both")
 
 
+def schedule_label(pp: int, schedule: str, vpp: int = 1) -> str:
+    """The pipeline schedule as shown to a user: "none" without a pipeline (pp=1 runs no
+    schedule, whatever the config's default field holds), else the schedule and its vpp."""
+    if pp <= 1:
+        return "none"
+    return schedule + (f" v{vpp}" if vpp > 1 else "")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees, sharding, batching, schedule, recomputation and precision of a training step.

@@ -32,7 +32,7 @@ def test_moe_model_lists_fallback_modules(run_cli):
 
 
 def test_python_file_source(run_cli, repo):
-    code, out, _ = run_cli("analyze", str(repo / "examples" / "tiny_gpt.py"), "--seq-len", "32", "--json")
+    code, out, _ = run_cli("analyze", str(repo / "examples" / "nano_gpt.py"), "--seq-len", "32", "--json")
     assert code == 0, out
     assert json.loads(out)["parameters"] > 0
 

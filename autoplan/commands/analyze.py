@@ -6,19 +6,19 @@ import json
 
 import click
 
-from autoplan.commands.options import json_option, model_argument
+from autoplan.commands import options as o
 from autoplan.errors import UserError
 
 
 def analyze_model(spec: str, batch_size: int, seq_len: int | None):
     """Load MODEL (file, config.json or catalog name) and trace it: (LoadedModel, ModelGraph)."""
-    from autoplan.models.sources import load_model
+    from autoplan.models.sources import FALLBACK_SEQ_LEN, load_model
     from autoplan.trace.tracer import trace_model
 
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     loaded = load_model(spec, seq_len=seq_len)
-    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
+    seq = seq_len if seq_len is not None else (loaded.default_seq_len or FALLBACK_SEQ_LEN)
     if batch_size <= 0 or seq <= 0:
         raise UserError(f"--batch-size and --seq-len must be positive, got {batch_size} and {seq}")
     graph = trace_model(loaded.module, loaded.example_inputs(batch_size, seq), name=loaded.ref.name)
@@ -26,11 +26,10 @@ def analyze_model(spec: str, batch_size: int, seq_len: int | None):
 
 
 @click.command("analyze")
-@model_argument
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Sequences per step.")
-@click.option("--seq-len", type=int, default=None,
-              help="Tokens per sequence (default: the model's, else 2048).")
-@json_option
+@o.model_argument
+@o.batch_size_option
+@o.seq_len_option
+@o.json_option
 def command(model: str, batch_size: int, seq_len: int | None, as_json: bool) -> None:
     """Trace MODEL on the meta device: parameters, FLOPs, activation memory, structure and
     the parallelism it allows. Nothing is allocated and no weights are loaded."""

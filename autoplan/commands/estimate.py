@@ -38,18 +38,19 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
 
 def load_graph(spec: str, seq_len: int | None):
     """Trace MODEL at batch 1 and its training sequence length: (graph, sequence length)."""
-    from autoplan.models.sources import load_model
+    from autoplan.models.sources import FALLBACK_SEQ_LEN, load_model
     from autoplan.trace.tracer import trace_model
 
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     loaded = load_model(spec, seq_len=seq_len)
-    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
+    seq = seq_len if seq_len is not None else (loaded.default_seq_len or FALLBACK_SEQ_LEN)
     return trace_model(loaded.module, loaded.example_inputs(1, seq), name=loaded.ref.name), seq
 
 
-def estimate_plan_file(path: str):
-    """Estimate of a plan.json with its own stages and per-block recomputation."""
+def estimate_plan_file(path: str, gpu: str | None = None):
+    """Estimate of a plan.json with its own stages and per-block recomputation (on `gpu` instead
+    of the plan's GPU when given, in nodes of the plan's size)."""
     from autoplan.cost import estimate_partition
     from autoplan.plan import Plan, PlanFormatError
 
@@ -59,8 +60,8 @@ def estimate_plan_file(path: str):
         raise UserError(f"cannot read plan {path}: {exc}; give a plan.json written by `autoplan plan -o`") from None
     spec = plan.model.path or plan.model.name
     graph, _ = load_graph(spec, plan.seq_len)
-    cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node, plan.memory_headroom_gib,
-                              plan.inter_node_bandwidth_gb_per_s)
+    cluster = resolve_cluster(gpu or plan.gpu, None, plan.world_size, plan.gpus_per_node, plan.memory_headroom_gib,
+                              None if gpu else plan.inter_node_bandwidth_gb_per_s)
     config = ParallelConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, dp=plan.dp,
                             tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, zero_stage=plan.zero_stage,
                             offload=plan.offload, micro_batch=plan.micro_batch,
@@ -117,7 +118,7 @@ def render(est, console) -> None:
 @click.argument("model", metavar="MODEL", required=False)
 @o.gpu_option
 @o.hardware_option
-@click.option("--gpus", type=int, default=None, help="Number of GPUs (ranks).")
+@o.gpus_unless_plan_option
 @o.gpus_per_node_option
 @o.inter_node_bandwidth_option
 @o.memory_headroom_option
@@ -127,15 +128,22 @@ def render(est, console) -> None:
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel degree.")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (carved from dp x cp).")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage.")
-@click.option("--offload", type=click.Choice(OFFLOAD), default="none", show_default=True)
+@click.option("--offload", type=click.Choice(OFFLOAD), default="none", show_default=True,
+              help="What is kept in host memory instead of the GPU's: the optimizer state (DeepSpeed "
+                   "ZeRO-Offload), the parameters, or both (with ZeRO-2/3: FSDP2's CPUOffloadPolicy, "
+                   "which moves parameters, gradients and the optimizer step together).")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@click.option("--global-batch", type=int, default=None, help="Global batch in sequences.")
+@click.option("--global-batch", type=int, default=None,
+              help="Global batch in sequences per optimizer step (required unless --plan or an imported "
+                   "configuration gives it).")
 @o.seq_len_option
-@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True)
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
+              help="Activation recomputation of every block: none, selective (attention only) or full.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
               help="Pipeline schedule (default 1f1b, interleaved-1f1b with --vpp > 1).")
 @click.option("--vpp", type=int, default=1, show_default=True, help="Virtual stages per rank (interleaved).")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+              help="Training precision of this configuration.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
               help="Megatron sequence parallelism with TP.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,

@@ -12,7 +12,7 @@ from autoplan.commands.plan import plan_options, run_plan
 from autoplan.errors import NoFeasiblePlan, UserError
 
 # Options that choose a plan; with --plan the plan is already chosen.
-_CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective", "fix", "precision")
+_CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective", "fix", "precision", "time_limit")
 
 
 @click.command("generate")
@@ -25,7 +25,7 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
 @click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
 @click.pass_context
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-            global_batch, seq_len, objective, fix, precision, output, force):
+            global_batch, seq_len, objective, fix, precision, time_limit, output, force):
     """Write train.py, launch.sh, slurm.sbatch, plan.json, ds_config.json and README.md for MODEL.
 
     Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
@@ -52,7 +52,7 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
             raise UserError("give the cluster and batch to plan for (--gpu NAME --gpus N "
                             "--global-batch B, as for `autoplan plan`), or a plan file with --plan FILE")
         job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-                       global_batch, seq_len, objective, fix, precision, top=1, quiet=True)
+                       global_batch, seq_len, objective, fix, precision, top=1, quiet=True, time_limit=time_limit)
         if job.plan is None:
             from autoplan.solve.explain import infeasible_report
 
@@ -71,10 +71,11 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
     click.echo(f"launch: {shlex.quote(str(out_dir))}/launch.sh --steps 100")
 
 
-# gpus and global_batch are required by `plan`, but not with --plan
+# gpus and global_batch are required by `plan`, but not with --plan; the help says so
 for _param in command.params:
     if _param.name in ("gpus", "global_batch"):
         _param.required = False
+        _param.help = _param.help.rstrip(".") + " (required unless --plan is given)."
 
 
 def _load_plan(path: str):

@@ -34,6 +34,52 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:,.{digits if value >= 10 else max(digits, 2)}f}"  # CPU-sized numbers keep 2 decimals
 
 
+# headers of the number columns: they break between words, values never break
+COLUMNS = ("memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "scale-up GB/s", "NIC GB/s", "GPUs per node",
+           "USD per GPU-h")
+ALIASES_MIN_WIDTH = 24  # narrower than this, the aliases go under the table, one GPU a line
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    peaks = row["peak_tflops"]
+    return [_fmt(row["memory_gib"]),
+            _fmt(peaks.get("bf16", peaks.get("fp16")), 1) + ("" if "bf16" in peaks else "*"),
+            _fmt(peaks.get("fp8"), 1), _fmt(row["hbm_bandwidth_gb_per_s"]),
+            _fmt(row["intra_node_bandwidth_gb_per_s"]), _fmt(row["nic_bandwidth_gb_per_s"], 2),
+            str(row["gpus_per_node"]), _fmt(row["usd_per_gpu_hour"], 2)]
+
+
+def _links(row: dict[str, Any]) -> str:
+    return f"{row['intra_node_topology']} scale-up domain of {row['scaleup_domain_gpus']} GPUs"
+
+
+def gpu_table(rows: list[dict[str, Any]], width: int):
+    """(rich Table with one line per GPU that fits `width` columns, the lines to print under it).
+
+    Every column is as wide as its widest value (no value ever breaks); the aliases and the
+    scale-up topology take the room left, or go under the table when it is too narrow.
+    """
+    from rich.table import Table
+
+    cells = [_cells(row) for row in rows]
+    widths = [max(len(r["key"]) for r in rows)] + [
+        max(max(len(c[i]) for c in cells), max(len(w) for w in header.split())) for i, header in enumerate(COLUMNS)]
+    room = width - sum(widths) - 2 * len(widths)  # two spaces between columns (no box, no edge padding)
+    table = Table(title="autoplan GPUs (dense peaks; link bandwidths per GPU, one direction)",
+                  caption="* fp16 (no bf16)" if any("bf16" not in r["peak_tflops"] for r in rows) else None,
+                  box=None, pad_edge=False, header_style="bold underline")
+    table.add_column("key", width=widths[0], no_wrap=True)
+    for header, column_width in zip(COLUMNS, widths[1:]):
+        table.add_column(header, justify="right", width=column_width)
+    wide = room >= ALIASES_MIN_WIDTH + 2
+    if wide:
+        table.add_column("aliases; scale-up links", ratio=1)
+    for row, values in zip(rows, cells):
+        table.add_row(row["key"], *values, *([f"{', '.join(row['aliases'])}; {_links(row)}"] if wide else []))
+    below = [] if wide else [f"{r['key']}: {', '.join(r['aliases']) or 'no aliases'}; {_links(r)}" for r in rows]
+    return table, below
+
+
 @click.command("gpus")
 @json_option
 def command(as_json: bool) -> None:
@@ -51,21 +97,11 @@ def command(as_json: bool) -> None:
         click.echo(json.dumps({"gpus": rows, "price_list": prices.name}, indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="autoplan GPUs (dense peaks; link bandwidths per GPU, one direction)")
-    headers = ("key", "aliases", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s",
-               "scale-up GB/s", "NIC GB/s", "GPUs/node", "USD/GPU-h")
-    for header in headers:
-        table.add_column(header, justify="left" if header in ("key", "aliases") else "right", overflow="fold")
-    for row in rows:
-        peaks = row["peak_tflops"]
-        scaleup = f"{_fmt(row['intra_node_bandwidth_gb_per_s'])} ({row['intra_node_topology']}, {row['scaleup_domain_gpus']})"
-        table.add_row(row["key"], ", ".join(row["aliases"]), _fmt(row["memory_gib"]),
-                      _fmt(peaks.get("bf16", peaks.get("fp16")), 1) + ("" if "bf16" in peaks else " (fp16)"),
-                      _fmt(peaks.get("fp8"), 1), _fmt(row["hbm_bandwidth_gb_per_s"]), scaleup,
-                      _fmt(row["nic_bandwidth_gb_per_s"], 2), str(row["gpus_per_node"]),
-                      _fmt(row["usd_per_gpu_hour"], 2))
-    Console().print(table)
+    console = Console()
+    table, below = gpu_table(rows, console.width)
+    console.print(table)
+    for line in below:
+        console.print(line, highlight=False)
     click.echo(f"Prices: list '{prices.name}' (see --json for date and source); '-' = none documented, "
                "give one with --price KEY=USD. Sources of every number: cost_models/gpus/<key>.toml.")

@@ -1,19 +1,38 @@
-"""Click options shared by several commands, defined once."""
+"""Click options shared by several commands, defined once.
+
+An option that means the same thing in two commands is the same object here, so its name
+and help text cannot drift apart (a test checks the README's command lines against them).
+"""
 
 from __future__ import annotations
 
 import click
 
+PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")
+FIX_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero", "micro-batch", "schedule", "vpp", "offload", "recompute",
+            "precision")
+
 model_argument = click.argument("model", metavar="MODEL")
 seq_len_option = click.option("--seq-len", type=int, default=None,
-                              help="Sequence length in tokens (default: the model's, else 2048).")
+                              help="Sequence length in tokens (default: the model's, else 2048; never more "
+                                   "than its position table).")
+batch_size_option = click.option("--batch-size", type=int, default=1, show_default=True,
+                                 help="Sequences per step.")
 global_batch_option = click.option("--global-batch", type=int, required=True,
                                    help="Global batch in sequences per optimizer step.")
+global_batch_unless_plan_option = click.option(
+    "--global-batch", type=int, default=None,
+    help="Global batch in sequences per optimizer step (required unless --plan is given).")
 gpu_option = click.option("--gpu", "gpu", default=None,
                           help="GPU name or alias (see `autoplan gpus`), e.g. h100, a100-sxm4-80gb, cpu.")
+gpu_list_option = click.option("--gpu", "gpu", default=None,
+                               help="GPU types separated by commas (see `autoplan gpus`), e.g. "
+                                    "h100,a100-sxm4-80gb,mi300x.")
 hardware_option = click.option("--hardware", type=click.Path(dir_okay=False), default=None,
                                help="A hardware/cluster TOML file (e.g. from `autoplan calibrate`) instead of --gpu.")
 gpus_option = click.option("--gpus", type=int, required=True, help="Number of GPUs (ranks).")
+gpus_unless_plan_option = click.option("--gpus", type=int, default=None,
+                                       help="Number of GPUs (ranks) (required unless --plan is given).")
 gpus_per_node_option = click.option("--gpus-per-node", type=int, default=None,
                                     help="GPUs per node (default: the GPU's typical system).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -26,3 +45,15 @@ memory_headroom_option = click.option(
     help="GiB of each GPU's memory a plan leaves free for the allocator's fragmentation and memory "
          "spikes (default: 10% of the GPU's memory, cost_models/memory_headroom.toml; 0 lets a plan "
          "fill the GPU to the estimate).")
+precision_option = click.option("--precision", type=click.Choice(PRECISION_CHOICES), default="bf16",
+                                show_default=True, help="Training precision; auto lets the solver pick bf16 or fp8.")
+fix_option = click.option("--fix", multiple=True, metavar="KEY=VALUE",
+                          help="Fix a choice (repeatable): " + ", ".join(FIX_KEYS) + ".")
+
+
+def top_option(default: int):
+    """--top: `plan` shows 3 runners-up by default; a `report` sweep none (each costs search time)."""
+    return click.option("--top", type=int, default=default, show_default=True,
+                        help="Runners-up to show (per cluster in a report).")
+time_limit_option = click.option("--time-limit", type=float, default=None, metavar="SECONDS",
+                                 help="Search time limit in seconds (per cluster in a sweep).")

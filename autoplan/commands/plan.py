@@ -19,53 +19,57 @@ def plan_options(func):
         o.inter_node_bandwidth_option, o.memory_headroom_option, o.global_batch_option, o.seq_len_option,
         click.option("--objective", type=click.Choice(["time", "cost"]), default="time", show_default=True,
                      help="Minimise step time, or cost per step."),
-        click.option("--fix", multiple=True, metavar="KEY=VALUE",
-                     help="Fix a choice: tp, pp, cp, dp, ep, zero, micro_batch, schedule, vpp, offload, recompute, precision."),
-        click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16", "fp8"]), default="bf16",
-                     show_default=True, help="Training precision; auto lets the solver pick bf16 or fp8."),
+        o.fix_option, o.precision_option, o.time_limit_option,
     ]):
         func = option(func)
     return func
 
 
 def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-             global_batch, seq_len, objective, fix, precision, top, quiet):
+             global_batch, seq_len, objective, fix, precision, top, quiet, time_limit=None):
     from autoplan.solve.api import load_graph, plan_job, resolve_cluster
     from autoplan.solve.space import parse_fix
 
     fixed = parse_fix(fix)
     cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
     graph, ref, seq = load_graph(model, seq_len)
+    limit = {} if time_limit is None else {"time_limit_s": _positive_time_limit(time_limit)}
     if quiet:
         return plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
-                        precision=precision, objective=objective, top=top)
+                        precision=precision, objective=objective, top=top, **limit)
     from rich.progress import Progress
 
     with Progress(transient=True) as progress:
         task = progress.add_task("searching plans", total=None)
         job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
-                       precision=precision, objective=objective, top=top,
+                       precision=precision, objective=objective, top=top, **limit,
                        progress=lambda done, total: progress.update(task, completed=done, total=total))
     return job
+
+
+def _positive_time_limit(seconds: float) -> float:
+    if not seconds > 0:
+        raise UserError(f"--time-limit must be a positive number of seconds, got {seconds:g}")
+    return seconds
 
 
 @click.command("plan")
 @o.model_argument
 @plan_options
-@click.option("--top", type=int, default=3, show_default=True, help="Runners-up to show.")
+@o.top_option(3)
 @o.json_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @compare_with_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
-            seq_len, objective, fix, precision, top, as_json, output, force, compare_with):
+            seq_len, objective, fix, precision, time_limit, top, as_json, output, force, compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
     from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
 
     if output and Path(output).exists() and not force:
         raise UserError(f"{output} exists; pass --force to overwrite it or choose another -o path")
     job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-                   global_batch, seq_len, objective, fix, precision, top, quiet=as_json)
+                   global_batch, seq_len, objective, fix, precision, top, quiet=as_json, time_limit=time_limit)
     if job.plan is None:
         report = infeasible_report(job)
         if as_json:

@@ -44,25 +44,49 @@ def _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes):
         restart_s=base.restart_s if restart_minutes is None else restart_minutes * 60.0)
 
 
-def _run_sweep(model, tokens, seq_len, global_batch, gpu, gpus, prices, precision, assumptions, error,
-               price_list, budget, deadline, time_limit, memory_headroom, inter_node_bandwidth, show_progress):
-    from autoplan.report.sweep import check_positive, gpu_prices, parse_counts, parse_gpus, run_sweep
-    from autoplan.solve.api import load_graph
+def _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth):
+    """(GPU list, GPUs per node, NIC GB/s) of the sweep: --gpu names, or the GPU of a --hardware file
+    with its node size and NIC rate (the command line overrides either)."""
+    from autoplan.hardware import GB, load_hardware_file
+    from autoplan.report.sweep import parse_gpus
 
-    if not model or not gpu or not gpus or global_batch is None:
-        raise UserError("a sweep needs MODEL, --gpu NAMES, --gpus COUNTS and --global-batch "
-                        "(or give --plan plan.json for one plan in depth).")
+    if gpu and hardware:
+        raise UserError("give either --gpu NAMES or --hardware FILE, not both: a hardware file describes one "
+                        "GPU type (run the report once per file)")
+    if not hardware:
+        return parse_gpus(gpu), gpus_per_node, inter_node_bandwidth
+    cluster = load_hardware_file(hardware)
+    nic = cluster.inter_node_bandwidth_bytes_per_s / GB if inter_node_bandwidth is None else inter_node_bandwidth
+    return [cluster.gpu], gpus_per_node or cluster.gpus_per_node, nic
+
+
+def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top, prices,
+               precision, assumptions, error, price_list, budget, deadline, time_limit, memory_headroom,
+               inter_node_bandwidth, show_progress):
+    from autoplan.report.sweep import check_positive, gpu_prices, parse_counts, run_sweep
+    from autoplan.solve.api import load_graph
+    from autoplan.solve.space import parse_fix
+
+    if not model or not (gpu or hardware) or not gpus or global_batch is None or tokens is None:
+        raise UserError("a sweep needs MODEL, --tokens N, --gpu NAMES (or --hardware FILE), --gpus COUNTS and "
+                        "--global-batch B (or give --plan plan.json for one plan in depth).")
     check_positive("--global-batch", global_batch)
     for name, value in (("--budget", budget), ("--deadline", deadline)):
         if value is not None:
             check_positive(name, value)
-    gpu_list, counts = parse_gpus(gpu), parse_counts(gpus)
+    if gpus_per_node is not None:
+        check_positive("--gpus-per-node", gpus_per_node)
+    if top < 0:
+        raise UserError(f"--top must be zero or more runners-up, got {top}.")
+    fixed = parse_fix(fix)
+    gpu_list, per_node, nic = _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth)
+    counts = parse_counts(gpus)
     usd = gpu_prices(gpu_list, prices)  # every price before any work
     graph, ref, seq = load_graph(model, seq_len)  # traced once, reused for every cluster
     kwargs = dict(seq_len=seq, global_batch=global_batch, tokens=tokens, prices=usd, precision=precision,
                   assumptions=assumptions, error=error, price_list=price_list, budget_usd=budget,
                   deadline_days=deadline, time_limit_s=time_limit, memory_headroom_gib=memory_headroom,
-                  inter_node_bandwidth_gb_per_s=inter_node_bandwidth)
+                  inter_node_bandwidth_gb_per_s=nic, gpus_per_node=per_node, fixed=fixed, top=top)
     if not show_progress:
         return run_sweep(graph, ref, gpu_list, counts, **kwargs)
     from rich.console import Console
@@ -75,37 +99,49 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, gpus, prices, precisio
                          progress=lambda done, total, label: bar.update(task, completed=done, description=label))
 
 
+# options that describe the clusters of a sweep; a plan file carries its own
+_SWEEP_ONLY = ("model", "gpu", "hardware", "gpus", "gpus_per_node", "global_batch", "seq_len", "fix", "top",
+               "precision", "memory_headroom", "inter_node_bandwidth", "time_limit", "budget", "deadline")
+
+
 @click.command("report")
 @click.argument("model", metavar="[MODEL]", required=False)
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), default=None,
               help="Report one plan file (from `autoplan plan -o`) in depth instead of a sweep.")
-@click.option("--tokens", required=True, help="Total training tokens, e.g. 2T, 300B, 1.5e12.")
+@click.option("--tokens", default=None,
+              help="Total training tokens, e.g. 2T, 300B, 1.5e12 (required for a sweep; with --plan, "
+                   "default: one optimizer step).")
 @o.seq_len_option
-@click.option("--global-batch", type=int, default=None, help="Global batch in sequences per optimizer step.")
-@click.option("--gpu", default=None, help="GPU types separated by commas, e.g. h100,a100-sxm4-80gb,mi300x.")
-@click.option("--gpus", default=None, help="GPU counts separated by commas, e.g. 64,128,256.")
+@o.global_batch_unless_plan_option
+@o.gpu_list_option
+@o.hardware_option
+@click.option("--gpus", default=None, help="GPU counts separated by commas, e.g. 64,128,256 (required unless "
+                                           "--plan is given).")
+@o.gpus_per_node_option
+@o.fix_option
+@o.top_option(0)
 @click.option("--price", multiple=True, metavar="GPU=USD",
               help="USD per GPU-hour for a GPU (repeatable); overrides the price list.")
 @click.option("--price-list", default="default", show_default=True, help="Price list in cost_models/prices/.")
 @click.option("--budget", type=float, default=None, help="Budget in USD: recommend the fastest run within it.")
 @click.option("--deadline", type=float, default=None, help="Deadline in days: recommend the cheapest run within it.")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16", "fp8"]), default="bf16",
-              show_default=True, help="Training precision; auto lets the solver pick bf16 or fp8.")
+@o.precision_option
 @click.option("--failure-rate", type=float, default=None,
               help="Interruptions per GPU-hour (default 1.97e-5: Llama 3, 419 in 54 days on 16,384 GPUs).")
 @click.option("--checkpoint-gb-per-s", type=float, default=None,
               help="Checkpoint write bandwidth per GPU in GB/s (default 0.122: Llama 3 storage, 2 TB/s / 16,384 GPUs).")
 @click.option("--restart-minutes", type=float, default=None, help="Time to restart after an interruption (default 10).")
-@click.option("--time-limit", type=float, default=None, help="Search time limit per cluster in seconds.")
+@o.time_limit_option
 @o.memory_headroom_option
 @o.inter_node_bandwidth_option
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="terminal (default), md, html or json; with -o the file suffix decides when not given.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
-def command(model, plan_file, tokens, seq_len, global_batch, gpu, gpus, price, price_list, budget, deadline,
-            precision, failure_rate, checkpoint_gb_per_s, restart_minutes, time_limit, memory_headroom,
-            inter_node_bandwidth, fmt, output, force):
+@click.pass_context
+def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top,
+            price, price_list, budget, deadline, precision, failure_rate, checkpoint_gb_per_s, restart_minutes,
+            time_limit, memory_headroom, inter_node_bandwidth, fmt, output, force):
     """Plan MODEL on every GPU type and count and compare time to train, GPU-hours and cost.
 
     For each cluster: the best plan, step time, time to train --tokens (with checkpoints,
@@ -123,27 +159,31 @@ def command(model, plan_file, tokens, seq_len, global_batch, gpu, gpus, price, p
         from autoplan.report.render_files import check_writable
 
         check_writable([out], force)
-    n_tokens = parse_tokens(tokens)
+    n_tokens = parse_tokens(tokens) if tokens is not None else None
     prices = load_prices(parse_price_options(price), price_list)
     assumptions = _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes)
     error = published_runs_error()  # the error source; a calibration can replace it (issue 8)
     if plan_file:
         from autoplan.report.document import load_plan_detail, plan_dict
 
-        if model or gpu or gpus or memory_headroom or inter_node_bandwidth is not None:
-            raise UserError("--plan reports one plan file; leave out MODEL, --gpu, --gpus, --memory-headroom and "
-                            "--inter-node-bandwidth (or drop --plan to sweep clusters).")
-
+        given = [name for name in _SWEEP_ONLY
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            flags = ", ".join("MODEL" if n == "model" else "--" + n.replace("_", "-") for n in given)
+            raise UserError(f"--plan reports one plan file with its own model and cluster; leave out {flags} "
+                            "(or drop --plan to sweep clusters).")
         detail = load_plan_detail(plan_file, tokens=n_tokens, prices=prices, assumptions=assumptions, error=error)
+        n_tokens = detail.run.steps * detail.plan.global_batch * detail.plan.seq_len if n_tokens is None \
+            else n_tokens
         sweep = None
         doc = plan_dict(detail, tokens=n_tokens, assumptions=assumptions, error=error, price_list=prices.name)
     else:
         from autoplan.report.document import fastest_detail, sweep_dict
 
         show = fmt != "json" and sys.stderr.isatty()
-        sweep = _run_sweep(model, n_tokens, seq_len, global_batch, gpu, gpus, prices, precision, assumptions,
-                           error, prices.name, budget, deadline, time_limit, memory_headroom,
-                           inter_node_bandwidth, show)
+        sweep = _run_sweep(model, n_tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top,
+                           prices, precision, assumptions, error, prices.name, budget, deadline, time_limit,
+                           memory_headroom, inter_node_bandwidth, show)
         detail = fastest_detail(sweep)
         doc = sweep_dict(sweep)
     _emit(doc, fmt, out, force, sweep, detail)

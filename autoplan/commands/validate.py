@@ -51,8 +51,15 @@ def _runs_table(runs: list[dict], title: str, width: int):
     return table, not show_assumed
 
 
+def _cpu_estimate(plan_file) -> dict:
+    """The plan's estimate on CPU ranks (cost_models/gpus/cpu.toml), for a CPU run of a GPU plan."""
+    from autoplan.commands.estimate import estimate_plan_file
+
+    return estimate_plan_file(str(plan_file), gpu="cpu")[0].to_dict()
+
+
 @click.command("validate")
-@click.argument("runs_file", metavar="RUNS.json", type=click.Path(dir_okay=False), required=False)
+@click.argument("runs_file", metavar="[RUNS.json]", type=click.Path(dir_okay=False), required=False)
 @click.option("--run", "run_dir", type=click.Path(file_okay=False), default=None,
               help="A generated job's run directory (metrics.jsonl): measured vs predicted.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
@@ -74,7 +81,7 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
     if run_dir:
         from autoplan.validate.measured import render_run, compare_run_dir
 
-        report = compare_run_dir(run_dir, plan_path=plan_path, warmup=warmup)
+        report = compare_run_dir(run_dir, plan_path=plan_path, warmup=warmup, cpu_estimate=_cpu_estimate)
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:

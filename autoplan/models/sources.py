@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 import sys
 import traceback
 import types
@@ -38,6 +39,9 @@ from autoplan.models import MODEL_TYPES, ConfigError, build_model
 from autoplan.plan import ModelRef
 
 InputsFn = Callable[[int, int], tuple[torch.Tensor, ...]]
+FALLBACK_SEQ_LEN = 2048  # what commands train at when neither the user nor the model says
+# attribute names of learned position tables (nanoGPT `wpe`, HF `position_embeddings`, `pos_emb`, ...)
+POSITION_TABLE_NAME = re.compile(r"wpe|pos|pos_.*|.*position.*|positional.*")
 
 
 @dataclass
@@ -153,6 +157,9 @@ def _check_seq_len(config: dict[str, Any], seq_len: int | None, where: str) -> N
 def _loaded_from_config(config: dict[str, Any], ref: ModelRef, where: str,
                         default_seq_len: int | None, seq_len: int | None) -> LoadedModel:
     _check_seq_len(config, seq_len, where)
+    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    if default_seq_len is None and isinstance(limit, int) and limit < FALLBACK_SEQ_LEN:
+        default_seq_len = limit  # the fallback would exceed the model's positions
     model = _build_config(config, where)
     ref = ModelRef(ref.source, ref.name, ref.path, fingerprint(model, config))
     return LoadedModel(model, ref, config, default_seq_len, _token_inputs)
@@ -318,10 +325,23 @@ def _default_inputs_fn(model: nn.Module, spec: str) -> InputsFn:
                     "define example_inputs(batch_size, seq_len) in the file returning a tuple of tensors")
 
 
+def position_table(model: nn.Module) -> tuple[str, int] | None:
+    """(name, rows) of the model's learned position embedding, the smallest if several; None
+    without one (rotary or no positions: no limit the model's structure shows)."""
+    tables = [(name, module.num_embeddings) for name, module in model.named_modules()
+              if isinstance(module, nn.Embedding) and POSITION_TABLE_NAME.fullmatch(name.rsplit(".", 1)[-1].lower())]
+    return min(tables, key=lambda table: table[1]) if tables else None
+
+
 def _load_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
     module = _exec_file(path, spec)
     model = _find_model(module, spec, seq_len)
+    table = position_table(model)
+    if table and seq_len is not None and seq_len > table[1]:
+        raise UserError(f"{spec}: sequence length {seq_len} exceeds the model's {table[1]} positions (its "
+                        f"position embedding `{table[0]}` has {table[1]} rows); use --seq-len {table[1]} or "
+                        "less, or enlarge that table in the file")
     user_inputs = getattr(module, "example_inputs", None)
     inputs_fn = user_inputs if callable(user_inputs) else _default_inputs_fn(model, spec)
     ref = ModelRef("file", path.stem, spec, fingerprint(model, None))
-    return LoadedModel(model, ref, None, None, inputs_fn)
+    return LoadedModel(model, ref, None, table[1] if table else None, inputs_fn)

@@ -53,6 +53,7 @@ def row_dict(row: Row) -> dict[str, Any]:
         out["headroom_gib"] = row.headroom_gib
         out["config"] = {k: getattr(row.plan, k) for k in CONFIG_KEYS}
         out.update(run_dict(row.run))
+        out["runners_up"] = row.runners_up
     return out
 
 
@@ -114,9 +115,10 @@ def sweep_dict(sweep: Sweep) -> dict[str, Any]:
     }
 
 
-def load_plan_detail(path: str, *, tokens: int, prices, assumptions: GoodputAssumptions,
+def load_plan_detail(path: str, *, tokens: int | None, prices, assumptions: GoodputAssumptions,
                      error: ErrorBand | None) -> PlanDetail:
-    """A plan file priced for `tokens` (the model is traced again for its parameter count)."""
+    """A plan file priced for `tokens`, or for one optimizer step when None (the model is traced
+    again for its parameter count)."""
     from autoplan.hardware import load_gpu
     from autoplan.plan import Plan, PlanFormatError
     from autoplan.solve.api import load_graph
@@ -133,7 +135,8 @@ def load_plan_detail(path: str, *, tokens: int, prices, assumptions: GoodputAssu
     usd = prices.usd_per_gpu_hour(gpu.key)
     spec = plan.model.name if plan.model.source == "catalog" else plan.model.path
     graph, _, _ = load_graph(spec, plan.seq_len)
-    run = price_run(plan.estimate["step_time_s"], plan.world_size, tokens, plan.global_batch * plan.seq_len,
+    tokens_per_step = plan.global_batch * plan.seq_len
+    run = price_run(plan.estimate["step_time_s"], plan.world_size, tokens or tokens_per_step, tokens_per_step,
                     graph.parameters, plan.precision, usd, assumptions, error)
     return PlanDetail(title=f"{plan.model.name} on {plan.world_size} x {gpu.key}", plan=plan,
                       estimate=plan.estimate, capacity_gib=gpu.memory_bytes / GIB, run=run, usd_per_gpu_hour=usd)

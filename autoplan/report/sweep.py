@@ -132,6 +132,7 @@ class Row:
     solver_wall_s: float = 0.0
     run: RunCost | None = None
     frontier: bool = False
+    runners_up: list[dict] = field(default_factory=list)  # config, step time and memory of each
 
     @property
     def fits(self) -> bool:
@@ -165,19 +166,22 @@ class Sweep:
 def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int, tokens: int,
              precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
              error: ErrorBand | None, time_limit_s: float | None = None,
-             memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None) -> Row:
-    """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`), priced."""
+             memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None,
+             gpus_per_node: int | None = None, fixed: dict | None = None, top: int = 0) -> Row:
+    """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`, with the same
+    `fixed` choices and `top` runners-up), priced."""
     from autoplan.hardware import make_cluster, with_memory_headroom
     from autoplan.solve.api import plan_job
 
     row = Row(gpu=gpu.key, gpu_name=gpu.name, num_gpus=num_gpus, capacity_gib=gpu.memory_bytes / GIB,
               usd_per_gpu_hour=usd_per_gpu_hour)
     try:
-        cluster = with_memory_headroom(make_cluster(gpu, num_gpus, None, inter_node_bandwidth_gb_per_s),
+        cluster = with_memory_headroom(make_cluster(gpu, num_gpus, gpus_per_node, inter_node_bandwidth_gb_per_s),
                                        memory_headroom_gib)
-        # top=0: only the best is needed; the search then prunes against it alone
+        # top=0 (the default): only the best is needed; the search then prunes against it alone
         job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                       top=0, time_limit_s=SEARCH_DEFAULT_LIMIT_S if time_limit_s is None else time_limit_s)
+                       fixed=fixed, top=top,
+                       time_limit_s=SEARCH_DEFAULT_LIMIT_S if time_limit_s is None else time_limit_s)
     except UserError as exc:  # the batch does not split, a partial node, ...: this cluster only
         row.reason = str(exc)
         return row
@@ -195,9 +199,20 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
                       f"{job.result.least_memory_gib:.1f} GiB)")
         return row
     row.plan, row.estimate = job.plan, job.result.best.estimate.to_dict()
+    row.runners_up = [runner_up(c) for c in job.result.alternatives]
     row.run = price_run(row.estimate["step_time_s"], num_gpus, tokens, global_batch * seq_len,
                         graph.parameters, job.plan.precision, usd_per_gpu_hour, assumptions, error)
     return row
+
+
+def runner_up(candidate) -> dict:
+    """A runner-up of the search as plain data: its degrees and setup, step time and memory."""
+    c = candidate.config
+    return {"config": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
+                       "offload": c.offload, "micro_batch": c.micro_batch, "schedule": c.schedule, "vpp": c.vpp,
+                       "precision": c.precision},
+            "step_time_s": candidate.estimate.step_time_s,
+            "memory_gib_per_gpu": candidate.estimate.memory_gib_per_gpu}
 
 
 def default_workers(clusters: int) -> int:
@@ -231,6 +246,7 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
               price_list: str = "default", budget_usd: float | None = None,
               deadline_days: float | None = None, time_limit_s: float | None = None,
               memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None,
+              gpus_per_node: int | None = None, fixed: dict | None = None, top: int = 0,
               progress: Callable[[int, int, str], None] | None = None, workers: int | None = None) -> Sweep:
     """Every (GPU, count) planned on one traced graph; frontier marked. `progress(done, total, label)`
     with the label of a cluster being planned. Clusters are planned in `workers` processes
@@ -243,7 +259,8 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
     kwargs = dict(seq_len=seq_len, global_batch=global_batch, tokens=tokens, precision=precision,
                   assumptions=assumptions, error=error, time_limit_s=time_limit_s,
                   memory_headroom_gib=memory_headroom_gib,
-                  inter_node_bandwidth_gb_per_s=inter_node_bandwidth_gb_per_s)
+                  inter_node_bandwidth_gb_per_s=inter_node_bandwidth_gb_per_s, gpus_per_node=gpus_per_node,
+                  fixed=fixed, top=top)
     shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs)
     workers = default_workers(len(tasks)) if workers is None else max(1, min(workers, len(tasks)))
     if "fork" not in multiprocessing.get_all_start_methods():

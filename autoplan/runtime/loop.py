@@ -367,7 +367,8 @@ class MetricsLog:
         if self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / (float(self.peak_flops) * self.plan.world_size)
         record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                  "peak_memory_gib": peak_memory_gib(self.device_type), "step_time_s": step_time_s}
+                  "peak_memory_gib": peak_memory_gib(self.device_type), "step_time_s": step_time_s,
+                  "device": self.device_type}
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         if print_line:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autoplan.config import ParallelConfig
+from autoplan.config import ParallelConfig, schedule_label
 from autoplan.hardware import GIB, with_num_gpus
 from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
@@ -254,7 +254,8 @@ def render_job(job, explanation: list[str], console) -> None:
     head.add_row("ZeRO / offload", f"{c.zero_stage} / {c.offload}")
     head.add_row("batching", f"micro-batch {c.micro_batch} x {c.num_microbatches} micro-batches, "
                              f"global {c.global_batch} x {c.seq_len} tokens")
-    head.add_row("pipeline", f"{c.schedule} vpp={c.vpp}, blocks per stage {list(c.stage_layers or [])}")
+    head.add_row("pipeline", "none (pp=1)" if c.pp == 1 else
+                 f"{c.schedule} vpp={c.vpp}, blocks per stage {list(c.stage_layers or [])}")
     rc = {m: sum(1 for x in (c.layer_recompute or ()) if x == m) for m in ("selective", "full")}
     head.add_row("recompute", f"{rc['full']} blocks full, {rc['selective']} selective")
     head.add_row("precision", c.precision)
@@ -270,7 +271,7 @@ def render_job(job, explanation: list[str], console) -> None:
         for a in r.alternatives:
             ac = a.config
             alt.add_row(f"{ac.dp}/{ac.tp}/{ac.pp}/{ac.cp}/{ac.ep}", str(ac.zero_stage), str(ac.micro_batch),
-                        f"{ac.schedule}" + (f" v{ac.vpp}" if ac.vpp > 1 else ""), f"{a.step_time_s:.3f}",
+                        schedule_label(ac.pp, ac.schedule, ac.vpp), f"{a.step_time_s:.3f}",
                         _pct(a.step_time_s, e.step_time_s), f"{a.estimate.memory_gib_per_gpu:.1f}",
                         "equivalent within the error band" if equivalent(r, a) else "")
         console.print(alt)

@@ -1,12 +1,19 @@
 """Predicted vs measured for a generated job's run (`autoplan validate --run DIR`).
 
 A run directory holds `metrics.jsonl` (one JSON object per step, written by the runtime's
-rank 0: step, loss, lr, tokens_per_s, mfu, peak_memory_gib, step_time_s; a record may carry
+rank 0: step, loss, lr, tokens_per_s, mfu, peak_memory_gib, step_time_s, device; a record may carry
 `rank`, then peak memory is reported per rank). The job's `plan.json` sits in the run
 directory or one of its parents (generated jobs write runs under <job>/runs/<name>/); its
 `estimate` holds the prediction. The first steps are warm-up (lazy initialisation, allocator
 growth, kernel autotuning) and are left out: `warmup` of them (default 2), fewer when the
 run is short, always keeping at least one step.
+
+A run records the device it ran on (`device`: cuda or cpu). A CPU run is compared with the
+CPU cost model (cost_models/gpus/cpu.toml): when its plan was made for a GPU, the caller's
+`cpu_estimate` re-estimates the plan on CPU ranks. Its memory is not compared: a CPU rank
+reports its whole process's peak resident set (Python and the torch libraries included),
+where the cost model predicts device memory (with a CUDA context allowance a CPU process
+does not have).
 """
 
 from __future__ import annotations
@@ -14,8 +21,9 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from autoplan.cost.memory import runtime_overhead_bytes
 from autoplan.errors import UserError
 from autoplan.plan import Plan, PlanFormatError
 
@@ -68,12 +76,22 @@ def _rel(predicted: float | None, measured: float | None) -> float | None:
     return (predicted - measured) / measured
 
 
-def compare_run_dir(run_dir: str | Path, plan_path: str | Path | None = None,
-                 warmup: int | None = None) -> dict[str, Any]:
+def run_device(records: list[dict[str, Any]], plan: Plan) -> str:
+    """"cpu" or "cuda": what the run recorded, else what its plan was made for."""
+    recorded = {r["device"] for r in records if r.get("device")}
+    if recorded:
+        return "cpu" if recorded == {"cpu"} else "cuda"
+    return "cpu" if plan.gpu == "cpu" else "cuda"
+
+
+def compare_run_dir(run_dir: str | Path, plan_path: str | Path | None = None, warmup: int | None = None,
+                    cpu_estimate: Callable[[Path], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Measured step time, tokens/s, MFU and peak memory per rank next to the plan's estimate.
 
     Medians over the steps after warm-up (robust to a slow checkpoint step); peak memory is
     the largest over those steps. Relative error = (predicted - measured) / measured.
+    `cpu_estimate(plan file)` gives the plan's estimate on CPU ranks, for a CPU run of a plan
+    made for a GPU (without it such a run is refused, not compared with a GPU's prediction).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -88,6 +106,13 @@ def compare_run_dir(run_dir: str | Path, plan_path: str | Path | None = None,
         raise UserError(f"{plan_file} has no predicted estimate; write plans with `autoplan plan -o plan.json` "
                         "(generate copies it into the job)")
     records = sorted(read_metrics(run_dir / "metrics.jsonl"), key=lambda r: (r["step"], r.get("rank", 0)))
+    device = run_device(records, plan)
+    model_gpu = plan.gpu
+    if device == "cpu" and plan.gpu != "cpu":
+        if cpu_estimate is None:
+            raise UserError(f"{run_dir} ran on CPU but {plan_file} was planned for {plan.gpu}; compare it with "
+                            "a plan made with --gpu cpu")
+        est, model_gpu = cpu_estimate(plan_file), "cpu"
     steps = sorted({r["step"] for r in records})
     wanted = DEFAULT_WARMUP_STEPS if warmup is None else warmup
     if warmup is not None and warmup < 0:
@@ -105,23 +130,47 @@ def compare_run_dir(run_dir: str | Path, plan_path: str | Path | None = None,
                 "mfu": statistics.median(mfus) if mfus else None}
     predicted = {"step_time_s": est.get("step_time_s"), "tokens_per_s": est.get("tokens_per_s"),
                  "mfu": est.get("mfu"), "memory_gib_per_gpu": est.get("memory_gib_per_gpu")}
-    per_rank = _memory_per_rank(used, plan, est)
+    per_rank = _memory_per_rank(used, plan, est, compare=device != "cpu")
     if per_rank:
         measured["peak_memory_gib"] = max(r["measured_peak_memory_gib"] for r in per_rank)
-    if any(r.get("device") == "cpu" for r in used) or plan.gpu == "cpu":
-        notes.append("CPU runs report the process's peak resident memory (Python and torch included), "
-                     "not device memory: expect memory to read high")
     error = {"step_time_s": _rel(predicted["step_time_s"], measured["step_time_s"]),
              "tokens_per_s": _rel(predicted["tokens_per_s"], measured["tokens_per_s"]),
              "mfu": _rel(predicted["mfu"], measured["mfu"]),
-             "peak_memory_gib": _rel(predicted["memory_gib_per_gpu"], measured.get("peak_memory_gib"))}
-    return {"run_dir": str(run_dir), "plan": str(plan_file), "gpu": plan.gpu, "world_size": plan.world_size,
+             "peak_memory_gib": None if device == "cpu"
+             else _rel(predicted["memory_gib_per_gpu"], measured.get("peak_memory_gib"))}
+    notes += _notes(device, plan, model_gpu, error, measured)
+    return {"run_dir": str(run_dir), "plan": str(plan_file), "gpu": plan.gpu, "device": device,
+            "cost_model": model_gpu, "world_size": plan.world_size,
             "steps_total": len(steps), "warmup_steps": skip, "steps_used": len(steps) - skip,
             "predicted": predicted, "measured": measured, "error": error, "per_rank": per_rank, "notes": notes}
 
 
-def _memory_per_rank(used: list[dict[str, Any]], plan: Plan, est: dict[str, Any]) -> list[dict[str, Any]]:
-    """Peak memory of every rank that logged it, next to its pipeline stage's predicted memory.
+def _notes(device: str, plan: Plan, model_gpu: str, error: dict[str, Any], measured: dict[str, Any]) -> list[str]:
+    """What a reader needs to read the errors: which cost model, and which way each one leans."""
+    notes = []
+    if model_gpu != plan.gpu:
+        notes.append(f"the plan was made for {plan.gpu}; this CPU run is compared with the plan re-estimated on "
+                     f"{plan.world_size} CPU ranks (cost_models/gpus/cpu.toml)")
+    if device == "cpu" and measured.get("peak_memory_gib") is not None:
+        notes.append("memory is not compared: a CPU rank reports its process's peak resident set (Python and the "
+                     "torch libraries included), the cost model predicts device memory (with a "
+                     f"{runtime_overhead_bytes() / 2**30:g} GiB CUDA context allowance a CPU process does not have)")
+    step = error.get("step_time_s")
+    if device == "cpu" and step is not None and step < 0:
+        notes.append(f"steps took {1 / (1 + step):.1f}x the predicted time: the CPU cost model times matmuls, "
+                     "memory traffic and gloo collectives with one core per rank; per-operator Python and "
+                     "dispatch time and ranks sharing cores are not in it, and for a model this small they "
+                     "can dominate")
+    elif device == "cpu" and step is not None and step > 0:
+        notes.append(f"steps took {1 / (1 + step):.2f}x the predicted time: faster than the CPU cost model, "
+                     "whose data was measured with one thread per rank")
+    return notes
+
+
+def _memory_per_rank(used: list[dict[str, Any]], plan: Plan, est: dict[str, Any],
+                     compare: bool = True) -> list[dict[str, Any]]:
+    """Peak memory of every rank that logged it, next to its pipeline stage's predicted memory
+    (with an error when `compare`).
 
     Ranks are laid out pp-outermost (autoplan.runtime.mesh), so rank r is in stage r // (world / pp).
     """
@@ -136,7 +185,7 @@ def _memory_per_rank(used: list[dict[str, Any]], plan: Plan, est: dict[str, Any]
         stage = rank // max(1, plan.world_size // plan.pp)
         predicted = stages.get(stage, est.get("memory_gib_per_gpu"))
         out.append({"rank": rank, "stage": stage, "measured_peak_memory_gib": peak,
-                    "predicted_memory_gib": predicted, "error": _rel(predicted, peak)})
+                    "predicted_memory_gib": predicted, "error": _rel(predicted, peak) if compare else None})
     return out
 
 
@@ -154,19 +203,21 @@ def render_run(report: dict[str, Any], console) -> None:
         return f"{value:.3f}" if key == "step_time_s" else f"{value:.2f}"
 
     pct = lambda v: "-" if v is None else f"{v:+.1%}"  # noqa: E731
-    table = Table(title=f"run {report['run_dir']}: predicted vs measured ({report['steps_used']} steps after "
-                        f"{report['warmup_steps']} warm-up)")
+    table = Table(title=f"{_run_label(report)} {report['run_dir']} vs the {report['cost_model']} cost model "
+                        f"({report['steps_used']} steps after {report['warmup_steps']} warm-up)")
     for name in ("", "predicted", "measured", "error"):
         table.add_column(name, justify="left" if not name else "right")
     p, m, e = report["predicted"], report["measured"], report["error"]
+    memory = "peak memory (GiB, worst rank" + (": RSS)" if report["device"] == "cpu" else ")")
     rows = [("step time (s)", "step_time_s", "step_time_s"), ("tokens/s", "tokens_per_s", "tokens_per_s"),
-            ("MFU", "mfu", "mfu"), ("peak memory (GiB, worst rank)", "memory_gib_per_gpu", "peak_memory_gib")]
+            ("MFU", "mfu", "mfu"), (memory, "memory_gib_per_gpu", "peak_memory_gib")]
     for label, pkey, mkey in rows:
         unit = "mfu" if pkey == "mfu" else mkey
         table.add_row(label, fmt(unit, p.get(pkey)), fmt(unit, m.get(mkey)), pct(e.get(mkey)))
     console.print(table)
     if report["per_rank"]:
-        ranks = Table(title="peak memory per rank (GiB)")
+        ranks = Table(title="peak memory per rank (GiB" + (", measured: process RSS)" if report["device"] == "cpu"
+                                                           else ")"))
         for name in ("rank", "stage", "predicted", "measured", "error"):
             ranks.add_column(name, justify="right")
         for r in report["per_rank"]:
@@ -175,3 +226,9 @@ def render_run(report: dict[str, Any], console) -> None:
         console.print(ranks)
     for note in report["notes"]:
         console.print(f"note: {note}")
+
+
+def _run_label(report: dict[str, Any]) -> str:
+    if report["device"] == "cpu":
+        return f"CPU run ({report['world_size']} gloo ranks)"
+    return f"GPU run ({report['world_size']} ranks)"

@@ -74,7 +74,7 @@ def test_pp_and_tp_job_matches_the_one_rank_job_in_fp32(tmp_path):
 def test_job_from_a_model_file_with_an_odd_path_runs(tmp_path):
     folder = tmp_path / "it's a \"model\" dir"
     folder.mkdir()
-    model = shutil.copy(REPO / "examples" / "tiny_gpt.py", folder / "my model.py")
+    model = shutil.copy(REPO / "examples" / "nano_gpt.py", folder / "my model.py")
     job = tmp_path / "job"
     code, out, err = generate(str(model), *TINY, "--gpus", "2", "-o", str(job))
     assert code == 0, out + err

@@ -144,7 +144,7 @@ def odd_model(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("models") / "dir with 'quote\""
     folder.mkdir()
     path = folder / "my \"odd\" model's.py"
-    shutil.copy(REPO / "examples" / "tiny_gpt.py", path)
+    shutil.copy(REPO / "examples" / "nano_gpt.py", path)
     return path
 
 
@@ -171,7 +171,7 @@ def test_model_file_path_with_space_and_quotes(odd_model, tmp_path, monkeypatch)
     namespace = runpy.run_path(str(job / "train.py"), run_name="not_main")
     with torch.device("meta"):
         model = namespace["build_model"]()
-    assert type(model).__name__ == "TinyGPT"
+    assert type(model).__name__ == "NanoGPT"
     # an edited copy is not the planned model any more: train.py stops before training
     (job / "model.py").write_text(odd_model.read_text().replace("LAYERS, HEADS, MAX_SEQ = 256, 64, 2",
                                                                 "LAYERS, HEADS, MAX_SEQ = 256, 64, 3"))

@@ -33,10 +33,10 @@ def all_meta(model: nn.Module) -> bool:
 # ---------------------------------------------------------------- good inputs
 
 
-def test_example_tiny_gpt_file_gets_token_ids():
-    loaded = load_model(str(EXAMPLES / "tiny_gpt.py"))
-    assert loaded.ref.source == "file" and loaded.ref.name == "tiny_gpt"
-    assert type(loaded.module).__name__ == "TinyGPT" and all_meta(loaded.module)
+def test_example_nano_gpt_file_gets_token_ids():
+    loaded = load_model(str(EXAMPLES / "nano_gpt.py"))
+    assert loaded.ref.source == "file" and loaded.ref.name == "nano_gpt"
+    assert type(loaded.module).__name__ == "NanoGPT" and all_meta(loaded.module)
     # V*h (tied) + s*h + L*(12h^2 + 13h) + 2h with V=256, s=256, h=64, L=2
     assert n_params(loaded.module) == 256 * 64 + 256 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64
     (tokens,) = loaded.example_inputs(3, 17)
@@ -136,7 +136,7 @@ def test_build_model_receives_seq_len_and_wins_over_classes(write_file):
 def test_build_from_ref_round_trips_each_source(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**TINY_LLAMA, "_autoplan": {"seq_len": 32}}))
-    for spec in ("tiny-moe", str(config), str(EXAMPLES / "tiny_gpt.py")):
+    for spec in ("tiny-moe", str(config), str(EXAMPLES / "nano_gpt.py")):
         loaded = load_model(spec)
         rebuilt = build_from_ref(loaded.ref)
         assert fingerprint(rebuilt, loaded.config) == loaded.ref.fingerprint

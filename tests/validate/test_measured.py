@@ -19,12 +19,12 @@ from autoplan.validate.measured import render_run, compare_run_dir
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _job(tmp_path: Path, estimate: dict | None = None) -> Path:
+def _job(tmp_path: Path, estimate: dict | None = None, gpu: str = "h100-sxm-80gb") -> Path:
     job = tmp_path / "job"
     (job / "runs" / "r1").mkdir(parents=True, exist_ok=True)
     est = {"step_time_s": 0.5, "tokens_per_s": 8 * 128 / 0.5, "mfu": 0.02, "memory_gib_per_gpu": 1.5,
            "per_stage": [{"stage": 0, "memory_gib": 1.5}, {"stage": 1, "memory_gib": 1.0}]}
-    Plan(model=ModelRef("catalog", "tiny-gpt"), gpu="cpu", world_size=4, gpus_per_node=8, global_batch=8,
+    Plan(model=ModelRef("catalog", "tiny-gpt"), gpu=gpu, world_size=4, gpus_per_node=8, global_batch=8,
          seq_len=128, dp=2, pp=2, stages=[["layers.0"], ["layers.1"]],
          estimate=est if estimate is None else estimate).save(job / "plan.json")
     return job
@@ -118,5 +118,49 @@ def test_validate_a_real_run_of_the_generated_tiny_job(tmp_path):
     report = compare_run_dir(run)
     assert report["steps_total"] == 6 and report["warmup_steps"] == 2
     for key in ("step_time_s", "tokens_per_s", "peak_memory_gib"):
-        assert report["measured"][key] > 0 and report["error"][key] is not None
+        assert report["measured"][key] > 0
+    # a CPU run: compared with the CPU cost model, its process RSS not compared with device memory
+    assert (report["device"], report["cost_model"]) == ("cpu", "cpu")
+    assert report["error"]["step_time_s"] is not None and report["error"]["peak_memory_gib"] is None
     assert report["plan"].endswith("plan.json") and report["per_rank"][0]["rank"] == 0
+
+
+def _cpu_rows(step_time_s: float) -> list[dict]:
+    return [{"step": s, "loss": 1.0, "lr": 0.0, "tokens_per_s": 1024 / step_time_s, "mfu": 0.001,
+             "peak_memory_gib": 0.33, "step_time_s": step_time_s, "device": "cpu"} for s in range(4)]
+
+
+def test_a_cpu_run_of_a_gpu_plan_is_compared_with_the_cpu_cost_model(tmp_path):
+    run = _job(tmp_path) / "runs" / "r1"  # the plan predicts 0.5 s on an H100
+    _metrics(run, _cpu_rows(2.0))
+    with pytest.raises(UserError, match="ran on CPU but .* planned for h100-sxm-80gb"):
+        compare_run_dir(run)  # never compared with the GPU's prediction
+    cpu = {"step_time_s": 1.0, "tokens_per_s": 1024.0, "mfu": 0.002, "memory_gib_per_gpu": 1.1,
+           "per_stage": [{"stage": 0, "memory_gib": 1.1}]}
+    asked = []
+    report = compare_run_dir(run, cpu_estimate=lambda path: asked.append(path) or cpu)
+    assert asked == [run.parent.parent / "plan.json"]
+    assert (report["device"], report["cost_model"], report["gpu"]) == ("cpu", "cpu", "h100-sxm-80gb")
+    assert report["error"]["step_time_s"] == pytest.approx(-0.5)  # 1 s predicted on CPU vs 2 s measured
+    assert report["error"]["peak_memory_gib"] is None and report["per_rank"][0]["error"] is None
+    assert any("re-estimated on 4 CPU ranks" in note for note in report["notes"])
+
+
+def test_cpu_run_notes_match_the_sign_of_the_errors(tmp_path):
+    from rich.console import Console
+
+    run = _job(tmp_path, gpu="cpu") / "runs" / "r1"  # predicts 0.5 s and 1.5 GiB on CPU ranks
+    _metrics(run, _cpu_rows(2.0))
+    slow = compare_run_dir(run)
+    assert slow["error"]["step_time_s"] == pytest.approx(-0.75)
+    assert any("4.0x the predicted time" in n for n in slow["notes"])
+    assert not any("read high" in n for n in slow["notes"])  # measured RSS 0.33 < 1.5 predicted
+    assert any("memory is not compared" in n for n in slow["notes"])
+    console = Console(record=True, width=120)
+    render_run(slow, console)
+    text = console.export_text()
+    assert "CPU run (4 gloo ranks)" in text and "vs the cpu cost model" in text and "RSS" in text
+    _metrics(run, _cpu_rows(0.25))
+    fast = compare_run_dir(run)
+    assert fast["error"]["step_time_s"] == pytest.approx(1.0)
+    assert any("0.50x the predicted time: faster" in n for n in fast["notes"])

@@ -1,9 +1,15 @@
-"""A self-contained nanoGPT-style model file: `autoplan analyze examples/tiny_gpt.py`.
+"""A self-contained nanoGPT-style model file: `autoplan analyze examples/nano_gpt.py`.
+
+A GPT-2-style model (LayerNorm, GELU MLP, learned positions, tied head); not the catalog's
+`tiny-gpt`, which is a tiny Llama-type model (RMSNorm, rotary positions, grouped-query
+attention, SwiGLU) built from cost_models/models/tiny-gpt.json.
 
 autoplan executes this file once under `torch.device("meta")` and plans for whatever
 `build_model()` returns, so even a large configuration allocates no memory while planning.
 The first module is an nn.Embedding, so autoplan feeds token ids of shape (batch, seq);
-no `example_inputs` is needed. Change the sizes below to plan a bigger model.
+no `example_inputs` is needed. The position table `pos` has MAX_SEQ rows, so MAX_SEQ is
+the default --seq-len and the longest autoplan accepts. Change the sizes below to plan a
+bigger model.
 """
 
 import torch
@@ -33,7 +39,7 @@ class Block(nn.Module):
         return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
 
 
-class TinyGPT(nn.Module):
+class NanoGPT(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, max_seq: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
@@ -52,4 +58,4 @@ class TinyGPT(nn.Module):
 
 
 def build_model() -> nn.Module:
-    return TinyGPT(VOCAB, DIM, LAYERS, HEADS, MAX_SEQ)
+    return NanoGPT(VOCAB, DIM, LAYERS, HEADS, MAX_SEQ)
