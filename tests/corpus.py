@@ -645,7 +645,8 @@ def reference_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
 
     Meta models run under FakeTensorMode over meta tensors (HF code checks for fake tensors
     to skip value-dependent mask shortcuts; SDPA on meta decomposes into counted matmuls);
-    a model with real weights runs for real (data-dependent routing needs real values).
+    a model with real weights runs for real (data-dependent routing needs real values) with
+    the math attention kernel.
     Meta models run in bf16, as the tracer does (HF's grouped-GEMM experts need it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -658,8 +659,10 @@ def reference_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
                     for k, v in inputs.items()}
             with counter:
                 model(**fake)
-    else:
-        with counter, torch.no_grad():
+    else:  # the math SDPA kernel, whose matmuls FlopCounterMode counts (CPU flash has no formula)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             model(**inputs)
     return counter.get_total_flops()
 

@@ -11,10 +11,13 @@ a submodule of another such class (a file with `Block(dim)` and `GPT()` picks GP
 `MLP()` and `GPT()` whose GPT holds an MLP also picks GPT). If `build_model` takes a
 `seq_len` parameter it receives the requested sequence length.
 
-Inputs: the file's `example_inputs(batch_size, seq_len)` if defined; otherwise, by the model's
-first leaf module in registration order (`model.modules()`): nn.Embedding -> token ids
-(batch, seq) int64; nn.Linear -> float32 (batch, seq, in_features). Anything else must define
-example_inputs. Catalog and config models take token ids.
+Inputs: the file's `example_inputs(batch_size, seq_len)` if defined (a tuple of tensors, one
+per positional argument, or a dict of keyword arguments); otherwise, by the model's first
+leaf module in registration order (`model.modules()`): nn.Embedding -> token ids (batch, seq)
+int64; nn.Linear -> float32 (batch, seq, in_features); nn.Conv2d -> an image batch
+(batch, in_channels, side, side), where the second argument is the image side
+(`--image-size`) instead of a sequence length. Anything else must define example_inputs.
+Catalog and config models take token ids.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ class LoadedModel:
     config: dict[str, Any] | None  # HF-style config for catalog/config sources, None for files
     default_seq_len: int | None  # the model's training sequence length when known
     inputs_fn: InputsFn = field(repr=False, default=None)  # type: ignore[assignment]
+    takes_images: bool = False  # inputs_fn's second argument is the image side
 
-    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
-        """Meta tensors to trace the model with, for this batch size and sequence length."""
+    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...] | dict:
+        """Meta tensors to trace the model with, for this batch size and sequence length (the
+        image side for an image model): a tuple of positional inputs or a dict of keyword ones."""
         with torch.device("meta"):
             try:
                 inputs = self.inputs_fn(batch_size, seq_len)
@@ -61,10 +66,17 @@ class LoadedModel:
                                 "fix that function") from None
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
+        if isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
+            return {k: _meta(v) for k, v in inputs.items()}
         if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
             raise UserError(f"example_inputs in {self.ref.path} returned {type(inputs).__name__}; "
-                            "return a tuple of tensors (one per forward argument)")
-        return tuple(t if t.is_meta else t.to("meta") for t in inputs)
+                            "return a tuple of tensors (one per forward argument) or a dict of "
+                            "keyword arguments")
+        return tuple(_meta(t) for t in inputs)
+
+
+def _meta(value):
+    return value.to("meta") if isinstance(value, torch.Tensor) and not value.is_meta else value
 
 
 def load_model(spec: str, *, seq_len: int | None = None) -> LoadedModel:
@@ -313,6 +325,8 @@ def _default_inputs_fn(model: nn.Module, spec: str) -> InputsFn:
     if isinstance(first, nn.Linear):
         features = first.in_features
         return lambda batch, seq: (torch.zeros(batch, seq, features, device="meta"),)
+    if isinstance(first, nn.Conv2d):
+        return _image_inputs(first.in_channels)
     kind = type(first).__name__ if first is not None else "no submodule"
     raise UserError(f"cannot tell what inputs the model in {spec} takes (its first module is {kind}); "
                     "define example_inputs(batch_size, seq_len) in the file returning a tuple of tensors")
@@ -324,4 +338,25 @@ def _load_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
     user_inputs = getattr(module, "example_inputs", None)
     inputs_fn = user_inputs if callable(user_inputs) else _default_inputs_fn(model, spec)
     ref = ModelRef("file", path.stem, spec, fingerprint(model, None))
-    return LoadedModel(model, ref, None, None, inputs_fn)
+    return LoadedModel(model, ref, None, None, inputs_fn,
+                       takes_images=getattr(inputs_fn, "image_channels", 0) > 0)
+
+
+def _image_inputs(channels: int) -> InputsFn:
+    """An image batch (batch, channels, side, side); the second argument is the side."""
+    def inputs(batch_size: int, side: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(batch_size, channels, side, side, device="meta"),)
+
+    inputs.image_channels = channels  # type: ignore[attr-defined]
+    return inputs
+
+
+def default_image_size(model: nn.Module) -> int:
+    """The model's own image side (`image_size` / `img_size` attribute), else 224 (ImageNet)."""
+    for name in ("image_size", "img_size"):
+        value = getattr(model, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], int):
+            return int(value[0])
+    return 224

@@ -254,8 +254,27 @@ def test_module_level_model_not_a_module(write_file):
 
 
 def test_unknown_first_op_needs_example_inputs(write_file):
-    path = write_file("conv.py", "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv2d(3, 8, 3))\n")
+    path = write_file("conv.py", "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv1d(3, 8, 3))\n")
     assert "example_inputs" in _error(path)
+
+
+def test_conv2d_first_takes_an_image_batch_of_the_given_side(write_file):
+    path = write_file("cnn.py", "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv2d(5, 8, 3))\n")
+    loaded = load_model(path)
+    assert loaded.takes_images
+    (images,) = loaded.example_inputs(2, 64)
+    assert tuple(images.shape) == (2, 5, 64, 64) and images.is_floating_point()
+
+
+def test_example_inputs_may_return_keyword_inputs(write_file):
+    path = write_file("kw.py", """
+        import torch, torch.nn as nn
+        model = nn.Linear(4, 4)
+        def example_inputs(batch_size, seq_len):
+            return {"input": torch.zeros(batch_size, seq_len, 4)}
+    """)
+    inputs = load_model(path).example_inputs(2, 3)
+    assert set(inputs) == {"input"} and inputs["input"].is_meta
 
 
 def test_example_inputs_returning_garbage(write_file):
