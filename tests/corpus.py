@@ -94,6 +94,7 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, image_size=224, patch=16, dim=768, depth=12, heads=12, classes=1000) -> None:
         super().__init__()
+        self.image_size = image_size
         self.patch_embed = PatchEmbed(patch, 3, dim)
         patches = (image_size // patch) ** 2
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
@@ -196,6 +197,7 @@ class SwinTransformer(nn.Module):
     def __init__(self, image_size=224, patch=4, dim=96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24),
                  window=7, classes=1000) -> None:
         super().__init__()
+        self.image_size = image_size
         self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
         self.embed_norm = nn.LayerNorm(dim)
         self.layers = nn.Sequential(*[

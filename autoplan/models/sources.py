@@ -352,11 +352,13 @@ def _image_inputs(channels: int) -> InputsFn:
 
 
 def default_image_size(model: nn.Module) -> int:
-    """The model's own image side (`image_size` / `img_size` attribute), else 224 (ImageNet)."""
-    for name in ("image_size", "img_size"):
-        value = getattr(model, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], int):
-            return int(value[0])
+    """The model's own image side (an `image_size` / `img_size` attribute of it or of a
+    submodule, as timm's patch_embed.img_size), else 224 (ImageNet)."""
+    for sub in model.modules():
+        for name in ("image_size", "img_size"):
+            value = getattr(sub, name, None)
+            if isinstance(value, (tuple, list)) and value:
+                value = value[0]
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return 224

@@ -276,6 +276,7 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
         example_inputs, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
     args = tuple(_to_meta(x) for x in example_inputs)
     kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()}
+    _check_call(module, args, kwargs)
     batch, seq, image = input_dims(args, kwargs)
     groups = find_block_groups(module)
     block_of = {path: group for group, paths in groups.items() for path in paths}
@@ -357,6 +358,26 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
             handle.remove()
         restore_forwards(blocks)
     return RecordedGraph(recorder.graph, module), rec, first_path, routing.modules
+
+
+def _check_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The inputs must fit the forward's signature (before any tracing)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        given = ", ".join([f"{len(args)} positional"] + [f"{k}=" for k in kwargs])
+        raise UserError(
+            f"the forward of {type(module).__name__}{signature} cannot take the inputs autoplan "
+            f"made for it ({given}): {exc}. Define example_inputs(batch_size, seq_len) in the "
+            "model file, returning a tuple with one tensor per positional argument or a dict "
+            "of keyword arguments."
+        ) from None
 
 
 def _fake(mode, x):
