@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.models import catalog
+from autoplan.models.hf import HF_PREFIX
 from autoplan.errors import UserError
 from autoplan.models import MODEL_TYPES, ConfigError, build_model
 from autoplan.plan import ModelRef
@@ -82,6 +83,11 @@ def _meta(value):
 def load_model(spec: str, *, seq_len: int | None = None) -> LoadedModel:
     """Build MODEL (file, config.json or catalog name) on meta. Bad input raises UserError."""
     spec = str(spec)
+    if spec.startswith(HF_PREFIX):  # build the config with its transformers class
+        path = Path(spec[len(HF_PREFIX):])
+        if path.is_dir():
+            path = path / "config.json"
+        return _load_config_file(path, str(path), seq_len, transformers=True)
     if Path(spec).is_dir() and (Path(spec) / "config.json").is_file():  # an HF model directory
         spec = str(Path(spec) / "config.json")
     if spec.endswith(".py"):
@@ -105,11 +111,14 @@ def build_from_ref(ref: ModelRef, *, seq_len: int | None = None, verify: bool = 
     elif ref.source == "config":
         config = _public(_read_config(Path(ref.path or ""), ref.path or ""))
         model = _build_config(config, ref.path or "")
+    elif ref.source == "transformers":
+        config = _public(_read_config(Path(ref.path or ""), ref.path or ""))
+        model = _build_transformers(config, ref.path or "")
     elif ref.source == "file":
         config = None
         model = _find_model(_exec_file(Path(ref.path or ""), ref.path or ""), ref.path or "", seq_len)
     else:
-        raise UserError(f"model source {ref.source!r} is not one of catalog, config, file")
+        raise UserError(f"model source {ref.source!r} is not one of catalog, config, transformers, file")
     if verify and ref.fingerprint and fingerprint(model, config) != ref.fingerprint:
         raise UserError(
             f"the model built from {ref.path or ref.name} does not match the plan (fingerprint "
@@ -198,13 +207,33 @@ def _public(config: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if not key.startswith("_")}
 
 
-def _load_config_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
+def _load_config_file(path: Path, spec: str, seq_len: int | None, *,
+                      transformers: bool = False) -> LoadedModel:
     config = _read_config(path, spec)
     name = path.parent.name if path.stem == "config" and path.parent.name else path.stem
     extra = config.get("_autoplan", {}) if isinstance(config.get("_autoplan"), dict) else {}
     config = _public(config)
+    if transformers or extra.get("model_source") == "transformers":
+        _check_seq_len(config, seq_len, spec)
+        model = _build_transformers(config, spec)
+        ref = ModelRef("transformers", name, spec, fingerprint(model, config))
+        return LoadedModel(model, ref, config, extra.get("seq_len"), _token_inputs)
     return _loaded_from_config(config, ModelRef("config", name, spec), spec, extra.get("seq_len"),
                                seq_len)
+
+
+def _build_transformers(config: dict[str, Any], where: str) -> nn.Module:
+    from autoplan.models.hf import build_transformers_model
+
+    with torch.device("meta"):
+        try:
+            return build_transformers_model(config, where)
+        except UserError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise UserError(f"{where}: transformers could not build this config "
+                            f"({type(exc).__name__}: {exc}); compare it with a config.json of that "
+                            "family") from None
 
 
 # ---------------------------------------------------------------- Python files
