@@ -41,7 +41,8 @@ class OpInfo:
     bytes_written: int = 0
     saved_bytes: int = 0  # activation bytes this op saves for backward (no parameters)
     gemm_mnk: tuple[int, int, int] | None = None  # (M, N, K) of a matmul-like op
-    fallback: bool = False  # costed from module structure, not traced
+    fallback: bool = False  # one op for a whole MoE module (run and measured); the cost
+    # model splits its FLOPs into routed-expert GEMMs (M = routed tokens per expert) and the rest
 
 
 @dataclass(frozen=True)

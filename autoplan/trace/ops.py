@@ -88,7 +88,7 @@ def function_kind(name: str, module_type: str = "") -> str:
 def gemm_mnk(kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
              flops: int) -> tuple[int, int, int] | None:
     """(M, N, K) of a matmul-like op: M = rows of the output, N = its columns, K from the FLOPs."""
-    if kind not in ("linear", "matmul", "attention", "conv") or not outputs or flops <= 0:
+    if kind not in ("linear", "matmul", "attention", "conv", "expert") or not outputs or flops <= 0:
         return None
     out = outputs[0]
     if out.dim() == 0:

@@ -22,11 +22,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from autoplan.trace.fallback import moe_facts, routes_tokens
+from autoplan.trace.fallback import expert_matrices, moe_facts, routes_tokens
 from autoplan.trace.graph import OpInfo
 from autoplan.trace.ops import function_kind, gemm_mnk, tensor_bytes
 from autoplan.trace.routing import RoutingContext
 
+_ROUTING_FIELDS = ("tokens", "experts", "top_k", "module", "expert_ids")
 _MODULE_TARGETS = {"linear": nn.Linear, "embedding": nn.Embedding, "conv": nn.modules.conv._ConvNd}
 _FLASH_SAVED = {"scaled_dot_product_attention"}
 
@@ -71,6 +72,7 @@ class ModuleStack:
     routing: RoutingContext
     stack: list[tuple[str, RoutingContext | None]] = field(default_factory=list)
     routers: dict[int, bool] = field(default_factory=dict)
+    recorder: "FunctionRecorder | None" = None
 
     def current(self) -> str:
         return self.stack[-1][0] if self.stack else ""
@@ -82,10 +84,12 @@ class ModuleStack:
             experts, top_k = moe_facts(module)
             first = _tensors(args)
             if first:
-                saved = RoutingContext(**{k: getattr(self.routing, k) for k in
-                                          ("tokens", "experts", "top_k", "module")})
+                saved = RoutingContext(**{k: getattr(self.routing, k) for k in _ROUTING_FIELDS})
                 self.routing.tokens = first[0].numel() // max(int(first[0].shape[-1]), 1)
                 self.routing.experts, self.routing.top_k, self.routing.module = experts, top_k, path
+                self.routing.expert_ids = frozenset(expert_matrices(module, experts)[1])
+                self.routing_start = len(self.recorder.rec.ops) if self.recorder else 0
+                self.routing_module = module
         self.stack.append((path, saved))
 
     def _routes(self, module: nn.Module) -> bool:
@@ -95,9 +99,12 @@ class ModuleStack:
         return self.routers[key]
 
     def pop(self) -> None:
-        _, saved = self.stack.pop()
+        path, saved = self.stack.pop()
         if saved is not None:
-            for key in ("tokens", "experts", "top_k", "module"):
+            if self.recorder is not None:
+                self.recorder.merge_moe(path, self.routing_module, self.routing_start,
+                                        self.routing.experts, self.routing.tokens * self.routing.top_k)
+            for key in _ROUTING_FIELDS:
                 setattr(self.routing, key, getattr(saved, key))
 
     def module_stack(self) -> dict[str, tuple[str, str]]:
@@ -119,6 +126,7 @@ class FunctionRecorder(TorchFunctionMode):
         self.seen_params: set[int] = set()
         self.op_params: dict[str, int] = {}
         self.failed_in: str | None = None  # module whose torch call raised first
+        self.renamed: dict[str, str] = {}  # op folded into its MoE module's op
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -160,6 +168,8 @@ class FunctionRecorder(TorchFunctionMode):
     def _record(self, func, name, op_name, module, args, kwargs, inputs, out, flops) -> None:
         module_type = self.modules.types.get(module, "")
         kind = function_kind(name, module_type)
+        if kind in ("linear", "matmul") and self._reads_expert_weights(inputs):
+            kind = "expert"  # routed experts: EP shards them, TP never does
         target = name
         owner_cls = _MODULE_TARGETS.get(kind)
         if owner_cls is not None and module_type and self.modules.types.get(module) and \
@@ -181,13 +191,13 @@ class FunctionRecorder(TorchFunctionMode):
             bytes_read=sum(tensor_bytes(t) for t in inputs),
             bytes_written=sum(tensor_bytes(t) for t in out),
             saved_bytes=self.rec.saved.get(op_name, 0),
-            gemm_mnk=gemm_mnk(kind, [t for t in inputs if id(t) not in self.params], out, flops),
+            gemm_mnk=self._gemm(kind, name, inputs, out, flops),
         )
         self.rec.ops.append(op)
         for t in inputs:
             src = self.op_of.get(id(t))
             if src is not None:
-                self.rec.edges.append((src, op_name))
+                self.rec.edges.append((self.renamed.get(src, src), op_name))
         node = self.graph.call_function(func, *self._fx_args(args, kwargs))
         node.name = op_name.replace(".", "_")
         node.meta["nn_module_stack"] = self.modules.module_stack()
@@ -197,6 +207,50 @@ class FunctionRecorder(TorchFunctionMode):
             self.op_of[id(t)] = op_name
             self.node_of[id(t)] = node
             self.rec.keep.append(t)
+
+    def merge_moe(self, path: str, module: nn.Module, start: int, experts: int, routed: int) -> None:
+        """Fold the ops a MoE module ran (ops[start:]) into one op of kind "expert" named by
+        the module: its FLOPs and saved bytes are the sum of what was measured; the cost
+        model prices routed experts per expert GEMM (M = routed tokens per expert), from
+        the module's expert matrices, as Megatron-Core's grouped GEMM runs them."""
+        inner = self.rec.ops[start:]
+        if not inner:
+            return
+        del self.rec.ops[start:]
+        names = {op.name for op in inner}
+        for name in names:
+            self.renamed[name] = path
+        for key in list(self.op_of):
+            if self.op_of[key] in names:
+                self.op_of[key] = path
+        self.rec.edges[:] = [(self.renamed.get(a, a), self.renamed.get(b, b)) for a, b in self.rec.edges
+                             if not (a in names and b in names)]
+        quadratic = sum(self.rec.saved_quadratic.pop(n, 0) for n in names)
+        if quadratic:
+            self.rec.saved_quadratic[path] = quadratic
+        matrices, _ = expert_matrices(module, experts)
+        gemm = (max(1, routed // max(experts, 1)), *matrices[0]) if matrices else None
+        first, last = inner[0], inner[-1]
+        self.rec.ops.append(OpInfo(
+            name=path, module=path, kind="expert", target=type(module).__name__,
+            input_shapes=first.input_shapes[:1], output_shape=last.output_shape, dtype=last.dtype,
+            parameters=sum(op.parameters for op in inner), flops=sum(op.flops for op in inner),
+            bytes_read=_numel(first.input_shapes[0]) * 2 if first.input_shapes else 0,
+            bytes_written=_numel(last.output_shape) * 2,
+            saved_bytes=sum(op.saved_bytes for op in inner), gemm_mnk=gemm, fallback=True,
+        ))
+
+    def _gemm(self, kind, name, inputs, out, flops):
+        mnk = gemm_mnk(kind, [t for t in inputs if id(t) not in self.params], out, flops)
+        experts = self.modules.routing.experts
+        if mnk and kind == "expert" and "grouped_mm" in name and experts:
+            mnk = (max(1, mnk[0] // experts), mnk[1], mnk[2])  # M: tokens per expert
+        return mnk
+
+    def _reads_expert_weights(self, inputs) -> bool:
+        experts = self.modules.routing.expert_ids
+        return bool(experts) and any(
+            id(t) in experts or (t._base is not None and id(t._base) in experts) for t in inputs)
 
     def _fx_args(self, args, kwargs):
         def convert(value):
@@ -233,6 +287,13 @@ class FunctionRecorder(TorchFunctionMode):
         self.rec.current = None
         q = inputs[0]
         self.rec.saved[op_name] = self.rec.saved.get(op_name, 0) + q.numel() // q.shape[-1] * 4
+
+
+def _numel(shape) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel
 
 
 def install_module_hooks(stack: ModuleStack):

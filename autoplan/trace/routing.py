@@ -31,6 +31,7 @@ class RoutingContext:
     top_k: int = 0
     module: str = ""  # the MoE (or innermost) module running now
     modules: list[str] = field(default_factory=list)  # modules costed by balanced routing
+    expert_ids: frozenset = frozenset()  # ids of the running MoE's routed-expert parameters
 
     def routed_per_expert(self) -> int:
         if not self.experts:

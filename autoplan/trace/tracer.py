@@ -339,6 +339,7 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
             with FlopCounterMode(display=False, custom_mapping=grouped_gemm_flops()) as counter, \
                     BalancedRouting(routing):
                 recorder = FunctionRecorder(rec, counter, stack, module)
+                stack.recorder = recorder
                 with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
                         torch.enable_grad(), recorder:
                     module(*fake_args, **fake_kwargs)
