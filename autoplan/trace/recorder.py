@@ -28,7 +28,7 @@ from autoplan.trace.ops import function_kind, gemm_mnk, tensor_bytes
 from autoplan.trace.routing import RoutingContext
 
 _ROUTING_FIELDS = ("tokens", "experts", "top_k", "module", "expert_ids")
-_MODULE_TARGETS = {"linear": nn.Linear, "embedding": nn.Embedding, "conv": nn.modules.conv._ConvNd}
+_LAYER_KINDS = {"linear", "embedding", "conv", "norm"}
 _FLASH_SAVED = {"scaled_dot_product_attention"}
 
 
@@ -72,7 +72,9 @@ class ModuleStack:
     routing: RoutingContext
     stack: list[tuple[str, RoutingContext | None]] = field(default_factory=list)
     routers: dict[int, bool] = field(default_factory=dict)
-    recorder: "FunctionRecorder | None" = None
+    recorder: "FunctionRecorder | None" = None  # folds a MoE module's ops when it returns
+    routing_start: int = 0  # index of the running MoE module's first op
+    routing_module: nn.Module | None = None
 
     def current(self) -> str:
         return self.stack[-1][0] if self.stack else ""
@@ -170,10 +172,10 @@ class FunctionRecorder(TorchFunctionMode):
         kind = function_kind(name, module_type)
         if kind in ("linear", "matmul") and self._reads_expert_weights(inputs):
             kind = "expert"  # routed experts: EP shards them, TP never does
+        # the call a layer module makes on its own weights is named by the layer's class,
+        # as an fx call_module node is (facts read "Linear", "Embedding")
         target = name
-        owner_cls = _MODULE_TARGETS.get(kind)
-        if owner_cls is not None and module_type and self.modules.types.get(module) and \
-                any(p is not None and id(p) in self.params for p in inputs):
+        if kind in _LAYER_KINDS and module_type and any(id(t) in self.params for t in inputs):
             target = module_type
         parameters = 0
         for t in inputs:
