@@ -18,6 +18,9 @@ seq_len_option = click.option("--seq-len", type=int, default=None,
                                    "than its position table).")
 batch_size_option = click.option("--batch-size", type=int, default=1, show_default=True,
                                  help="Sequences per step.")
+image_size_option = click.option(
+    "--image-size", type=int, default=None,
+    help="Image side in pixels, for models that take images (default: the model's, else 224).")
 global_batch_option = click.option("--global-batch", type=int, required=True,
                                    help="Global batch in sequences per optimizer step.")
 global_batch_unless_plan_option = click.option(

@@ -41,7 +41,8 @@ class OpInfo:
     bytes_written: int = 0
     saved_bytes: int = 0  # activation bytes this op saves for backward (no parameters)
     gemm_mnk: tuple[int, int, int] | None = None  # (M, N, K) of a matmul-like op
-    fallback: bool = False  # costed from module structure, not traced
+    fallback: bool = False  # one op for a whole MoE module (run and measured); the cost
+    # model splits its FLOPs into routed-expert GEMMs (M = routed tokens per expert) and the rest
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,11 @@ class ModelGraph:
     context_parallel: list[str] = field(default_factory=list)  # attention modules calling SDPA
     cp_buffers: dict[str, int] = field(default_factory=dict)  # position tables sliced by seq -> dim
     expert_parallel: list[dict] = field(default_factory=list)
-    fallback_modules: list[str] = field(default_factory=list)
+    fallback_modules: list[str] = field(default_factory=list)  # costed at balanced routing
     tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style
     fingerprint: str = ""
     model_name: str = ""
+    image_size: int = 0  # side of the traced image batch for image models (seq_len is then 1)
     # memo of values derived from this graph (block profiles, layer costs); a graph is
     # immutable once traced, so derived values never go stale
     memo: dict = field(default_factory=dict, repr=False, compare=False)

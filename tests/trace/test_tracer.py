@@ -197,12 +197,15 @@ def test_grouped_query_attention_saves_kv_at_kv_heads():
     assert attention[0].saved_bytes == expected
 
 
-def test_gated_moe_fallback_saves_each_routed_tensor_once():
-    # A gated expert (gate, up: h -> f; down: f -> h) needs for backward, per routed token:
-    # its input (read by gate and up alike: one copy), the gate and up outputs, their
-    # product (down's input) and down's output (the router-weighted combine): 2h + 3f
-    # elements (Megatron-Core's grouped MLP keeps the same set). Plus the layer input and
-    # the fp32 router logits per token.
+def test_gated_moe_routing_is_measured_as_one_expert_op():
+    # The routing MoE is data-dependent: it runs on meta with balanced routing and what
+    # autograd saves is measured, then folded into one "expert" op for the module. Eager
+    # autograd keeps at least, per routed token of a gated expert (gate, up: h -> f;
+    # down: f -> h): the routed input once, the gate output, silu's output, up's output and
+    # their product (h + 4f; Megatron-Core's fused grouped MLP keeps 2h + 3f, recomputing
+    # silu), down's output for the router-weight multiply (h), plus the layer input for the
+    # router (h per token). The rest is routing bookkeeping (softmax, top-k, indices,
+    # weights): bounded here by 25% of that core (measured: 15%).
     h, f, experts, top_k, b, s = 64, 96, 4, 2, 2, 32
     config = dict(model_type="mixtral", hidden_size=h, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=f, vocab_size=128,
@@ -211,5 +214,9 @@ def test_gated_moe_fallback_saves_each_routed_tensor_once():
         model = build_model(config)
     graph = trace_model(model, tokens(b, s))
     elem, t = graph.dtype_bytes, b * s
-    expected = t * h * elem + t * experts * 4 + t * top_k * (2 * h + 3 * f) * elem
-    assert _op(graph, "layers.0.mlp").saved_bytes == expected
+    core = t * h * elem + t * top_k * (2 * h + 4 * f) * elem
+    moe = _op(graph, "layers.0.mlp")
+    assert moe.kind == "expert" and moe.gemm_mnk == (t * top_k // experts, f, h)
+    assert core <= moe.saved_bytes <= 1.25 * core
+    assert not any(name.startswith("layers.0.mlp.") for name in graph.graph.nodes)
+    assert graph.fallback_modules == ["layers.0.mlp"]
