@@ -94,8 +94,12 @@ def _blocks(plan: Plan) -> list[str]:
     return [p for p, _ in plan.recompute.items()]
 
 
-def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> Parallelized:
-    """Parallelise a materialised, initialised model in place for this rank."""
+def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
+               data_parallel: bool = True) -> Parallelized:
+    """Parallelise a materialised, initialised model in place for this rank.
+
+    `data_parallel=False` stops before step 5: the plan-time capability probe runs on meta
+    tensors, which DDP/FSDP cannot wrap, and DP applies to any model."""
     # 1. Pipeline split: keep only this rank's (virtual) stages.
     if plan.pp > 1:
         ids = stage_indices(mesh.pp_rank, plan.pp, plan.vpp, plan.schedule)
@@ -118,6 +122,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> Parallelized
         # 4. Activation recomputation.
         apply_recompute(part, plan.recompute)
     # 5. Data parallelism (also over cp: CP ranks average gradients like DP ranks).
+    if not data_parallel:
+        return result
     ignored = set(result.expert_params)
     dp_cp = plan.dp * plan.cp
     device_is_cpu = mesh.world.device_type == "cpu"

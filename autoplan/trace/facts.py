@@ -257,11 +257,14 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
                 "column": [_relative(c, first) for c in columns], "row": _relative(row, first),
                 "divides": divides,
             })
+        styles = _block_styles(block_ops, facts["pairs"], first)
+        moe = _moe_module(model.get_submodule(first))
+        if moe is not None:  # token-wise: the runtime runs it on this rank's sequence shard
+            styles[moe[0]] = "prepare_input"
         for scope in block_scopes(model, block.paths):
-            table[scope] = _block_styles(block_ops, facts["pairs"], first)
+            table[scope] = dict(styles)
         attention_modules = sorted({op.module for op in block_ops if op.kind == "attention"
                                     and op.target == "scaled_dot_product_attention"})
-        moe = _moe_module(model.get_submodule(first))
         for copy in block.paths:
             mg.context_parallel += [copy + a[len(first):] for a in attention_modules]
             if moe is not None:

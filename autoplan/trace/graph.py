@@ -103,6 +103,9 @@ class ModelGraph:
     # TP style table: "" -> {module path: style} for modules outside blocks; a block class
     # ("layers.*", or one block path) -> {path relative to each block: style}
     tp_styles: dict[str, dict[str, str]] = field(default_factory=dict)
+    # axis -> why autoplan.runtime cannot apply it to this model (trace/capability.py)
+    refused: dict[str, str] = field(default_factory=dict)
+    capability_probe_s: float = 0.0
     fingerprint: str = ""
     model_name: str = ""
     # memo of values derived from this graph (block profiles, layer costs); a graph is

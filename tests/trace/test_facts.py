@@ -207,3 +207,17 @@ def test_fused_gate_up_is_left_unsplit():
     graph = _trace(FusedGateUpBlock)
     assert graph.tensor_parallel == []
     assert [u["module"] for u in graph.tp_unsplit] == ["mlp.gate_up"]
+
+
+def test_moe_layer_of_a_block_class_runs_on_sequence_shards():
+    from autoplan.models import build_model
+
+    config = dict(model_type="mixtral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                  num_local_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    # without it a tp>1 job feeds the router a sequence-sharded DTensor and fails in step 1
+    assert graph.tp_styles["layers.*"]["mlp"] == "prepare_input"
+    assert graph.tp_styles["layers.*"]["self_attn.o_proj"] == "rowwise"
