@@ -119,7 +119,7 @@ def job_name(plan: Plan) -> str:
 class ModelSource:
     """How the generated train.py builds the model, decided when the job is generated."""
 
-    kind: str  # "catalog" | "config" | "file"
+    kind: str  # "catalog" | "config" | "transformers" | "file"
     catalog_name: str = ""
     copy_name: str = ""  # file copied into the job dir: "config.json" or "model.py"
     copy_bytes: bytes = b""
@@ -132,6 +132,7 @@ _MODEL_IMPORTS = {
     "catalog": ([], ["from autoplan.models.catalog import load_catalog_config",
                      "from autoplan.models import build_model as build_reference_model"]),
     "config": (["import json"], ["from autoplan.models import build_model as build_reference_model"]),
+    "transformers": (["import json"], ["from autoplan.models.hf import build_transformers_model"]),
     "file": (["import runpy"], []),
 }
 
@@ -153,8 +154,11 @@ def model_source(spec: str, source: str, name: str, model_class: str) -> ModelSo
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
-    if source == "config":
-        return ModelSource("config", copy_name="config.json", copy_bytes=path.read_bytes())
+    if spec.startswith("hf:"):
+        path = Path(spec[3:])
+        path = path / "config.json" if path.is_dir() else path
+    if source in ("config", "transformers"):
+        return ModelSource(source, copy_name="config.json", copy_bytes=path.read_bytes())
     text = path.read_bytes()
     builder, call = _file_builder(text, model_class)
     return ModelSource("file", copy_name="model.py", copy_bytes=text, builder_name=builder,
@@ -297,6 +301,7 @@ def readme_context(plan: Plan, source: ModelSource, command_line: str,
                    price: tuple[float, str] | None, gpu_memory_gib: float | None) -> dict[str, Any]:
     """The README's tables as rows of escaped (label, value) text."""
     what = {"catalog": "the autoplan catalog model", "config": "the HF-style config",
+            "transformers": "the Hugging Face transformers class of the config",
             "file": "the model file"}[source.kind]
     model = f"{what} {plan.model.name}" + (f" ({plan.model.path})" if plan.model.path else "")
     return {"model_md": md_escape(model), "command_line": Quoted(command_line),

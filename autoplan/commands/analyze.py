@@ -6,21 +6,22 @@ import json
 
 import click
 
-from autoplan.commands.options import json_option, model_argument
+from autoplan.commands.options import image_size_option, json_option, model_argument
 from autoplan.errors import UserError
 
 
-def analyze_model(spec: str, batch_size: int, seq_len: int | None):
+def analyze_model(spec: str, batch_size: int, seq_len: int | None, image_size: int | None = None):
     """Load MODEL (file, config.json or catalog name) and trace it: (LoadedModel, ModelGraph)."""
     from autoplan.models.sources import load_model
+    from autoplan.solve.api import input_extent
     from autoplan.trace.tracer import trace_model
 
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     loaded = load_model(spec, seq_len=seq_len)
-    seq = seq_len if seq_len is not None else (loaded.default_seq_len or 2048)
-    if batch_size <= 0 or seq <= 0:
-        raise UserError(f"--batch-size and --seq-len must be positive, got {batch_size} and {seq}")
+    seq = input_extent(loaded, seq_len, image_size)
+    if batch_size <= 0:
+        raise UserError(f"--batch-size must be positive, got {batch_size}")
     graph = trace_model(loaded.module, loaded.example_inputs(batch_size, seq), name=loaded.ref.name)
     return loaded, graph
 
@@ -30,13 +31,15 @@ def analyze_model(spec: str, batch_size: int, seq_len: int | None):
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Sequences per step.")
 @click.option("--seq-len", type=int, default=None,
               help="Tokens per sequence (default: the model's, else 2048).")
+@image_size_option
 @json_option
-def command(model: str, batch_size: int, seq_len: int | None, as_json: bool) -> None:
+def command(model: str, batch_size: int, seq_len: int | None, image_size: int | None,
+            as_json: bool) -> None:
     """Trace MODEL on the meta device: parameters, FLOPs, activation memory, structure and
     the parallelism it allows. Nothing is allocated and no weights are loaded."""
     from autoplan.trace.summary import render, summarize
 
-    _, graph = analyze_model(model, batch_size, seq_len)
+    _, graph = analyze_model(model, batch_size, seq_len, image_size)
     summary = summarize(graph)
     if as_json:
         click.echo(json.dumps(summary, indent=2))

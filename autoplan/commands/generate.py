@@ -25,7 +25,7 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
 @click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
 @click.pass_context
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-            global_batch, seq_len, objective, fix, precision, output, force):
+            global_batch, seq_len, image_size, objective, fix, precision, output, force):
     """Write train.py, launch.sh, slurm.sbatch, plan.json, ds_config.json and README.md for MODEL.
 
     Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
@@ -46,13 +46,16 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
         plan = _load_plan(plan_file)
         _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len)
         loaded = load_model(model, seq_len=plan.seq_len)
+        _refuse_images(loaded, model)
         _check_same_model(plan, loaded.ref, model, plan_file)
     else:
+        _refuse_images(load_model(model, seq_len=seq_len), model)
         if gpus is None or global_batch is None:
             raise UserError("give the cluster and batch to plan for (--gpu NAME --gpus N "
                             "--global-batch B, as for `autoplan plan`), or a plan file with --plan FILE")
         job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-                       global_batch, seq_len, objective, fix, precision, top=1, quiet=True)
+                       global_batch, seq_len, objective, fix, precision, top=1, quiet=True,
+                       image_size=image_size)
         if job.plan is None:
             from autoplan.solve.explain import infeasible_report
 
@@ -88,6 +91,17 @@ def _load_plan(path: str):
     except (PlanFormatError, TypeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not a plan file of this autoplan ({exc}); make it again with "
                         "`autoplan plan MODEL ... -o plan.json`") from None
+
+
+def _refuse_images(loaded, model: str) -> None:
+    """The runtime trains models that map token ids to logits; an image model cannot run."""
+    if loaded.takes_images:
+        raise UserError(
+            f"{model} takes images, and the generated job's runtime trains models that map "
+            "token ids to next-token logits only, so no job is written. `autoplan analyze` and "
+            "`autoplan plan` (with --image-size) work for image models; train it with your own "
+            "loop using the plan's degrees."
+        )
 
 
 def _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len) -> None:

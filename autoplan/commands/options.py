@@ -7,6 +7,9 @@ import click
 model_argument = click.argument("model", metavar="MODEL")
 seq_len_option = click.option("--seq-len", type=int, default=None,
                               help="Sequence length in tokens (default: the model's, else 2048).")
+image_size_option = click.option(
+    "--image-size", type=int, default=None,
+    help="Image side in pixels, for models that take images (default: the model's, else 224).")
 global_batch_option = click.option("--global-batch", type=int, required=True,
                                    help="Global batch in sequences per optimizer step.")
 gpu_option = click.option("--gpu", "gpu", default=None,

@@ -17,6 +17,7 @@ def plan_options(func):
     for option in reversed([
         o.gpu_option, o.hardware_option, o.gpus_option, o.gpus_per_node_option,
         o.inter_node_bandwidth_option, o.memory_headroom_option, o.global_batch_option, o.seq_len_option,
+        o.image_size_option,
         click.option("--objective", type=click.Choice(["time", "cost"]), default="time", show_default=True,
                      help="Minimise step time, or cost per step."),
         click.option("--fix", multiple=True, metavar="KEY=VALUE",
@@ -29,13 +30,13 @@ def plan_options(func):
 
 
 def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-             global_batch, seq_len, objective, fix, precision, top, quiet):
+             global_batch, seq_len, objective, fix, precision, top, quiet, image_size=None):
     from autoplan.solve.api import load_graph, plan_job, resolve_cluster
     from autoplan.solve.space import parse_fix
 
     fixed = parse_fix(fix)
     cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
-    graph, ref, seq = load_graph(model, seq_len)
+    graph, ref, seq = load_graph(model, seq_len, image_size)
     if quiet:
         return plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
                         precision=precision, objective=objective, top=top)
@@ -58,14 +59,15 @@ def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, me
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @compare_with_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
-            seq_len, objective, fix, precision, top, as_json, output, force, compare_with):
+            seq_len, image_size, objective, fix, precision, top, as_json, output, force, compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
     from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
 
     if output and Path(output).exists() and not force:
         raise UserError(f"{output} exists; pass --force to overwrite it or choose another -o path")
     job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-                   global_batch, seq_len, objective, fix, precision, top, quiet=as_json)
+                   global_batch, seq_len, objective, fix, precision, top, quiet=as_json,
+                   image_size=image_size)
     if job.plan is None:
         report = infeasible_report(job)
         if as_json:

@@ -11,10 +11,13 @@ a submodule of another such class (a file with `Block(dim)` and `GPT()` picks GP
 `MLP()` and `GPT()` whose GPT holds an MLP also picks GPT). If `build_model` takes a
 `seq_len` parameter it receives the requested sequence length.
 
-Inputs: the file's `example_inputs(batch_size, seq_len)` if defined; otherwise, by the model's
-first leaf module in registration order (`model.modules()`): nn.Embedding -> token ids
-(batch, seq) int64; nn.Linear -> float32 (batch, seq, in_features). Anything else must define
-example_inputs. Catalog and config models take token ids.
+Inputs: the file's `example_inputs(batch_size, seq_len)` if defined (a tuple of tensors, one
+per positional argument, or a dict of keyword arguments); otherwise, by the model's first
+leaf module in registration order (`model.modules()`): nn.Embedding -> token ids (batch, seq)
+int64; nn.Linear -> float32 (batch, seq, in_features); nn.Conv2d -> an image batch
+(batch, in_channels, side, side), where the second argument is the image side
+(`--image-size`) instead of a sequence length. Anything else must define example_inputs.
+Catalog and config models take token ids.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.models import catalog
+from autoplan.models.hf import HF_PREFIX
 from autoplan.errors import UserError
 from autoplan.models import MODEL_TYPES, ConfigError, build_model
 from autoplan.plan import ModelRef
@@ -47,9 +51,11 @@ class LoadedModel:
     config: dict[str, Any] | None  # HF-style config for catalog/config sources, None for files
     default_seq_len: int | None  # the model's training sequence length when known
     inputs_fn: InputsFn = field(repr=False, default=None)  # type: ignore[assignment]
+    takes_images: bool = False  # inputs_fn's second argument is the image side
 
-    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
-        """Meta tensors to trace the model with, for this batch size and sequence length."""
+    def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...] | dict:
+        """Meta tensors to trace the model with, for this batch size and sequence length (the
+        image side for an image model): a tuple of positional inputs or a dict of keyword ones."""
         with torch.device("meta"):
             try:
                 inputs = self.inputs_fn(batch_size, seq_len)
@@ -61,15 +67,27 @@ class LoadedModel:
                                 "fix that function") from None
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
+        if isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
+            return {k: _meta(v) for k, v in inputs.items()}
         if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
             raise UserError(f"example_inputs in {self.ref.path} returned {type(inputs).__name__}; "
-                            "return a tuple of tensors (one per forward argument)")
-        return tuple(t if t.is_meta else t.to("meta") for t in inputs)
+                            "return a tuple of tensors (one per forward argument) or a dict of "
+                            "keyword arguments")
+        return tuple(_meta(t) for t in inputs)
+
+
+def _meta(value):
+    return value.to("meta") if isinstance(value, torch.Tensor) and not value.is_meta else value
 
 
 def load_model(spec: str, *, seq_len: int | None = None) -> LoadedModel:
     """Build MODEL (file, config.json or catalog name) on meta. Bad input raises UserError."""
     spec = str(spec)
+    if spec.startswith(HF_PREFIX):  # build the config with its transformers class
+        path = Path(spec[len(HF_PREFIX):])
+        if path.is_dir():
+            path = path / "config.json"
+        return _load_config_file(path, str(path), seq_len, transformers=True)
     if Path(spec).is_dir() and (Path(spec) / "config.json").is_file():  # an HF model directory
         spec = str(Path(spec) / "config.json")
     if spec.endswith(".py"):
@@ -93,11 +111,14 @@ def build_from_ref(ref: ModelRef, *, seq_len: int | None = None, verify: bool = 
     elif ref.source == "config":
         config = _public(_read_config(Path(ref.path or ""), ref.path or ""))
         model = _build_config(config, ref.path or "")
+    elif ref.source == "transformers":
+        config = _public(_read_config(Path(ref.path or ""), ref.path or ""))
+        model = _build_transformers(config, ref.path or "")
     elif ref.source == "file":
         config = None
         model = _find_model(_exec_file(Path(ref.path or ""), ref.path or ""), ref.path or "", seq_len)
     else:
-        raise UserError(f"model source {ref.source!r} is not one of catalog, config, file")
+        raise UserError(f"model source {ref.source!r} is not one of catalog, config, transformers, file")
     if verify and ref.fingerprint and fingerprint(model, config) != ref.fingerprint:
         raise UserError(
             f"the model built from {ref.path or ref.name} does not match the plan (fingerprint "
@@ -186,13 +207,33 @@ def _public(config: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if not key.startswith("_")}
 
 
-def _load_config_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
+def _load_config_file(path: Path, spec: str, seq_len: int | None, *,
+                      transformers: bool = False) -> LoadedModel:
     config = _read_config(path, spec)
     name = path.parent.name if path.stem == "config" and path.parent.name else path.stem
     extra = config.get("_autoplan", {}) if isinstance(config.get("_autoplan"), dict) else {}
     config = _public(config)
+    if transformers or extra.get("model_source") == "transformers":
+        _check_seq_len(config, seq_len, spec)
+        model = _build_transformers(config, spec)
+        ref = ModelRef("transformers", name, spec, fingerprint(model, config))
+        return LoadedModel(model, ref, config, extra.get("seq_len"), _token_inputs)
     return _loaded_from_config(config, ModelRef("config", name, spec), spec, extra.get("seq_len"),
                                seq_len)
+
+
+def _build_transformers(config: dict[str, Any], where: str) -> nn.Module:
+    from autoplan.models.hf import build_transformers_model
+
+    with torch.device("meta"):
+        try:
+            return build_transformers_model(config, where)
+        except UserError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise UserError(f"{where}: transformers could not build this config "
+                            f"({type(exc).__name__}: {exc}); compare it with a config.json of that "
+                            "family") from None
 
 
 # ---------------------------------------------------------------- Python files
@@ -313,6 +354,8 @@ def _default_inputs_fn(model: nn.Module, spec: str) -> InputsFn:
     if isinstance(first, nn.Linear):
         features = first.in_features
         return lambda batch, seq: (torch.zeros(batch, seq, features, device="meta"),)
+    if isinstance(first, nn.Conv2d):
+        return _image_inputs(first.in_channels)
     kind = type(first).__name__ if first is not None else "no submodule"
     raise UserError(f"cannot tell what inputs the model in {spec} takes (its first module is {kind}); "
                     "define example_inputs(batch_size, seq_len) in the file returning a tuple of tensors")
@@ -324,4 +367,27 @@ def _load_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
     user_inputs = getattr(module, "example_inputs", None)
     inputs_fn = user_inputs if callable(user_inputs) else _default_inputs_fn(model, spec)
     ref = ModelRef("file", path.stem, spec, fingerprint(model, None))
-    return LoadedModel(model, ref, None, None, inputs_fn)
+    return LoadedModel(model, ref, None, None, inputs_fn,
+                       takes_images=getattr(inputs_fn, "image_channels", 0) > 0)
+
+
+def _image_inputs(channels: int) -> InputsFn:
+    """An image batch (batch, channels, side, side); the second argument is the side."""
+    def inputs(batch_size: int, side: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(batch_size, channels, side, side, device="meta"),)
+
+    inputs.image_channels = channels  # type: ignore[attr-defined]
+    return inputs
+
+
+def default_image_size(model: nn.Module) -> int:
+    """The model's own image side (an `image_size` / `img_size` attribute of it or of a
+    submodule, as timm's patch_embed.img_size), else 224 (ImageNet)."""
+    for sub in model.modules():
+        for name in ("image_size", "img_size"):
+            value = getattr(sub, name, None)
+            if isinstance(value, (tuple, list)) and value:
+                value = value[0]
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 224

@@ -19,10 +19,12 @@ def _signature(module: nn.Module) -> tuple:
 def find_block_groups(model: nn.Module) -> "OrderedDict[str, list[str]]":
     """Group name -> module paths of identical blocks, in execution (registration) order.
 
-    The blocks are the children of the first (outermost) ModuleList / Sequential whose
-    children have parameters; children sharing a structure form one group (e.g. DeepSeek's
-    dense first layers and its MoE layers are two groups of the same list). Lists nested
-    inside a block (experts) are part of the block.
+    The blocks are the children of every outermost ModuleList / Sequential whose children
+    have parameters and are copies of one class or share structures (HF `model.layers`,
+    T5's encoder and decoder stacks, ResNet stages); children sharing a structure form one
+    group (DeepSeek's dense first layers and its MoE layers, T5's first block with the
+    relative-position table and the rest, a ResNet stage's downsampling first block and the
+    rest). Lists nested inside a block (experts) are part of the block.
     """
     groups: OrderedDict[str, list[str]] = OrderedDict()
     taken: list[str] = []
@@ -38,8 +40,10 @@ def find_block_groups(model: nn.Module) -> "OrderedDict[str, list[str]]":
         signatures: OrderedDict[tuple, list[str]] = OrderedDict()
         for child_path, child in children:
             signatures.setdefault(_signature(child), []).append(child_path)
-        if len(signatures) > 1 and max(len(v) for v in signatures.values()) < 2:
-            continue  # a Sequential of different layers, not a stack of blocks
+        if max(len(v) for v in signatures.values()) < 2 and len(children) > 1:
+            one_class = len({type(c) for _, c in children}) == 1
+            if not one_class or any(_holds_repeats(c) for _, c in children):
+                continue  # different layers (or stages of stacks): not a stack of blocks
         many = len(signatures) > 1
         for sig, paths in signatures.items():
             name = f"{path}[{sig[0]}]" if many else path
@@ -48,6 +52,16 @@ def find_block_groups(model: nn.Module) -> "OrderedDict[str, list[str]]":
             groups[name] = paths
         taken.append(path)
     return groups
+
+
+def _holds_repeats(module: nn.Module) -> bool:
+    """Does `module` contain a ModuleList/Sequential with two structurally equal children?"""
+    for sub in module.modules():
+        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and sub is not module:
+            signatures = [_signature(c) for c in sub.children() if any(True for _ in c.parameters())]
+            if len(signatures) != len(set(signatures)):
+                return True
+    return False
 
 
 def _block_ops(ops: list[OpInfo], path: str) -> list[OpInfo]:
@@ -101,7 +115,10 @@ def build_segments(model: nn.Module, rec, groups, first_path: dict[str, str],
         info = _sum_segment(group, "dense", tuple(paths), bops, rec.saved_quadratic, params,
                             hidden, input_bytes)
         segments.append(_with_block_facts(info, module, bops, rec.edges))
-    pre_params = _segment_params(model, pre_ops)
+    if rec.direct_parameters:  # each op carries the parameters it reads, each counted once
+        pre_params = sum(op.parameters for op in pre_ops)
+    else:
+        pre_params = _segment_params(model, pre_ops)
     post_params = sum(p.numel() for p in model.parameters()) - pre_params - block_params
     pre = _sum_segment("pre", "pre", ("",), pre_ops, rec.saved_quadratic, pre_params, hidden, 0)
     post = _sum_segment("post", "post", ("",), post_ops, rec.saved_quadratic, post_params,

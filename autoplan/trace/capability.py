@@ -94,7 +94,7 @@ def _logits(output) -> torch.Tensor:
     return next(t for t in output if isinstance(t, torch.Tensor))
 
 
-def _apply(model: nn.Module, plan: Plan, inputs: tuple, run: bool) -> None:
+def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool) -> None:
     """apply_plan on the fake process group, then (if `run`) one forward and backward, on
     fake CPU tensors (meta tensors have no process-group backend for point-to-point ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -108,21 +108,22 @@ def _apply(model: nn.Module, plan: Plan, inputs: tuple, run: bool) -> None:
         model.to_empty(device="cpu")
         part = apply_plan(model, plan, mesh, data_parallel=False).parts[0]
         if run:
-            inputs = tuple(fake.from_tensor(torch.zeros_like(x, device="cpu")) if isinstance(x, torch.Tensor)
-                           else x for x in inputs)
-            _step(part, plan, inputs)
+            to_fake = lambda x: fake.from_tensor(torch.zeros_like(x, device="cpu")) \
+                if isinstance(x, torch.Tensor) else x  # noqa: E731
+            _step(part, plan, tuple(map(to_fake, args)), {k: to_fake(v) for k, v in kwargs.items()})
 
 
-def _step(part: nn.Module, plan: Plan, inputs: tuple) -> None:
+def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from autoplan.runtime.tensor_parallel import uses_loss_parallel
 
-    if plan.cp > 1:
-        inputs = (inputs[0][:, : inputs[0].shape[1] // plan.cp], *inputs[1:])
+    if plan.cp > 1:  # this rank's share of the sequence (dim 1 of token ids)
+        cut = lambda x: x[:, : x.shape[1] // plan.cp] if isinstance(x, torch.Tensor) and x.dim() > 1 else x  # noqa: E731
+        args, kwargs = tuple(map(cut, args)), {k: cut(v) for k, v in kwargs.items()}
     vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
     with loss_parallel() if vocab_sharded else contextlib.nullcontext():
-        out = part(*inputs)
+        out = part(*args, **kwargs)
         if plan.pp > 1:  # stage 0: whatever it hands on that carries gradients
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             carried = [t.float().mean() for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -140,7 +141,8 @@ def _pop(running: list[str]) -> None:
     running.pop()  # a forward hook that returns something replaces the module's output
 
 
-def _run_on_fake_group(model: nn.Module, plan: Plan, inputs: tuple, run: bool = True) -> str | None:
+def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
+                       run: bool = True) -> str | None:
     """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
     not, naming the innermost module that was running when it failed."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -153,7 +155,7 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, inputs: tuple, run: bool = 
     leave = nn.modules.module.register_module_forward_hook(lambda m, _args, _out: _pop(running))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        _apply(copy_, plan, inputs, run)
+        _apply(copy_, plan, args, kwargs, run)
     except UserError as exc:
         return str(exc)
     except Exception as exc:  # the runtime's own failure is the fact to report
@@ -167,7 +169,8 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, inputs: tuple, run: bool = 
     return None
 
 
-def probe_capabilities(graph: ModelGraph, model: nn.Module, inputs: tuple) -> dict[str, str | None]:
+def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
+                       kwargs: dict) -> dict[str, str | None]:
     """axis -> None (the runtime applies it) or the reason it does not, for each axis the
     graph offers. When the model without any axis cannot run one step on fake tensors (data-
     dependent routing), each axis is only applied, not run. Empty inside a process that
@@ -180,17 +183,17 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, inputs: tuple) -> di
                       gpus_per_node=1, global_batch=1, seq_len=graph.seq_len, precision="fp32")
         model, blocks = shallow_copy(model, graph)
         plans = probe_plans(graph, graph.seq_len, blocks)
-        run = bool(plans) and _run_on_fake_group(model, single, inputs) is None
+        run = bool(plans) and _run_on_fake_group(model, single, args, kwargs) is None
         _CACHE[key] = {}
         for axis, plan in plans.items():
-            reason = _run_on_fake_group(model, plan, inputs, run)
+            reason = _run_on_fake_group(model, plan, args, kwargs, run)
             _CACHE[key][axis] = reason and f"(probed at {axis}={getattr(plan, axis)}) {reason}"
     return dict(_CACHE[key])
 
 
-def add_capability_facts(graph: ModelGraph, model: nn.Module, inputs: tuple) -> None:
+def add_capability_facts(graph: ModelGraph, model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Record on the graph the axes the runtime refuses (`graph.refused`) and the probe's time."""
     start = time.perf_counter()
-    results = probe_capabilities(graph, model, inputs)
+    results = probe_capabilities(graph, model, args, kwargs)
     graph.refused = {axis: reason for axis, reason in results.items() if reason}
     graph.capability_probe_s = time.perf_counter() - start

@@ -1,11 +1,7 @@
-"""Cost a module that torch.fx cannot trace (data-dependent MoE routing) from its structure.
-
-The module becomes one op of kind "expert" (or "other" without experts). Routed experts
-are recognised as a ModuleList of identical modules or as 3-D parameters whose first dim
-is the expert count. With T tokens, E experts and top-k routing, each expert matrix of
-shape (a, b) costs 2*a*b FLOPs per routed token and T*k tokens are routed in total;
-the total does not depend on how balanced the routing is. Everything else (router,
-shared experts) sees all T tokens. Output shape = input shape (a residual-stream layer).
+"""What a MoE module looks like from its structure: its routed experts (a ModuleList of
+identical modules, or 3-D parameters whose first dim is the expert count), their count and
+top-k. Its cost is never derived from this: routing modules are run on meta under balanced
+routing (`routing.py`) and measured like every other op.
 """
 
 from __future__ import annotations
@@ -13,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from autoplan.trace.graph import OpInfo
-from autoplan.trace.ops import tensor_bytes
 
 _EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "n_experts")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "k", "n_activated_experts")
@@ -52,40 +46,17 @@ def moe_facts(module: nn.Module) -> tuple[int, int]:
     if not matrices:
         return 0, 0
     if experts is None:
-        experts = max((len(m) for m in module.modules() if isinstance(m, nn.ModuleList)), default=1)
-    return experts, _attr(module, _TOP_K_ATTRS) or 1
+        stacked = [int(p.shape[0]) for p in module.parameters() if p.dim() == 3 and id(p) in ids]
+        lists = [len(m) for m in module.modules() if isinstance(m, nn.ModuleList)]
+        experts = max(stacked + lists, default=1)
+    # the router may hold top-k (HF Qwen2-MoE's gate) rather than the MoE module itself
+    top_k = _attr(module, _TOP_K_ATTRS) or next(
+        (k for sub in module.children() if (k := _attr(sub, _TOP_K_ATTRS))), None)
+    return experts, top_k or 1
 
 
-def fallback_op(name: str, path: str, module: nn.Module, inputs: list[torch.Tensor],
-                seq_len: int) -> tuple[OpInfo, torch.Tensor]:
-    x = inputs[0]
-    hidden = int(x.shape[-1])
-    tokens = x.numel() // hidden
-    experts, top_k = moe_facts(module)
-    matrices, expert_ids = expert_matrices(module, experts or None)
-    routed = tokens * top_k if experts else 0
-    # `matrices` are one expert's weights: every routed token passes through one expert.
-    expert_flops = sum(2 * a * b for a, b in matrices) * routed if experts else 0
-    dense_flops = 0
-    for sub in module.modules():
-        if isinstance(sub, nn.Linear) and id(sub.weight) not in expert_ids:
-            dense_flops += 2 * tokens * sub.in_features * sub.out_features
-    elem = x.element_size()
-    # saved per routed token: the token (one copy, shared by every matrix that reads the hidden
-    # width: gate and up), each matrix's output, and the inputs of the others (down's input)
-    saved_per_routed_token = hidden + sum(a + (b if b != hidden else 0) for a, b in matrices)
-    saved = tokens * hidden * elem + tokens * max(experts, 1) * 4 + routed * saved_per_routed_token * elem
-    params = sum(p.numel() for p in module.parameters())
-    out = torch.empty(x.shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
-    gemm = None
-    if experts and matrices:
-        out_dim, in_dim = matrices[0]
-        gemm = (max(1, routed // experts), out_dim, in_dim)
-    op = OpInfo(
-        name=name, module=path, kind="expert" if experts else "other",
-        target=type(module).__name__, input_shapes=tuple(tuple(t.shape) for t in inputs),
-        output_shape=tuple(x.shape), dtype=str(x.dtype).replace("torch.", ""),
-        parameters=params, flops=expert_flops + dense_flops, bytes_read=tensor_bytes(x),
-        bytes_written=tensor_bytes(out), saved_bytes=saved, gemm_mnk=gemm, fallback=True,
-    )
-    return op, out
+def routes_tokens(module: nn.Module) -> bool:
+    """A module that states a routing attribute (expert count or top-k) and has experts."""
+    if _attr(module, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is None:
+        return False
+    return moe_facts(module)[0] > 0

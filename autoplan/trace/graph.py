@@ -98,7 +98,7 @@ class ModelGraph:
     context_parallel: list[str] = field(default_factory=list)  # attention modules calling SDPA
     cp_buffers: dict[str, int] = field(default_factory=dict)  # position tables sliced by seq -> dim
     expert_parallel: list[dict] = field(default_factory=list)
-    fallback_modules: list[str] = field(default_factory=list)
+    fallback_modules: list[str] = field(default_factory=list)  # costed at balanced routing
     tp_unsplit: list[dict] = field(default_factory=list)  # {block, module, reason} TP leaves whole
     # TP style table: "" -> {module path: style} for modules outside blocks; a block class
     # ("layers.*", or one block path) -> {path relative to each block: style}
@@ -108,6 +108,7 @@ class ModelGraph:
     capability_probe_s: float = 0.0
     fingerprint: str = ""
     model_name: str = ""
+    image_size: int = 0  # side of the traced image batch for image models (seq_len is then 1)
     # memo of values derived from this graph (block profiles, layer costs); a graph is
     # immutable once traced, so derived values never go stale
     memo: dict = field(default_factory=dict, repr=False, compare=False)

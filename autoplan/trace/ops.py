@@ -62,6 +62,29 @@ def classify(node: fx.Node, target: str, module: nn.Module | None) -> str:
     return "elementwise"
 
 
+_FUNCTION_KINDS = {
+    "linear": "linear", "embedding": "embedding", "scaled_dot_product_attention": "attention",
+    "multi_head_attention_forward": "attention", "layer_norm": "norm", "rms_norm": "norm",
+    "group_norm": "norm", "batch_norm": "norm", "conv1d": "conv", "conv2d": "conv",
+    "conv3d": "conv", "cross_entropy": "loss", "nll_loss": "loss", "mse_loss": "loss",
+    "_grouped_mm": "expert", "grouped_mm": "expert",
+}
+
+
+def function_kind(name: str, module_type: str = "") -> str:
+    """Kind of one torch call seen while running a forward (`recorder.py`): by the function,
+    then elementwise work inside a normalisation module (HF RMSNorm) counts as norm."""
+    if name in _FUNCTION_KINDS:
+        return _FUNCTION_KINDS[name]
+    if name in _MATMUL_FUNCS:
+        return "matmul"
+    if name in _VIEW_FUNCS or name in ("select", "slice", "unbind", "expand_as", "view_as"):
+        return "view"
+    if module_type.endswith("Norm") or "LayerNorm" in module_type or "RMSNorm" in module_type:
+        return "norm"
+    return "elementwise"
+
+
 def gemm_mnk(kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
              flops: int) -> tuple[int, int, int] | None:
     """(M, N, K) of a matmul-like op: M = rows of the output, N = its columns, K from the FLOPs."""

@@ -55,6 +55,7 @@ def summarize(graph: ModelGraph) -> dict[str, Any]:
         "expert_parallel": graph.expert_parallel,
         "pipeline_cut_points": [path for path, _ in graph.layer_order],
         "fallback_modules": graph.fallback_modules,
+        "image_size": graph.image_size,
         "ops": graph.graph.number_of_nodes(),
     }
 
@@ -70,8 +71,10 @@ def render(summary: dict[str, Any], console) -> None:
     """Rich tables for a human."""
     from rich.table import Table
 
+    extent = (f"{summary['image_size']}x{summary['image_size']} images" if summary["image_size"]
+              else f"seq {summary['seq_len']}")
     head = Table(title=f"autoplan analyze: {summary['model']} "
-                       f"(batch {summary['batch_size']} x seq {summary['seq_len']})", show_header=False)
+                       f"(batch {summary['batch_size']} x {extent})", show_header=False)
     head.add_row("parameters", f"{summary['parameters']:,} ({_fmt(summary['parameters'])})")
     head.add_row("  embedding", f"{summary['embedding_parameters']:,}")
     if summary["expert_parameters"]:
@@ -109,6 +112,7 @@ def render(summary: dict[str, Any], console) -> None:
     console.print(f"[bold]Expert parallel:[/] {len(ep)} MoE modules"
                   + (f", {ep[0]['experts']} experts, top-{ep[0]['top_k']}" if ep else ""))
     if summary["fallback_modules"]:
-        console.print("[yellow]Costed from structure (not traceable by torch.fx):[/] "
+        console.print("[yellow]Data-dependent routing, run on meta with balanced routing "
+                      "(T*k/E tokens per expert) and measured:[/] "
                       + ", ".join(summary["fallback_modules"][:4])
                       + (" ..." if len(summary["fallback_modules"]) > 4 else ""))

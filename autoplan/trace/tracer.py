@@ -1,18 +1,22 @@
-"""Trace a model with torch.fx on the meta device into a ModelGraph.
+"""Trace a model on the meta device into a ModelGraph.
 
 How: (1) find the repeated blocks (children of a ModuleList/Sequential sharing a
-structure); (2) fx-trace the root with every block as a leaf, and each block group's
-first copy on its own; a module whose code fx cannot trace (data-dependent MoE routing)
-becomes a leaf costed from its structure (`fallback.py`); (3) run the graphs on meta
-tensors in bf16, one node at a time, counting FLOPs with FlopCounterMode and the bytes
-autograd saves for backward with saved-tensor hooks. Copies of a block reuse the first
-copy's numbers, so an 80-layer model costs about one layer. (4) `facts.py` adds the
-parallelism facts (TP pairs and styles, CP attention modules, EP MoE modules).
+structure, at any depth); (2) a model torch.fx traces symbolically (autoplan's reference
+families) is traced with every block as a leaf, and each block group's first copy on its
+own, and the graphs run on meta tensors one node at a time; any other model (keyword
+arguments, output objects, shape arithmetic, data-dependent routing, Hugging Face code) is
+traced by running its forward on fake meta tensors (`recorder.py`), each torch call one fx
+node. Either way FLOPs are counted with FlopCounterMode and the bytes autograd saves for
+backward with saved-tensor hooks, in bf16; copies of a block reuse the first copy's numbers,
+so an 80-layer model costs about one layer. Data-dependent routing runs with balanced
+routing (`routing.py`); the modules that needed it are listed as `fallback_modules`.
+(3) `facts.py` adds the parallelism facts (TP pairs and styles, CP attention, EP MoE).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -22,10 +26,12 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.errors import UserError
-from autoplan.trace.fallback import fallback_op
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.trace.ops import classify, gemm_mnk, tensor_bytes
 from autoplan.trace.blocks import build_segments, find_block_groups
+from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
+                                     install_module_hooks, restore_forwards, skip_copies)
+from autoplan.trace.routing import BalancedRouting, RoutingContext
 
 TRACE_DTYPE = torch.bfloat16
 
@@ -55,26 +61,17 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def _trace_with_fallbacks(root: nn.Module, prefix: str, leaves: set[str],
-                          fallbacks: list[str]) -> fx.GraphModule:
-    """Trace `root`; every module that breaks tracing becomes a fallback leaf, then retry."""
-    while True:
-        tracer = _Tracer(leaves | set(fallbacks), prefix)
-        try:
-            graph = tracer.trace(root)
-            return fx.GraphModule(root, graph)
-        except Exception as exc:
-            failed = tracer.failed
-            if failed is None or failed[0] == prefix or failed[0] in fallbacks:
-                where = failed[0] if failed else prefix
-                raise UserError(
-                    f"cannot trace the forward of {where or 'the root module'}: "
-                    f"{type(exc).__name__}: {exc}. autoplan traces with torch.fx on the meta "
-                    "device; move data-dependent code (branches on tensor values, .item(), "
-                    ".tolist()) into a submodule so it can be costed from its structure, or "
-                    "give a config.json of a supported family."
-                ) from exc
-            fallbacks.append(failed[0])
+class _NotSymbolic(Exception):
+    """torch.fx cannot trace (or run on meta) some module; trace by running the code instead."""
+
+
+def _trace_symbolic(root: nn.Module, prefix: str, leaves: set[str]) -> fx.GraphModule:
+    """Symbolically trace `root` with `leaves` as leaf modules."""
+    tracer = _Tracer(leaves, prefix)
+    try:
+        return fx.GraphModule(root, tracer.trace(root))
+    except Exception as exc:
+        raise _NotSymbolic(f"{tracer.failed[0] if tracer.failed else prefix}: {exc}") from exc
 
 
 @dataclass
@@ -90,6 +87,7 @@ class _Recorder:
     keep: list[torch.Tensor] = field(default_factory=list)
     seq_len: int = 0
     suspend: int = 0
+    direct_parameters: bool = False  # OpInfo.parameters are the op's own (run traces)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         base = tensor if tensor._base is None else tensor._base
@@ -101,7 +99,7 @@ class _Recorder:
         self.keep.append(base)
         nbytes = tensor_bytes(base)
         self.saved[self.current] = self.saved.get(self.current, 0) + nbytes
-        if base.dim() >= 2 and base.shape[-1] == base.shape[-2] == self.seq_len:
+        if self.seq_len > 1 and base.dim() >= 2 and base.shape[-1] == base.shape[-2] == self.seq_len:
             self.saved_quadratic[self.current] = self.saved_quadratic.get(self.current, 0) + nbytes
         return tensor
 
@@ -131,22 +129,14 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-class _NodeFailed(Exception):
-    """A node that cannot run on meta tensors (data-dependent op); names its owning module."""
-
-    def __init__(self, module: str, node: str, error: BaseException) -> None:
-        super().__init__(f"{node} in {module or 'the root module'}: {type(error).__name__}: {error}")
-        self.module, self.node, self.error = module, node, error
-
-
 class _CostInterpreter(fx.Interpreter):
     """Runs a GraphModule on meta tensors, recording one OpInfo per node."""
 
     def __init__(self, gm: fx.GraphModule, prefix: str, rec: _Recorder, counter: FlopCounterMode,
-                 block_runner, fallbacks: set[str]) -> None:
+                 block_runner) -> None:
         super().__init__(gm)
         self.prefix, self.rec, self.counter = prefix, rec, counter
-        self.block_runner, self.fallbacks = block_runner, fallbacks
+        self.block_runner = block_runner
 
     def _path(self, target: str) -> str:
         return ".".join(p for p in (self.prefix, target) if p)
@@ -160,12 +150,7 @@ class _CostInterpreter(fx.Interpreter):
         if node.op == "call_module":
             path = self._path(str(node.target))
             if self.block_runner.is_block(path):
-                return self.block_runner.run(path, self.fetch_attr(node.target), args, kwargs, name)
-            if path in self.fallbacks:
-                op, result = fallback_op(name, path, self.fetch_attr(node.target), inputs,
-                                         self.rec.seq_len)
-                self._record(node, op, inputs)
-                return result
+                return self.block_runner.run(path, self.fetch_attr(node.target), args, kwargs)
         before = self.counter.get_total_flops()
         self.rec.current = name
         fused_attention = classify(node, "", None) == "attention" and node.op == "call_function"
@@ -173,10 +158,10 @@ class _CostInterpreter(fx.Interpreter):
         self.rec.suspend += fused_attention or dropout
         try:
             result = super().run_node(node)
-        except _NodeFailed:
+        except _NotSymbolic:
             raise
-        except Exception as exc:
-            raise _NodeFailed(self._owner(node)[0], name, exc) from exc
+        except Exception as exc:  # data-dependent code: run it instead
+            raise _NotSymbolic(f"{name}: {type(exc).__name__}: {exc}") from exc
         finally:
             self.rec.suspend -= fused_attention or dropout
         if fused_attention:
@@ -242,41 +227,28 @@ class _CostInterpreter(fx.Interpreter):
 class _BlockRunner:
     """Interprets the first copy of each block group; later copies reuse its output shape."""
 
-    def __init__(self, groups: dict[str, str], rec: _Recorder, counter: FlopCounterMode,
-                 fallbacks: list[str]) -> None:
+    def __init__(self, groups: dict[str, str], rec: _Recorder, counter: FlopCounterMode) -> None:
         self.groups = groups  # block path -> group name
-        self.rec, self.counter, self.fallbacks = rec, counter, fallbacks
+        self.rec, self.counter = rec, counter
         self.first_path: dict[str, str] = {}
         self.outputs: dict[tuple, object] = {}
 
     def is_block(self, path: str) -> bool:
         return path in self.groups
 
-    def run(self, path: str, module: nn.Module, args, kwargs, node_name: str):
+    def run(self, path: str, module: nn.Module, args, kwargs):
         group = self.groups[path]
         key = (group, tuple(_shape(t) for t in _tensors((args, kwargs))))
         if key in self.outputs:
-            return _fresh_like(self.outputs[key])
+            return fresh_like(self.outputs[key])
         self.first_path.setdefault(group, path)
-        if path in self.fallbacks:  # the whole block is data-dependent
-            op, result = fallback_op(node_name, path, module, _tensors((args, kwargs)), self.rec.seq_len)
-            self.rec.ops.append(op)
-            self.outputs[key] = result
-            return result
-        gm = _trace_with_fallbacks(module, path, set(), self.fallbacks)
-        interp = _CostInterpreter(gm, path, self.rec, self.counter, self, set(self.fallbacks))
-        result = interp.run(*args, **kwargs)
+        if kwargs:
+            raise _NotSymbolic(f"{path} is called with keyword arguments")
+        gm = _trace_symbolic(module, path, set())
+        interp = _CostInterpreter(gm, path, self.rec, self.counter, self)
+        result = interp.run(*args)
         self.outputs[key] = result
         return result
-
-
-def _fresh_like(value):
-    if isinstance(value, torch.Tensor):
-        out = torch.empty(value.shape, dtype=value.dtype, device="meta")
-        return out.requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_fresh_like(v) for v in value)
-    return value
 
 
 def fingerprint(module: nn.Module) -> str:
@@ -287,54 +259,165 @@ def fingerprint(module: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def trace_model(module: nn.Module, example_inputs: tuple, *, name: str = "") -> ModelGraph:
-    """Trace `module` (parameters on meta) called with `example_inputs` into a ModelGraph."""
+def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = "",
+                example_kwargs: dict | None = None) -> ModelGraph:
+    """Trace `module` (parameters on meta) called with `example_inputs` (positional inputs,
+    or a dict of keyword inputs) and `example_kwargs` into a ModelGraph.
+
+    Models torch.fx traces symbolically are traced that way; any other model (keyword
+    arguments, output objects, shape arithmetic, data-dependent routing, code fx rejects) is
+    traced by running its forward (`recorder.py`). Both count FLOPs with FlopCounterMode and
+    saved bytes with saved-tensor hooks, on the first copy of each block group.
+    """
     from autoplan.trace.capability import add_capability_facts
     from autoplan.trace.facts import add_parallelism_facts
 
     module = module.to(device="meta", dtype=TRACE_DTYPE)
-    inputs = tuple(_to_meta(x) for x in example_inputs)
-    batch, seq = _batch_and_seq(inputs)
+    if isinstance(example_inputs, dict):
+        example_inputs, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
+    args = tuple(_to_meta(x) for x in example_inputs)
+    kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()}
+    _check_call(module, args, kwargs)
+    batch, seq, image = input_dims(args, kwargs)
     groups = find_block_groups(module)
     block_of = {path: group for group, paths in groups.items() for path in paths}
-    fallbacks: list[str] = []
-    while True:  # each data-dependent module found at run time becomes a fallback; start over
-        gm = _trace_with_fallbacks(module, "", set(block_of), fallbacks)
-        rec = _Recorder(seq_len=seq)
-        try:
-            with FlopCounterMode(display=False) as counter:
-                runner = _BlockRunner(block_of, rec, counter, fallbacks)
-                interp = _CostInterpreter(gm, "", rec, counter, runner, set(fallbacks))
-                with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
-                        torch.enable_grad():
-                    interp.run(*inputs)
-            break
-        except _NodeFailed as failed:
-            if not failed.module or failed.module in fallbacks:
-                raise UserError(
-                    f"the forward of {failed.module or 'the root module'} fails on the meta device "
-                    f"at {failed.node}: {type(failed.error).__name__}: {failed.error}. Make the "
-                    "model's forward run on meta tensors (no .item()/.tolist() at the top level), "
-                    "or give example_inputs(batch_size, seq_len) that match its forward."
-                ) from None
-            fallbacks.append(failed.module)
+    try:
+        if kwargs:
+            raise _NotSymbolic("keyword inputs")
+        gm, rec, first_path = _trace_by_fx(module, args, block_of, seq)
+        costed_by_routing: list[str] = []
+    except _NotSymbolic:
+        gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq)
     graph = nx.DiGraph()
     for op in rec.ops:
         graph.add_node(op.name, op=op)
     graph.add_edges_from((a, b) for a, b in rec.edges if a in graph and b in graph)
-    segments, layer_order = build_segments(module, rec, groups, runner.first_path, block_of)
+    segments, layer_order = build_segments(module, rec, groups, first_path, block_of)
     params = sum(p.numel() for p in module.parameters())
     emb = sum(p.numel() for m in module.modules() if isinstance(m, nn.Embedding)
               for p in m.parameters(recurse=False))
     model_graph = ModelGraph(
         graph=graph, segments=segments, layer_order=layer_order, batch_size=batch, seq_len=seq,
         dtype_bytes=torch.finfo(TRACE_DTYPE).bits // 8, parameters=params,
-        embedding_parameters=emb, vocab=_vocab(module), fallback_modules=_outermost(fallbacks, block_of, runner.first_path),
-        fingerprint=fingerprint(module), model_name=name,
+        embedding_parameters=emb, vocab=_vocab(module),
+        fallback_modules=_outermost(costed_by_routing, block_of, first_path),
+        fingerprint=fingerprint(module), model_name=name, image_size=image,
     )
-    add_parallelism_facts(model_graph, module, gm, groups, runner.first_path, rec.edges)
-    add_capability_facts(model_graph, module, inputs)
+    add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
+    add_capability_facts(model_graph, module, args, kwargs)
     return model_graph
+
+
+def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: int):
+    """Symbolic fx trace of the root (blocks as leaves) and of each block group's first copy."""
+    gm = _trace_symbolic(module, "", set(block_of))
+    rec = _Recorder(seq_len=seq)
+    with FlopCounterMode(display=False) as counter:
+        runner = _BlockRunner(block_of, rec, counter)
+        interp = _CostInterpreter(gm, "", rec, counter, runner)
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), torch.enable_grad():
+            interp.run(*args)
+    return gm, rec, runner.first_path
+
+
+def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: dict[str, str],
+                      seq: int):
+    """Run the forward on fake meta tensors under the recorder (see recorder.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rec = _Recorder(seq_len=seq, direct_parameters=True)
+    routing = RoutingContext()
+    paths: dict[int, str] = {}
+    for path, sub in module.named_modules():
+        paths.setdefault(id(sub), path)
+    stack = ModuleStack(paths, {p: type(m).__name__ for p, m in module.named_modules()}, routing)
+    first_path, blocks = skip_copies(module, block_of)
+    handles = install_module_hooks(stack)
+    recorder = None
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            fake_args = tuple(_fake(fake, x) for x in args)
+            fake_kwargs = {k: _fake(fake, v) for k, v in kwargs.items()}
+            with FlopCounterMode(display=False, custom_mapping=grouped_gemm_flops()) as counter, \
+                    BalancedRouting(routing):
+                recorder = FunctionRecorder(rec, counter, stack, module)
+                with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
+                        torch.enable_grad(), recorder:
+                    module(*fake_args, **fake_kwargs)
+    except UserError:
+        raise
+    except Exception as exc:
+        where = (recorder.failed_in if recorder is not None else None) or "the root module"
+        raise UserError(
+            f"the forward of {where} fails when run on fake meta tensors: "
+            f"{type(exc).__name__}: {exc}{_user_frame(exc)}. autoplan runs the model's forward "
+            "without weights to measure it; check that the inputs match the forward "
+            "(define example_inputs(batch_size, seq_len) in the model file) and that the "
+            "forward does not need real values (.numpy(), Python-side data)."
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        restore_forwards(blocks)
+    return RecordedGraph(recorder.graph, module), rec, first_path, routing.modules
+
+
+def _check_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The inputs must fit the forward's signature (before any tracing)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        given = ", ".join([f"{len(args)} positional"] + [f"{k}=" for k in kwargs])
+        raise UserError(
+            f"the forward of {type(module).__name__}{signature} cannot take the inputs autoplan "
+            f"made for it ({given}): {exc}. Define example_inputs(batch_size, seq_len) in the "
+            "model file, returning a tuple with one tensor per positional argument or a dict "
+            "of keyword arguments."
+        ) from None
+
+
+def _fake(mode, x):
+    return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+
+
+def _user_frame(exc: BaseException) -> str:
+    """ ' (at file:line)' of the innermost frame outside torch and autoplan, if any."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/autoplan/" not in f.filename]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+class RecordedGraph:
+    """The fx graph a run recorded, with the module's buffers (what facts.py reads of a
+    GraphModule), without generating Python code for it."""
+
+    def __init__(self, graph: fx.Graph, module: nn.Module) -> None:
+        self.graph, self._module = graph, module
+
+    def named_buffers(self):
+        return self._module.named_buffers()
+
+
+def grouped_gemm_flops() -> dict:
+    """FlopCounterMode formulas for grouped GEMMs (HF experts' `torch._grouped_mm` and its CPU
+    fallback op), which it has none for: every row of `a` meets one group's (K, N) matrix,
+    2 FLOPs per multiply-add, so 2 * numel(out) * K."""
+    def flops(a_shape, b_shape, *_, out_shape=None, **__) -> int:
+        return 2 * math.prod(out_shape) * a_shape[-1]
+
+    mapping = {torch.ops.aten._grouped_mm: flops}
+    transformers_ops = getattr(torch.ops, "transformers", None)
+    if transformers_ops is not None and hasattr(transformers_ops, "grouped_mm_fallback"):
+        mapping[transformers_ops.grouped_mm_fallback] = flops
+    return mapping
 
 
 def _to_meta(x):
@@ -345,11 +428,15 @@ def _to_meta(x):
     return x
 
 
-def _batch_and_seq(inputs: tuple) -> tuple[int, int]:
-    first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+def input_dims(args: tuple, kwargs: dict) -> tuple[int, int, int]:
+    """(batch, sequence length, image side) of the first input tensor. An image batch
+    (batch, channels, height, width) has no sequence: seq 1, image side = its width."""
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
     if first is None or first.dim() == 0:
-        return 1, 1
-    return int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
+        return 1, 1, 0
+    if first.dim() == 4 and first.is_floating_point():
+        return int(first.shape[0]), 1, int(first.shape[-1])
+    return int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1, 0
 
 
 def _vocab(module: nn.Module) -> int:

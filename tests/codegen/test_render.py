@@ -196,3 +196,26 @@ def test_config_json_is_copied_and_built_from(tmp_path):
     (out / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
     with torch.device("meta"), pytest.raises(UserError, match="differs"):
         runpy.run_path(str(out / "train.py"), run_name="not_main")["build_model"]()
+
+
+def test_transformers_config_job_builds_the_transformers_class(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    src = tmp_path / "llama" / "config.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(config))
+    out = tmp_path / "job"
+    code, stdout, stderr = generate(f"hf:{src}", *TINY, "--gpus", "2", "-o", str(out))
+    assert code == 0, stdout + stderr
+    train = (out / "train.py").read_text()
+    assert "from autoplan.models.hf import build_transformers_model" in train
+    namespace = runpy.run_path(str(out / "train.py"), run_name="not_main")
+    with torch.device("meta"):
+        model = namespace["build_model"]()
+    assert type(model) is transformers.LlamaForCausalLM
+
+
+def test_reference_config_job_does_not_import_transformers(tiny_job):
+    assert "transformers" not in (tiny_job / "train.py").read_text()

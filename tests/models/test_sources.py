@@ -254,8 +254,27 @@ def test_module_level_model_not_a_module(write_file):
 
 
 def test_unknown_first_op_needs_example_inputs(write_file):
-    path = write_file("conv.py", "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv2d(3, 8, 3))\n")
+    path = write_file("conv.py", "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv1d(3, 8, 3))\n")
     assert "example_inputs" in _error(path)
+
+
+def test_conv2d_first_takes_an_image_batch_of_the_given_side(write_file):
+    path = write_file("cnn.py", "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv2d(5, 8, 3))\n")
+    loaded = load_model(path)
+    assert loaded.takes_images
+    (images,) = loaded.example_inputs(2, 64)
+    assert tuple(images.shape) == (2, 5, 64, 64) and images.is_floating_point()
+
+
+def test_example_inputs_may_return_keyword_inputs(write_file):
+    path = write_file("kw.py", """
+        import torch, torch.nn as nn
+        model = nn.Linear(4, 4)
+        def example_inputs(batch_size, seq_len):
+            return {"input": torch.zeros(batch_size, seq_len, 4)}
+    """)
+    inputs = load_model(path).example_inputs(2, 3)
+    assert set(inputs) == {"input"} and inputs["input"].is_meta
 
 
 def test_example_inputs_returning_garbage(write_file):
@@ -298,3 +317,38 @@ def test_seq_len_beyond_the_models_positions():
     message = _error("tiny-gpt", seq_len=1024)
     assert "1024" in message and "256" in message
     assert load_model("tiny-gpt", seq_len=256).module is not None
+
+
+_TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def _hf_config(tmp_path, **autoplan) -> Path:
+    path = tmp_path / "llama" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({**_TINY_LLAMA, **({"_autoplan": autoplan} if autoplan else {})}))
+    return path
+
+
+def test_config_builds_the_transformers_class_when_asked(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = _hf_config(tmp_path, model_source="transformers")
+    loaded = load_model(str(path))
+    assert type(loaded.module) is transformers.LlamaForCausalLM
+    assert loaded.ref.source == "transformers" and next(loaded.module.parameters()).is_meta
+    again = build_from_ref(loaded.ref)  # what the generated job does
+    assert type(again) is transformers.LlamaForCausalLM
+
+
+def test_hf_prefix_builds_the_transformers_class_and_default_stays_reference(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = _hf_config(tmp_path)
+    assert type(load_model(f"hf:{path.parent}").module) is transformers.LlamaForCausalLM
+    assert not type(load_model(str(path)).module).__module__.startswith("transformers")
+
+
+def test_transformers_source_without_transformers_is_one_paragraph(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    with pytest.raises(UserError, match="pip install 'transformers"):
+        load_model(str(_hf_config(tmp_path, model_source="transformers")))

@@ -1,0 +1,50 @@
+"""Build an HF config.json with the Hugging Face transformers class of its family, so the
+job trains the class the user ships (`"_autoplan": {"model_source": "transformers"}` in the
+config, or MODEL given as `hf:path/config.json`). transformers is optional: autoplan's own
+torch-only reference models stay the default, and only this module imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from autoplan.errors import UserError
+
+HF_PREFIX = "hf:"
+
+
+def build_transformers_model(config: dict[str, Any], where: str) -> nn.Module:
+    """The transformers model of `config` (no weights: call it under torch.device("meta")),
+    with SDPA attention. The class is the config's first `architectures` entry that
+    transformers has, else its causal-LM class (AutoModelForCausalLM)."""
+    transformers = _transformers(where)
+    model_type = config.get("model_type")
+    fields = {key: value for key, value in config.items() if key != "model_type"}
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"{where}: transformers {transformers.__version__} does not know model_type "
+                        f"{model_type!r} ({exc}); give a config of a family it has, or drop "
+                        "model_source to build autoplan's reference model") from None
+    hf_config._attn_implementation = "sdpa"
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            return cls(hf_config)
+    try:
+        return transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    except ValueError as exc:
+        raise UserError(f"{where}: model_type {model_type!r} has no causal-LM class in transformers "
+                        f"({exc}); name the class in the config's \"architectures\" list") from None
+
+
+def _transformers(where: str):
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"{where} asks for the Hugging Face transformers class, but transformers "
+                        "is not installed: pip install 'transformers>=5,<6', or drop model_source "
+                        "(and the hf: prefix) to build autoplan's reference model") from None
+    return transformers

@@ -1,0 +1,290 @@
+"""Trace a model by running its Python: every torch call of the forward, on fake tensors over
+the meta device, becomes one node of a torch.fx graph with concrete shapes and the path of
+the module that made it (`nn_module_stack`), and one OpInfo with the FLOPs FlopCounterMode
+counted for it and the bytes autograd saved for it.
+
+Running the code (rather than symbolically tracing it) is what lets real model code pass:
+keyword arguments, output objects (ModelOutput), masks built from shapes, shape arithmetic
+(`int(d * frac)`), and Hugging Face code that checks for fake tensors to skip value-dependent
+shortcuts. Data-dependent routing runs under `routing.BalancedRouting`.
+
+Only the first copy of each block group runs; the other copies return a fresh tensor of the
+first copy's output shape (their numbers are the first copy's), so an 80-layer model costs
+about one layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from autoplan.trace.fallback import moe_facts, routes_tokens
+from autoplan.trace.graph import OpInfo
+from autoplan.trace.ops import function_kind, gemm_mnk, tensor_bytes
+from autoplan.trace.routing import RoutingContext
+
+_MODULE_TARGETS = {"linear": nn.Linear, "embedding": nn.Embedding, "conv": nn.modules.conv._ConvNd}
+_FLASH_SAVED = {"scaled_dot_product_attention"}
+
+
+def func_name(func) -> str:
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name.startswith(("r", "i")) and name[1:] in ("add", "sub", "mul", "truediv", "matmul"):
+            name = name[1:]
+    return name
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _is_dropout_call(name: str, args, kwargs) -> bool:
+    if name not in ("dropout", "dropout1d", "dropout2d", "dropout3d"):
+        return False
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    return bool(training) and not (isinstance(p, (int, float)) and p == 0)
+
+
+@dataclass
+class ModuleStack:
+    """The module path running now, kept by global forward hooks."""
+
+    paths: dict[int, str]
+    types: dict[str, str]
+    routing: RoutingContext
+    stack: list[tuple[str, RoutingContext | None]] = field(default_factory=list)
+    routers: dict[int, bool] = field(default_factory=dict)
+
+    def current(self) -> str:
+        return self.stack[-1][0] if self.stack else ""
+
+    def push(self, module: nn.Module, args) -> None:
+        path = self.paths.get(id(module), self.current())
+        saved = None
+        if id(module) in self.paths and not self.routing.module and self._routes(module):
+            experts, top_k = moe_facts(module)
+            first = _tensors(args)
+            if first:
+                saved = RoutingContext(**{k: getattr(self.routing, k) for k in
+                                          ("tokens", "experts", "top_k", "module")})
+                self.routing.tokens = first[0].numel() // max(int(first[0].shape[-1]), 1)
+                self.routing.experts, self.routing.top_k, self.routing.module = experts, top_k, path
+        self.stack.append((path, saved))
+
+    def _routes(self, module: nn.Module) -> bool:
+        key = id(module)
+        if key not in self.routers:
+            self.routers[key] = routes_tokens(module)
+        return self.routers[key]
+
+    def pop(self) -> None:
+        _, saved = self.stack.pop()
+        if saved is not None:
+            for key in ("tokens", "experts", "top_k", "module"):
+                setattr(self.routing, key, getattr(saved, key))
+
+    def module_stack(self) -> dict[str, tuple[str, str]]:
+        return {p: (p, self.types.get(p, "")) for p, _ in self.stack if p}
+
+
+class FunctionRecorder(TorchFunctionMode):
+    """Records each torch call as an fx node and an OpInfo (see module doc)."""
+
+    def __init__(self, rec, counter, modules: ModuleStack, model: nn.Module) -> None:
+        super().__init__()
+        self.rec, self.counter, self.modules = rec, counter, modules
+        self.graph = fx.Graph()
+        self.node_of: dict[int, fx.Node] = {}
+        self.op_of: dict[int, str] = {}
+        self.names: dict[str, int] = {}
+        self.params = {id(p): n for n, p in model.named_parameters()}
+        self.buffers = {id(b): n for n, b in model.named_buffers()}
+        self.seen_params: set[int] = set()
+        self.op_params: dict[str, int] = {}
+        self.failed_in: str | None = None  # module whose torch call raised first
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func_name(func)
+        module = self.modules.current()
+        op_name = self._unique(".".join(p for p in (module, name) if p))
+        inputs = _tensors((args, kwargs))
+        flash = name in _FLASH_SAVED
+        dropout = _is_dropout_call(name, args, kwargs)
+        before = self.counter.get_total_flops()
+        previous, self.rec.current = self.rec.current, op_name
+        self.rec.suspend += flash or dropout
+        try:
+            result = func(*args, **kwargs)
+        except BaseException:
+            if self.failed_in is None:
+                self.failed_in = module
+            raise
+        finally:
+            self.rec.suspend -= flash or dropout
+            self.rec.current = previous
+        out = _tensors(result)
+        if not out:
+            return result
+        if flash:
+            self._save_like_flash_attention(op_name, inputs, out)
+        if dropout and out[0].requires_grad:
+            # GPU dropout saves a 1-byte mask per element
+            self.rec.saved[op_name] = self.rec.saved.get(op_name, 0) + out[0].numel()
+        flops = self.counter.get_total_flops() - before
+        self._record(func, name, op_name, module, args, kwargs, inputs, out, flops)
+        return result
+
+    def _unique(self, name: str) -> str:
+        count = self.names.get(name, 0)
+        self.names[name] = count + 1
+        return name if count == 0 else f"{name}_{count}"
+
+    def _record(self, func, name, op_name, module, args, kwargs, inputs, out, flops) -> None:
+        module_type = self.modules.types.get(module, "")
+        kind = function_kind(name, module_type)
+        target = name
+        owner_cls = _MODULE_TARGETS.get(kind)
+        if owner_cls is not None and module_type and self.modules.types.get(module) and \
+                any(p is not None and id(p) in self.params for p in inputs):
+            target = module_type
+        parameters = 0
+        for t in inputs:
+            if id(t) in self.params and id(t) not in self.seen_params:
+                self.seen_params.add(id(t))
+                parameters += t.numel()
+        self.op_params[op_name] = parameters
+        op = OpInfo(
+            name=op_name, module=module, kind=kind, target=target,
+            input_shapes=tuple(_shape(t) for t in inputs if id(t) not in self.params),
+            output_shape=_shape(out[0]),
+            dtype=str(out[0].dtype).replace("torch.", ""),
+            parameters=parameters, flops=flops,
+            elementwise_flops=sum(t.numel() for t in out) if kind in ("elementwise", "norm") else 0,
+            bytes_read=sum(tensor_bytes(t) for t in inputs),
+            bytes_written=sum(tensor_bytes(t) for t in out),
+            saved_bytes=self.rec.saved.get(op_name, 0),
+            gemm_mnk=gemm_mnk(kind, [t for t in inputs if id(t) not in self.params], out, flops),
+        )
+        self.rec.ops.append(op)
+        for t in inputs:
+            src = self.op_of.get(id(t))
+            if src is not None:
+                self.rec.edges.append((src, op_name))
+        node = self.graph.call_function(func, *self._fx_args(args, kwargs))
+        node.name = op_name.replace(".", "_")
+        node.meta["nn_module_stack"] = self.modules.module_stack()
+        node.meta["op_name"] = op_name
+        node.meta["shape"] = _shape(out[0])
+        for t in out:
+            self.op_of[id(t)] = op_name
+            self.node_of[id(t)] = node
+            self.rec.keep.append(t)
+
+    def _fx_args(self, args, kwargs):
+        def convert(value):
+            if isinstance(value, torch.Tensor):
+                if id(value) in self.node_of:
+                    return self.node_of[id(value)]
+                key = self.params.get(id(value)) or self.buffers.get(id(value))
+                if key is not None:
+                    node = self.graph.get_attr(key)
+                else:
+                    node = self.graph.placeholder(f"input_{len(self.node_of)}")
+                    node.meta["shape"] = _shape(value)
+                self.node_of[id(value)] = node
+                self.rec.keep.append(value)
+                return node
+            if isinstance(value, (list, tuple)):
+                return type(value)(convert(v) for v in value) if not hasattr(value, "_fields") else value
+            if isinstance(value, dict):
+                return {k: convert(v) for k, v in value.items()}
+            if isinstance(value, (int, float, bool, str, slice, type(None), torch.dtype,
+                                  torch.device, torch.Size, torch.memory_format, torch.layout)):
+                return value
+            return repr(value)
+
+        return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+    def _save_like_flash_attention(self, op_name, inputs, out) -> None:
+        """Training attention kernels (FlashAttention, cuDNN, memory-efficient) save q, k, v,
+        the output and the fp32 log-sum-exp per row (Dao et al. 2022, Alg. 2); meta's math
+        path would save the (seq x seq) probabilities instead."""
+        self.rec.current = op_name
+        for tensor in inputs[:3] + out[:1]:
+            self.rec.pack(tensor)
+        self.rec.current = None
+        q = inputs[0]
+        self.rec.saved[op_name] = self.rec.saved.get(op_name, 0) + q.numel() // q.shape[-1] * 4
+
+
+def install_module_hooks(stack: ModuleStack):
+    """Global forward hooks keeping `stack` current; returns the handles to remove."""
+    pre = nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: stack.push(module, args))
+    post = nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: stack.pop(), always_call=True)
+    return pre, post
+
+
+def skip_copies(module: nn.Module, block_of: dict[str, str]):
+    """Replace the forward of every block copy: the first call per (group, input shapes) runs
+    the real forward; later calls return fresh tensors shaped like its output."""
+    outputs: dict[tuple, object] = {}
+    first_path: dict[str, str] = {}
+    originals = []
+    for path, group in block_of.items():
+        block = module.get_submodule(path)
+        original = block.forward
+
+        def forward(*args, _group=group, _path=path, _original=original, **kwargs):
+            key = (_group, tuple(_shape(t) for t in _tensors((args, kwargs))))
+            if key in outputs:
+                return fresh_like(outputs[key])
+            first_path.setdefault(_group, _path)
+            outputs[key] = _original(*args, **kwargs)
+            return outputs[key]
+
+        block.forward = forward
+        originals.append(block)
+    return first_path, originals
+
+
+def restore_forwards(blocks: list[nn.Module]) -> None:
+    for block in blocks:
+        if "forward" in block.__dict__:
+            del block.forward
+
+
+def fresh_like(value):
+    if isinstance(value, torch.Tensor):
+        out = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        return out.requires_grad_(value.requires_grad)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(fresh_like(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(fresh_like(v) for v in value)
+    if isinstance(value, dict):
+        copy = value.copy()
+        for key in list(copy.keys()):
+            copy[key] = fresh_like(copy[key])
+        return copy
+    return value
+

@@ -1,0 +1,66 @@
+"""Models whose inputs are not token ids, and forwards autoplan cannot call, through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import corpus
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def vit_file(tmp_path):
+    return str(corpus.model_file("vit_b16", "tiny", tmp_path))
+
+
+def test_analyze_image_model_at_its_image_size(run_cli, vit_file):
+    code, out, _ = run_cli("analyze", vit_file, "--batch-size", "2", "--json")
+    assert code == 0
+    data = json.loads(out)
+    # the tiny ViT's own side (32), not a token count read off the channel dim (3)
+    assert (data["image_size"], data["seq_len"], data["batch_size"]) == (32, 1, 2)
+    assert [b["count"] for b in data["blocks"]] == [2]
+
+
+def test_image_size_that_the_model_cannot_take_is_one_paragraph(run_cli, vit_file):
+    code, _, err = run_cli("analyze", vit_file, "--image-size", "48")
+    assert code == 2
+    assert "fails when run on fake meta tensors" in err and "Traceback" not in err
+
+
+def test_image_size_on_a_token_model_is_refused(run_cli):
+    code, _, err = run_cli("analyze", "tiny-gpt", "--image-size", "64")
+    assert code == 2 and "--seq-len" in err
+
+
+def test_plan_image_model_whatever_the_seq_len(run_cli, vit_file):
+    code, out, _ = run_cli("plan", vit_file, "--gpu", "h100", "--gpus", "8", "--global-batch", "64",
+                           "--seq-len", "4096", "--json")
+    assert code == 0, out
+
+
+def test_generate_refuses_an_image_model_before_planning(run_cli, vit_file, tmp_path):
+    code, _, err = run_cli("generate", vit_file, "--gpu", "h100", "--gpus", "8",
+                           "--global-batch", "64", "-o", str(tmp_path / "job"))
+    assert code == 2 and "takes images" in err
+    assert not (tmp_path / "job").exists()
+
+
+def test_forward_needing_two_inputs_without_example_inputs(run_cli, tmp_path):
+    path = tmp_path / "two.py"
+    path.write_text(
+        "import torch.nn as nn\n"
+        "class Two(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = nn.Embedding(100, 16)\n"
+        "    def forward(self, ids, other_ids):\n"
+        "        return self.emb(ids) + self.emb(other_ids)\n")
+    code, out, err = run_cli("analyze", str(path))
+    assert code == 2
+    assert "Traceback" not in err + out
+    assert "other_ids" in err and "example_inputs" in err
+    assert len(err.strip().splitlines()) <= 3  # one paragraph (click may wrap nothing)
