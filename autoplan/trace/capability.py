@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from dataclasses import replace
 
@@ -25,6 +26,7 @@ import torch.nn as nn
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
 from autoplan.trace.graph import ModelGraph
+from autoplan.trace.routing import BalancedRouting, RoutingContext
 
 _CACHE: dict[tuple[str, int], dict[str, str | None]] = {}
 
@@ -86,6 +88,23 @@ def shallow_copy(model: nn.Module, graph: ModelGraph) -> tuple[nn.Module, set[st
     return small, {p for p, _ in graph.layer_order if p in kept}
 
 
+def _routing(graph: ModelGraph) -> RoutingContext | None:
+    """The balanced routing of the traced batch, for models with data-dependent routing."""
+    if not graph.expert_parallel and not graph.fallback_modules:
+        return None
+    moe = graph.expert_parallel[0] if graph.expert_parallel else {}
+    return RoutingContext(tokens=graph.batch_size * graph.seq_len, experts=moe.get("experts", 0),
+                          top_k=moe.get("top_k", 0))
+
+
+def _balanced(routing: RoutingContext | None, plan: Plan):
+    """BalancedRouting over the tokens one rank routes (sequence shards under SP and CP)."""
+    if routing is None:
+        return contextlib.nullcontext()
+    shards = (plan.tp if plan.sequence_parallel else 1) * plan.cp
+    return BalancedRouting(replace(routing, tokens=routing.tokens // shards))
+
+
 def _logits(output) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
@@ -94,7 +113,8 @@ def _logits(output) -> torch.Tensor:
     return next(t for t in output if isinstance(t, torch.Tensor))
 
 
-def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool) -> None:
+def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
+           routing: RoutingContext | None) -> None:
     """apply_plan on the fake process group, then (if `run`) one forward and backward, on
     fake CPU tensors (meta tensors have no process-group backend for point-to-point ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -110,7 +130,8 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool) -
         if run:
             to_fake = lambda x: fake.from_tensor(torch.zeros_like(x, device="cpu")) \
                 if isinstance(x, torch.Tensor) else x  # noqa: E731
-            _step(part, plan, tuple(map(to_fake, args)), {k: to_fake(v) for k, v in kwargs.items()})
+            with _balanced(routing, plan):  # routing on fake values: balanced, as traced
+                _step(part, plan, tuple(map(to_fake, args)), {k: to_fake(v) for k, v in kwargs.items()})
 
 
 def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
@@ -142,7 +163,7 @@ def _pop(running: list[str]) -> None:
 
 
 def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
-                       run: bool = True) -> str | None:
+                       routing: RoutingContext | None, run: bool = True) -> str | None:
     """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
     not, naming the innermost module that was running when it failed."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -154,8 +175,10 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         lambda m, _args: running.append(names.get(id(m), "")))
     leave = nn.modules.module.register_module_forward_hook(lambda m, _args, _out: _pop(running))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level, fake_log.level = fake_log.level, logging.CRITICAL  # the failure is the reason, not a log
     try:
-        _apply(copy_, plan, args, kwargs, run)
+        _apply(copy_, plan, args, kwargs, run, routing)
     except UserError as exc:
         return str(exc)
     except Exception as exc:  # the runtime's own failure is the fact to report
@@ -163,6 +186,7 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         return f"{where} fails under autoplan.runtime: {type(exc).__name__}: " \
                f"{(str(exc).splitlines() or [''])[0][:300]}"
     finally:
+        fake_log.setLevel(level)
         enter.remove()
         leave.remove()
         dist.destroy_process_group()
@@ -183,10 +207,13 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
                       gpus_per_node=1, global_batch=1, seq_len=graph.seq_len, precision="fp32")
         model, blocks = shallow_copy(model, graph)
         plans = probe_plans(graph, graph.seq_len, blocks)
-        run = bool(plans) and _run_on_fake_group(model, single, args, kwargs) is None
+        routing = _routing(graph)
+        run = bool(plans) and _run_on_fake_group(model, single, args, kwargs, routing) is None
         _CACHE[key] = {}
         for axis, plan in plans.items():
-            reason = _run_on_fake_group(model, plan, args, kwargs, run)
+            # an EP step moves tokens by exchanged counts, which balanced values cannot model
+            run_axis = run and not (axis == "ep" and routing is not None)
+            reason = _run_on_fake_group(model, plan, args, kwargs, routing, run_axis)
             _CACHE[key][axis] = reason and f"(probed at {axis}={getattr(plan, axis)}) {reason}"
     return dict(_CACHE[key])
 

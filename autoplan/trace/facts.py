@@ -9,7 +9,8 @@ row-parallel, when the split is legal:
 - hidden -> X -> hidden: every column reads the width the row writes (the residual width),
   so a row that widens (an FFN up-projection fed through a hand-written norm) is no row;
 - the region between them (ops reachable from a column that reach the row) mixes in no
-  full-size tensor from outside (a residual add: the sharded half would meet a whole one);
+  full-size, hidden-wide tensor from outside (a residual add: a shard would meet a whole);
+- linears inside routed experts are no pairs (expert parallelism shards experts);
 - nothing computed in the region, nor a column's output, is used outside the region.
 
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
@@ -31,6 +32,7 @@ from autoplan.trace.graph import ModelGraph, OpInfo
 
 _STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv", "moe_router", "loss"}
 _SPLITS = {"split", "chunk", "split_with_sizes", "unbind", "tensor_split"}
+_MHA_TARGETS = {"MultiheadAttention", "multi_head_attention_forward"}
 _FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up): sharding its "
           "output columns would mix the parts on each rank; left unsplit")
 _PACKED_MHA = ("nn.MultiheadAttention packs q, k and v in one in_proj_weight and runs attention "
@@ -84,7 +86,8 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
     inside = region | feeders
     for name in region:
         op = by_name[name]
-        if op.kind == "elementwise":
+        # a residual is hidden wide; head-layout tensors (RoPE tables beside one KV head) are not
+        if op.kind == "elementwise" and op.output_shape and op.output_shape[-1] in hidden:
             full = sum(1 for shape in op.input_shapes if shape == op.output_shape)
             tensors = sum(1 for src in inputs[name] if src in inside and by_name[src].output_shape)
             if full > tensors:
@@ -142,11 +145,11 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
     module_of = {op.name: op.module for op in ops}
     reasons = [(module_of[c], _FUSED) for p in pairs if p["fused"] for c in p["column"]]
     reasons += [(op.module, _PACKED_MHA) for op in ops
-                if op.kind == "attention" and op.target == "MultiheadAttention"]
+                if op.kind == "attention" and op.target in _MHA_TARGETS]
     covered = {a.name for p in pairs for a in p["attention"]}
     reasons += [(op.module or op.name, "its attention is not between a column and a row linear "
                  "found in the data flow; left unsplit")
-                for op in ops if op.kind == "attention" and op.target != "MultiheadAttention"
+                for op in ops if op.kind == "attention" and op.target not in _MHA_TARGETS
                 and op.name not in covered]
     return reasons
 
@@ -156,7 +159,9 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
     by_name = {op.name: op for op in ops}
     facts = {"heads": 0, "kv_heads": 0, "ffn": 0, "kv_bytes": 0, "tp_parameters": 0,
              "tp_flops": 0, "pairs": [], "unsplit": []}
-    pairs = linear_pairs(ops, edges)
+    moe = _moe_module(module)
+    experts = {op.name for op in ops if moe and f".{moe[0]}." in f".{op.module}."}
+    pairs = [p for p in linear_pairs(ops, edges) if p["row"] not in experts]
     facts["unsplit"] = unsplit_reasons(ops, pairs)
     for pair in pairs:
         if pair["fused"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -221,3 +222,41 @@ def test_moe_layer_of_a_block_class_runs_on_sequence_shards():
     # without it a tp>1 job feeds the router a sequence-sharded DTensor and fails in step 1
     assert graph.tp_styles["layers.*"]["mlp"] == "prepare_input"
     assert graph.tp_styles["layers.*"]["self_attn.o_proj"] == "rowwise"
+
+
+ATTN = ("attention", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj")
+SWIGLU = ("mlp", ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")
+T5_SELF = ("attention", ("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v"),
+           "layer.0.SelfAttention.o")
+T5_CROSS = ("attention", ("layer.1.EncDecAttention.q", "layer.1.EncDecAttention.k",
+                          "layer.1.EncDecAttention.v"), "layer.1.EncDecAttention.o")
+# corpus model -> (exact TP pairs over all block classes, modules left unsplit with a reason)
+CORPUS_PAIRS = {
+    "llama": ({ATTN, SWIGLU}, set()),
+    "gemma": ({ATTN, SWIGLU}, set()),  # one KV head (MQA)
+    "mixtral": ({ATTN}, set()),  # fused 3-D experts: EP shards them, TP does not
+    "qwen2_moe": ({ATTN}, set()),  # the MoE layer (shared expert too) runs whole on sequence shards
+    "bert": ({("attention", ("attention.self.query", "attention.self.key", "attention.self.value"),
+               "attention.output.dense"), ("mlp", ("intermediate.dense",), "output.dense")}, set()),
+    "t5": ({T5_SELF, T5_CROSS, ("mlp", ("layer.1.DenseReluDense.wi",), "layer.1.DenseReluDense.wo"),
+            ("mlp", ("layer.2.DenseReluDense.wi",), "layer.2.DenseReluDense.wo")}, set()),
+    "moe_loop": ({("attention", ("attn.q", "attn.k", "attn.v"), "attn.o")}, set()),  # experts: EP
+    "gpt_neox": (set(), {"attention.query_key_value"}),
+    "phi3": (set(), {"self_attn.qkv_proj", "mlp.gate_up_proj", ""}),
+    "vit_b16": (set(), {"attn.qkv"}),
+    "swin_t": (set(), {"attn.qkv"}),
+    "transformer_encoder": (set(), {"self_attn"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS_PAIRS))
+def test_corpus_models_have_exactly_the_expected_pairs(name):
+    from tests import corpus
+
+    entry = corpus.ENTRIES[name]
+    with torch.device("meta"):
+        model = entry.build("tiny")
+    graph = trace_model(model, entry.example_inputs("tiny", batch=1, seq=32))
+    pairs, unsplit = CORPUS_PAIRS[name]
+    assert {(p["kind"], tuple(p["column"]), p["row"]) for p in graph.tensor_parallel} == pairs
+    assert {u["module"] for u in graph.tp_unsplit} == unsplit
