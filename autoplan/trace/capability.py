@@ -8,7 +8,8 @@ process group (one process stands for every rank: collectives return at once, to
 tensors. The first exception is the reason the axis is refused, naming the module where
 the runtime says so. The same model without any axis runs first: when that fails (a
 model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
-the graph facts give them. Results are cached per model fingerprint and sequence length.
+the graph facts give them. Token inputs are cut to a short sequence every probed degree
+divides; results are cached per model fingerprint.
 """
 
 from __future__ import annotations
@@ -88,12 +89,26 @@ def shallow_copy(model: nn.Module, graph: ModelGraph) -> tuple[nn.Module, set[st
     return small, {p for p, _ in graph.layer_order if p in kept}
 
 
+def _probe_seq(graph: ModelGraph) -> int:
+    """A short sequence every probed degree divides (tp for SP, 2*cp for zig-zag CP): fake
+    tensors cost per op, but sequence-sized index and mask tensors still cost per token."""
+    unit = 4 * max(_smallest_tp(graph), 1)
+    return unit * 4 if graph.seq_len > unit * 4 and graph.seq_len % unit == 0 else graph.seq_len
+
+
+def _shorter(inputs, seq: int, short: int):
+    """Token-id inputs (integer, batch x seq) cut to `short` positions; others unchanged."""
+    cut = lambda x: x[:, :short] if isinstance(x, torch.Tensor) and x.dim() == 2 \
+        and not x.is_floating_point() and x.shape[1] == seq else x  # noqa: E731
+    return {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(cut, inputs))
+
+
 def _routing(graph: ModelGraph) -> RoutingContext | None:
     """The balanced routing of the traced batch, for models with data-dependent routing."""
     if not graph.expert_parallel and not graph.fallback_modules:
         return None
     moe = graph.expert_parallel[0] if graph.expert_parallel else {}
-    return RoutingContext(tokens=graph.batch_size * graph.seq_len, experts=moe.get("experts", 0),
+    return RoutingContext(tokens=graph.batch_size * _probe_seq(graph), experts=moe.get("experts", 0),
                           top_k=moe.get("top_k", 0))
 
 
@@ -201,12 +216,14 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
     already has a process group (a training job)."""
     if dist.is_initialized():
         return {}
-    key = (graph.fingerprint, graph.seq_len)
+    key = graph.fingerprint
     if key not in _CACHE:
+        seq = _probe_seq(graph)
+        args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)
         single = Plan(model=ModelRef("probe", graph.model_name), gpu="cpu", world_size=1,
-                      gpus_per_node=1, global_batch=1, seq_len=graph.seq_len, precision="fp32")
+                      gpus_per_node=1, global_batch=1, seq_len=seq, precision="fp32")
         model, blocks = shallow_copy(model, graph)
-        plans = probe_plans(graph, graph.seq_len, blocks)
+        plans = probe_plans(graph, seq, blocks)
         routing = _routing(graph)
         run = bool(plans) and _run_on_fake_group(model, single, args, kwargs, routing) is None
         _CACHE[key] = {}
