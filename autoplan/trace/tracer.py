@@ -269,6 +269,7 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     traced by running its forward (`recorder.py`). Both count FLOPs with FlopCounterMode and
     saved bytes with saved-tensor hooks, on the first copy of each block group.
     """
+    from autoplan.trace.capability import add_capability_facts
     from autoplan.trace.facts import add_parallelism_facts
 
     module = module.to(device="meta", dtype=TRACE_DTYPE)
@@ -303,6 +304,7 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
         fingerprint=fingerprint(module), model_name=name, image_size=image,
     )
     add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
+    add_capability_facts(model_graph, module, args, kwargs)
     return model_graph
 
 

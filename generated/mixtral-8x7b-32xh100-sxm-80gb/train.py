@@ -38,7 +38,7 @@ from autoplan.models.sources import fingerprint
 HERE = Path(__file__).resolve().parent
 
 # The plan, exactly as in plan.json. The runtime applies it: parallel degrees, ZeRO stage and
-# offload, micro-batching, pipeline stages (module paths), tensor-parallel style per module,
+# offload, micro-batching, pipeline stages (module paths), tensor-parallel styles per block class,
 # recomputation per block, precision and the optimizer. "estimate" holds the predictions.
 PLAN = {
     'model': {
@@ -117,13 +117,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 4.994892010432376,
-        'tokens_per_s': 209929.66370642945,
-        'tokens_per_s_per_gpu': 6560.30199082592,
-        'mfu': 0.5501232640308602,
-        'hfu': 0.5614754859029378,
-        'tflops_per_gpu': 544.0719081265207,
-        'bubble_fraction': 0.058603793853253226,
+        'step_time_s': 5.696111308883465,
+        'tokens_per_s': 184086.29030206555,
+        'tokens_per_s_per_gpu': 5752.696571939548,
+        'mfu': 0.48240038637856975,
+        'hfu': 0.49235509394214283,
+        'tflops_per_gpu': 477.0939821284055,
+        'bubble_fraction': 0.05863084438050397,
         'memory_gib_per_gpu': 72.70513916015625,
         'memory_breakdown_gib': {
             'parameters': 6.989501953125, 'gradients': 6.989501953125,
@@ -131,8 +131,8 @@ PLAN = {
             'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 4.29227976245468, 'recompute': 0.34433077338082063,
-            'exposed_comm': 0.06556185289823395, 'bubble': 0.2927196216986405,
+            'compute': 4.901483858846577, 'recompute': 0.3950977814134786,
+            'exposed_comm': 0.06556185289823395, 'bubble': 0.3339678157251752,
         },
         'comm_breakdown_s': {'pp': 0.06106849712676057, 'dp': 0.004493355771473386},
         'model_flops_per_token': 82933972992.0,
@@ -142,7 +142,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.2927196216986405,
+                'time_per_microbatch_s': 0.3339678157251752,
                 'memory_gib': 72.70513916015625,
                 'memory_breakdown_gib': {
                     'parameters': 6.989501953125, 'gradients': 6.989501953125,
@@ -154,7 +154,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.270225881870319,
+                'time_per_microbatch_s': 0.3083011378948125,
                 'memory_gib': 71.10626220703125,
                 'memory_breakdown_gib': {
                     'parameters': 6.501220703125, 'gradients': 6.501220703125,
@@ -166,7 +166,7 @@ PLAN = {
             {
                 'stage': 2,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.270225881870319,
+                'time_per_microbatch_s': 0.3083011378948125,
                 'memory_gib': 55.71759033203125,
                 'memory_breakdown_gib': {
                     'parameters': 6.501220703125, 'gradients': 6.501220703125,
@@ -178,7 +178,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.28934421036646796,
+                'time_per_microbatch_s': 0.3274194663909615,
                 'memory_gib': 42.21664810180664,
                 'memory_breakdown_gib': {
                     'parameters': 6.9895172119140625, 'gradients': 6.9895172119140625,
@@ -215,7 +215,7 @@ PLAN = {
             ],
         },
     },
-    'format_version': 1,
+    'format_version': 2,
 }
 
 
