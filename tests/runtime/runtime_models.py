@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hf_models
 from autoplan.models import build_model
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
@@ -88,6 +89,8 @@ def builder(kind: str):
         return lambda: TinyGPT()
     if kind == "manualgpt":
         return lambda: TinyGPT(manual_attention=True)
+    if kind in hf_models.CONFIGS:
+        return lambda: hf_models.build(kind)
     raise ValueError(kind)
 
 
@@ -109,7 +112,9 @@ def llama_tp_styles(layers: int = 4, moe: bool = False) -> dict[str, str]:
 
 
 def plan_dict(kind: str = "llama", **over) -> dict:
-    """A plan for the tiny models; stages split the 4 blocks evenly over pp*vpp."""
+    """A plan for the tiny models; stages split the blocks evenly over pp*vpp."""
+    if kind in hf_models.CONFIGS:
+        return _hf_plan_dict(kind, **over)
     world = over.get("dp", 1) * over.get("tp", 1) * over.get("pp", 1) * over.get("cp", 1)
     block = "blocks" if kind.endswith("gpt") else "layers"
     paths = [f"{block}.{i}" for i in range(4)]
@@ -127,6 +132,27 @@ def plan_dict(kind: str = "llama", **over) -> dict:
         plan["cp_buffers"] = {"rope_cos": 0, "rope_sin": 0}
     if over.get("ep", 1) > 1:
         plan["ep_modules"] = [f"layers.{i}.mlp" for i in range(4)]
+    plan.update(over)
+    return plan
+
+
+def _hf_plan_dict(kind: str, **over) -> dict:
+    """The same plan for a Hugging Face model: its module paths, positions from position_ids."""
+    plan = plan_dict("llama", **{k: v for k, v in over.items() if k not in ("tp", "cp", "ep", "pp")})
+    paths = hf_models.blocks(kind)
+    stages_n = over.get("pp", 1) * over.get("vpp", 1)
+    plan["model"]["name"] = f"tiny-{kind}"
+    plan["world_size"] = plan["gpus_per_node"] = (over.get("dp", 1) * over.get("tp", 1)
+                                                  * over.get("pp", 1) * over.get("cp", 1))
+    plan["stages"] = ([paths[i * len(paths) // stages_n:(i + 1) * len(paths) // stages_n]
+                       for i in range(stages_n)] if stages_n > 1 else [])
+    plan["stages"] = list(plan["stages"])
+    if over.get("tp", 1) > 1:
+        plan["tp_styles"] = hf_models.tp_styles(kind)
+    if over.get("cp", 1) > 1:
+        plan["cp_modules"] = hf_models.attention_modules(kind)
+    if over.get("ep", 1) > 1:
+        plan["ep_modules"] = hf_models.moe_modules(kind)
     plan.update(over)
     return plan
 
@@ -174,6 +200,12 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
     torch.manual_seed(seed)
     if kind == "gpt":
         model = TinyGPT()
+    elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
+        with torch.device("meta"):
+            model = hf_models.build(kind)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
     else:
         with torch.device("meta"):
             model = builder(kind)()
@@ -195,6 +227,7 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
         for group in opt.param_groups:
             group["lr"] = _lr(step)
         logits = model(batch[:, :-1])
+        logits = getattr(logits, "logits", logits)  # HF returns a ModelOutput
         loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER["grad_clip"])))

@@ -1,0 +1,74 @@
+"""How the runtime calls a user model and reads its logits, whatever the model's conventions.
+
+Outputs: a logits tensor (autoplan's models, most hand-written ones), an object or dict with
+a `logits` entry (Hugging Face `ModelOutput`), or a tuple whose first item is the logits.
+
+Inputs: token ids positionally, plus the keyword inputs the forward accepts:
+  position_ids      the absolute positions of the tokens this rank holds. Hugging Face models
+                    otherwise derive positions from the length of the input they see, which
+                    is wrong on a context-parallel rank (its zig-zag tokens) and inside a
+                    sequence-parallel region (the local sequence shard); rotary cos/sin and
+                    learned position embeddings are then computed for the right rows.
+  use_cache=False   training builds no key/value cache.
+  decoder_input_ids encoder-decoder models (T5) read the same tokens on both sides, so the
+                    synthetic objective stays next-token prediction.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from autoplan.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """The keyword inputs a model's forward accepts, read once from the (meta) model."""
+
+    accepted: frozenset[str]
+    padding_mask: bool  # `attention_mask` is a Hugging Face 2-D padding mask (1 = real token)
+
+    def kwargs(self, inputs: torch.Tensor, positions: torch.Tensor) -> dict[str, object]:
+        """Keyword inputs for `inputs` (batch, tokens) holding the tokens at `positions` (1-D)."""
+        kwargs: dict[str, object] = {}
+        if "position_ids" in self.accepted:
+            kwargs["position_ids"] = positions.to(inputs.device)[None, :]
+            # Hugging Face reads a jump in position_ids without a mask as packed sequences
+            # and masks across the jump; zig-zag CP tokens jump yet are one sequence.
+            if self.padding_mask and not _contiguous(positions):
+                kwargs["attention_mask"] = torch.ones_like(inputs)
+        if "use_cache" in self.accepted:
+            kwargs["use_cache"] = False
+        if "decoder_input_ids" in self.accepted:
+            kwargs["decoder_input_ids"] = inputs
+        return kwargs
+
+
+def model_call(model: nn.Module) -> ModelCall:
+    try:
+        accepted = frozenset(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        accepted = frozenset()
+    is_hf = hasattr(getattr(model, "config", None), "_attn_implementation")
+    return ModelCall(accepted, padding_mask=is_hf and "attention_mask" in accepted)
+
+
+def _contiguous(positions: torch.Tensor) -> bool:
+    return bool((positions.diff() == 1).all())
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits of a model output: a tensor, `.logits`/["logits"], or a tuple's first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if logits is not None:
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise UserError(f"the model returned {type(output).__name__}, not logits: return a tensor "
+                    "(batch, seq, vocab), an object with `.logits`, or a tuple starting with it.")
