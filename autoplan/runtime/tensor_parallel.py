@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from autoplan.runtime.expert_parallel import is_moe_layer
+
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
              "vocab_head")
 
@@ -79,14 +81,12 @@ def apply_tensor_parallel(model: nn.Module, styles: dict[str, str], tp_mesh: Dev
     rank's sequence shard (no gather, no re-shard; EP all-to-all works per tp rank). Their
     weights stay plain replicas whose gradients cover only the local tokens: the returned
     modules need their gradients summed over the tp group after backward."""
-    from autoplan.models.moe import MoE
-
     modules = dict(model.named_modules())
     plan, token_local = {}, []
     for path, name in styles.items():
         if path not in modules:
             continue  # on another pipeline stage
-        if name == "prepare_input" and isinstance(modules[path], MoE):
+        if name == "prepare_input" and is_moe_layer(modules[path]):
             if sequence_parallel:
                 modules[path].register_forward_pre_hook(_on_first_input(_to_local), with_kwargs=True)
                 token_local.append(modules[path])
