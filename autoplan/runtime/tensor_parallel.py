@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                SequenceParallel, parallelize_module)
 
 from autoplan.runtime.expert_parallel import is_moe_layer
+from autoplan.runtime.pipeline_hf import StageGap
 
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
              "vocab_head")
@@ -84,7 +85,7 @@ def apply_tensor_parallel(model: nn.Module, styles: dict[str, str], tp_mesh: Dev
     modules = dict(model.named_modules())
     plan, token_local = {}, []
     for path, name in styles.items():
-        if path not in modules:
+        if path not in modules or isinstance(modules[path], StageGap):
             continue  # on another pipeline stage
         if name == "prepare_input" and is_moe_layer(modules[path]):
             if sequence_parallel:
