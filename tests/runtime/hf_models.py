@@ -22,6 +22,7 @@ CONFIGS = {
     "hf_gpt2": ("GPT2Config", "GPT2LMHeadModel",
                 {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
+                 "bos_token_id": 0, "eos_token_id": 0,
                  "attn_implementation": "sdpa"}),
     "hf_bert": ("BertConfig", "BertForMaskedLM",
                 {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
@@ -34,12 +35,12 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_bert": "bert.encoder.layer"}
 
 
-def build(kind: str):
+def build(kind: str, **overrides):
     """The tiny model of `kind` (under the caller's device context and seed)."""
     import transformers
 
     config_name, model_name, kwargs = CONFIGS[kind]
-    kwargs = dict(kwargs)
+    kwargs = dict(kwargs, **overrides)
     attn = kwargs.pop("attn_implementation")
     config = getattr(transformers, config_name)(**kwargs)
     config._attn_implementation = attn
@@ -74,3 +75,10 @@ def attention_modules(kind: str) -> list[str]:
 
 def moe_modules(kind: str) -> list[str]:
     return [f"{block}.mlp" for block in blocks(kind)]
+
+
+def output_with_logits(logits):
+    """What a transformers causal LM returns: a ModelOutput holding the logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(logits=logits)
