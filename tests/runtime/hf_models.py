@@ -29,10 +29,14 @@ CONFIGS = {
                  "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
                  "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                  "attn_implementation": "sdpa"}),
+    "hf_t5": ("T5Config", "T5ForConditionalGeneration",
+              {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": LAYERS, "num_heads": 4,
+               "vocab_size": 256, "dropout_rate": 0.0, "use_cache": False,
+               "attn_implementation": "sdpa"}),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_gpt2": "transformer.h",
-               "hf_bert": "bert.encoder.layer"}
+               "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block"}
 
 
 def build(kind: str, **overrides):

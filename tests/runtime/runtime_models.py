@@ -226,8 +226,10 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
             batch = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ_LEN + 1), generator=gen)
         for group in opt.param_groups:
             group["lr"] = _lr(step)
-        logits = model(batch[:, :-1])
-        logits = getattr(logits, "logits", logits)  # HF returns a ModelOutput
+        inputs = batch[:, :-1]
+        # HF returns a ModelOutput; an encoder-decoder reads the same tokens on both sides
+        logits = model(inputs, decoder_input_ids=inputs) if kind == "hf_t5" else model(inputs)
+        logits = getattr(logits, "logits", logits)
         loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER["grad_clip"])))
