@@ -1,8 +1,8 @@
 """Plan: the one serialisable value every later stage consumes (estimate, generate, report, runtime).
 
 A plan file (plan.json) holds the parallel configuration, what the runtime needs to apply
-it without re-analysing the model (module paths of each pipeline stage, TP style per
-module, attention modules for CP, MoE modules for EP, recomputation per block), the
+it without re-analysing the model (module paths of each pipeline stage, TP styles per
+block class, attention modules for CP, MoE modules for EP, recomputation per block), the
 hardware it was made for, its predicted estimate, a format version and a fingerprint of
 the model. This module imports only the standard library so that `autoplan.runtime`
 can read plans on training nodes.
@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)  # version 1 kept tp_styles as one flat {module path: style}
 
 
 class PlanFormatError(ValueError):
@@ -59,7 +60,10 @@ class Plan:
     # modules before the first block go with stage 0, those after the last with the last.
     stages: list[list[str]] = field(default_factory=list)
     recompute: dict[str, str] = field(default_factory=dict)  # block path -> none|selective|full
-    tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style
+    # TP styles per block class, as torchtitan's parallelize plans: "" -> {module path: style}
+    # for modules outside the blocks; "layers.*" (every block of that list) or a block path
+    # -> {path relative to the block ("" = the block itself): style}
+    tp_styles: dict[str, dict[str, str]] = field(default_factory=dict)
     cp_modules: list[str] = field(default_factory=list)  # attention modules calling SDPA
     cp_buffers: dict[str, int] = field(default_factory=dict)  # buffer path -> its sequence dim (RoPE tables)
     ep_modules: list[str] = field(default_factory=list)  # MoE modules
@@ -99,9 +103,10 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanFormatError("a plan is a JSON object")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READS_VERSIONS:
             raise PlanFormatError(
-                f"plan format_version is {version!r}, this autoplan reads version {FORMAT_VERSION}"
+                f"plan format_version is {version!r}, this autoplan reads versions "
+                f"{', '.join(map(str, READS_VERSIONS))}"
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
@@ -111,6 +116,9 @@ class Plan:
             raise PlanFormatError(f"plan keys do not match: unknown {unknown}, missing {missing}")
         kwargs = dict(data)
         kwargs["model"] = ModelRef(**data["model"])
+        if version == 1:
+            kwargs["tp_styles"] = {"": dict(data.get("tp_styles", {}))} if data.get("tp_styles") else {}
+            kwargs["format_version"] = FORMAT_VERSION
         plan = cls(**kwargs)
         plan.check()
         return plan
@@ -139,6 +147,8 @@ class Plan:
                 f"global_batch {self.global_batch} is not a multiple of dp*micro_batch "
                 f"= {self.dp * self.micro_batch}"
             )
+        if any(not isinstance(v, dict) for v in self.tp_styles.values()):
+            problems.append("tp_styles maps a block class (or \"\") to {relative path: style}")
         if self.stages and len(self.stages) != self.pp * self.vpp:
             problems.append(f"{len(self.stages)} stages listed, pp*vpp = {self.pp * self.vpp}")
         if problems:

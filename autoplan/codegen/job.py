@@ -327,7 +327,9 @@ def _plan_rows(plan: Plan) -> list[tuple[str, str]]:
         rows.append(("pipeline", f"{plan.schedule}, {plan.vpp} virtual stages per rank, blocks per "
                                  f"stage {[len(s) for s in plan.stages]}"))
     if plan.tp > 1:
-        rows.append(("tensor parallel", f"{len(plan.tp_styles)} modules sharded, sequence parallel "
+        classes = sum(1 for scope in plan.tp_styles if scope)
+        rows.append(("tensor parallel", f"styles for {classes} block class(es) and "
+                                        f"{len(plan.tp_styles.get('', {}))} other modules, sequence parallel "
                                         f"{'on' if plan.sequence_parallel else 'off'}"))
     rows.append(("optimizer", f"{opt.get('name', 'adamw')} lr {opt.get('lr')} betas {opt.get('betas')} "
                               f"weight decay {opt.get('weight_decay')}, warmup {opt.get('warmup_steps')} "

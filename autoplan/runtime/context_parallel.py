@@ -191,7 +191,7 @@ def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: 
     for path in cp_modules:
         if path in modules:
             modules[path].register_forward_pre_hook(enter)
-            modules[path].register_forward_hook(leave)
+            modules[path].register_forward_hook(leave, always_call=True)
     positions = zigzag_positions(seq_len, dist.get_world_size(group), dist.get_rank(group))
     for path, dim in cp_buffers.items():
         owner_path, _, name = path.rpartition(".")

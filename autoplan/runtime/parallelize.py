@@ -27,7 +27,7 @@ from autoplan.runtime.data import zigzag_positions
 from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stage_indices
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
-from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel
+from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel, expand_tp_styles
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
@@ -49,18 +49,21 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
     """Raise UserError naming every module path of the plan the model lacks (meta-safe)."""
     names = {name for name, _ in model.named_modules()}
     buffers = {name for name, _ in model.named_buffers()}
+    tp_styles = expand_tp_styles(plan.tp_styles, names)
     wanted = {"stages": [p for stage in plan.stages for p in stage],
-              "tp_styles": list(plan.tp_styles), "cp_modules": list(plan.cp_modules),
+              "tp_styles": list(tp_styles), "cp_modules": list(plan.cp_modules),
               "ep_modules": list(plan.ep_modules), "recompute": list(plan.recompute)}
     missing = [f"{key}: {path}" for key, paths in wanted.items() for path in paths
                if path not in names]
     missing += [f"cp_buffers: {path}" for path in plan.cp_buffers if path not in buffers]
+    missing += [f"tp_styles: {scope} (matches no block)" for scope in plan.tp_styles
+                if scope and not expand_tp_styles({scope: {"": "any"}}, names)]
     if missing:
         raise UserError("the plan names module paths this model does not have ("
                         + "; ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
                         + "). Was the plan made for another model? Re-run `autoplan plan` "
                         "for this model.")
-    bad_styles = sorted({s for s in plan.tp_styles.values() if s not in TP_STYLES})
+    bad_styles = sorted({s for s in tp_styles.values() if s not in TP_STYLES})
     if bad_styles:
         raise UserError(f"unknown TP styles {bad_styles}; known: {', '.join(TP_STYLES)}.")
     if plan.schedule not in SCHEDULES:
@@ -98,8 +101,12 @@ def _blocks(plan: Plan) -> list[str]:
     return [p for p, _ in plan.recompute.items()]
 
 
-def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> Parallelized:
-    """Parallelise a materialised, initialised model in place for this rank."""
+def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
+               data_parallel: bool = True) -> Parallelized:
+    """Parallelise a materialised, initialised model in place for this rank.
+
+    `data_parallel=False` stops before step 5: the plan-time capability probe runs on meta
+    tensors, which DDP/FSDP cannot wrap, and DP applies to any model."""
     # 1. Pipeline split: keep only this rank's (virtual) stages.
     if plan.pp > 1:
         ids = stage_indices(mesh.pp_rank, plan.pp, plan.vpp, plan.schedule)
@@ -124,6 +131,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh) -> Parallelized
         # 4. Activation recomputation.
         apply_recompute(part, plan.recompute)
     # 5. Data parallelism (also over cp: CP ranks average gradients like DP ranks).
+    if not data_parallel:
+        return result
     ignored = set(result.expert_params)
     dp_cp = plan.dp * plan.cp
     device_is_cpu = mesh.world.device_type == "cpu"

@@ -1,4 +1,4 @@
-"""Tensor + sequence parallelism from the plan's style table (module path -> style).
+"""Tensor + sequence parallelism from the plan's style table (styles per block class).
 
 Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, or with
 sequence parallelism one reduce-scatter + all-gather, per pair). Between blocks the residual
@@ -8,6 +8,8 @@ logits are never gathered.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn as nn
@@ -74,7 +76,27 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     raise ValueError(f"unknown TP style {name!r}")
 
 
-def apply_tensor_parallel(model: nn.Module, styles: dict[str, str], tp_mesh: DeviceMesh,
+def _scope_regex(scope: str) -> re.Pattern:
+    """A block-class key of the table ("layers.*") as a regex; "*" is one path component."""
+    return re.compile(r"[^.]+".join(re.escape(part) for part in scope.split("*")))
+
+
+def expand_tp_styles(table: dict[str, dict[str, str]], module_names) -> dict[str, str]:
+    """The plan's per-class style table -> {module path: style} for the modules named.
+
+    "" holds absolute paths; any other key matches block paths (each "*" one path
+    component) and its entries are relative to each matching block ("" = the block)."""
+    names = list(module_names)
+    styles = {}
+    for scope, entries in table.items():
+        blocks = [""] if scope == "" else [n for n in names if _scope_regex(scope).fullmatch(n)]
+        for block in blocks:
+            for relative, style in entries.items():
+                styles[".".join(p for p in (block, relative) if p)] = style
+    return styles
+
+
+def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp_mesh: DeviceMesh,
                           sequence_parallel: bool) -> list[nn.Module]:
     """parallelize_module with every style of the plan that exists in this (stage) module.
 
@@ -84,7 +106,7 @@ def apply_tensor_parallel(model: nn.Module, styles: dict[str, str], tp_mesh: Dev
     modules need their gradients summed over the tp group after backward."""
     modules = dict(model.named_modules())
     plan, token_local = {}, []
-    for path, name in styles.items():
+    for path, name in expand_tp_styles(table, modules).items():
         if path not in modules or isinstance(modules[path], StageGap):
             continue  # on another pipeline stage
         if name == "prepare_input" and is_moe_layer(modules[path]):
@@ -100,8 +122,8 @@ def apply_tensor_parallel(model: nn.Module, styles: dict[str, str], tp_mesh: Dev
     return token_local
 
 
-def uses_loss_parallel(styles: dict[str, str]) -> bool:
-    return "vocab_head" in styles.values()
+def uses_loss_parallel(table: dict[str, dict[str, str]]) -> bool:
+    return any("vocab_head" in entries.values() for entries in table.values())
 
 
 

@@ -11,6 +11,8 @@ Rules (each a small predicate returning a reason string, reused by the explanati
 - pp <= number of blocks (stages may hold different block counts); interleaved needs
   pp * vpp <= blocks and micro-batches a multiple of pp.
 - micro-batch divides the global batch per DP rank.
+- an axis autoplan's runtime refused at plan time (`graph.refused`, trace/capability.py)
+  is not searched.
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ def tp_reason(graph: ModelGraph, tp: int, gpus_per_node: int) -> str | None:
     if tp == 1:
         return None
     if not graph.tensor_parallel:
-        return "the model has no column/row linear pairs to shard"
+        unsplit = "; ".join(f"{u['block']}" + (f".{u['module']}" if u["module"] else "") + f": {u['reason']}"
+                            for u in graph.tp_unsplit[:2])
+        return "the model has no column/row linear pairs to shard" + (f" ({unsplit})" if unsplit else "")
+    if "tp" in graph.refused:
+        return f"autoplan's runtime cannot apply tensor parallelism to this model: {graph.refused['tp']}"
     if gpus_per_node % tp:
         return f"tp={tp} would straddle nodes of {gpus_per_node} GPUs"
     for block in graph.blocks:
@@ -84,6 +90,8 @@ def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: 
         return None
     if not graph.context_parallel:
         return "context parallelism needs attention through F.scaled_dot_product_attention"
+    if "cp" in graph.refused:
+        return f"autoplan's runtime cannot apply context parallelism to this model: {graph.refused['cp']}"
     if seq_len % (2 * cp):
         return f"cp={cp} does not divide seq_len {seq_len} into 2*cp zig-zag chunks"
     group = tp * cp
@@ -95,6 +103,8 @@ def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: 
 def pp_reason(graph: ModelGraph, pp: int, vpp: int) -> str | None:
     if pp * vpp > max(graph.num_layers, 1):
         return f"pp*vpp={pp * vpp} exceeds the {graph.num_layers} blocks"
+    if pp > 1 and "pp" in graph.refused:
+        return f"autoplan's runtime cannot split this model into pipeline stages: {graph.refused['pp']}"
     return None
 
 
@@ -104,6 +114,8 @@ def ep_reason(graph: ModelGraph, ep: int, dp: int, cp: int) -> str | None:
     experts = [b.experts for b in graph.blocks if b.experts]
     if not experts:
         return "expert parallelism needs MoE layers"
+    if "ep" in graph.refused:
+        return f"autoplan's runtime cannot apply expert parallelism to this model: {graph.refused['ep']}"
     if (dp * cp) % ep:
         return f"ep={ep} does not divide dp*cp={dp * cp}"
     if any(e % ep for e in experts):
@@ -217,6 +229,8 @@ def check_fixed(graph: ModelGraph, request: Request) -> None:
     if not reason and "ep" in fixed and fixed["ep"] > 1:
         if not any(b.experts for b in graph.blocks):
             reason = f"ep={fixed['ep']} but the model has no MoE layers"
+        elif "ep" in graph.refused:
+            reason = ep_reason(graph, fixed["ep"], 1, 1)
         elif any(b.experts % fixed["ep"] for b in graph.blocks if b.experts):
             reason = f"ep={fixed['ep']} does not divide the experts"
     if not reason and "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
@@ -230,4 +244,4 @@ def check_fixed(graph: ModelGraph, request: Request) -> None:
         if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and product != n:
             reason = f"dp*tp*pp*cp = {product} != {n} GPUs"
     if reason:
-        raise UserError(f"--fix is outside the search space: {reason}. Drop or change that --fix.")
+        raise UserError(f"--fix is outside the search space: {reason.rstrip('.')}. Drop or change that --fix.")

@@ -1,11 +1,22 @@
 """Parallelism facts read off a traced graph: TP column/row pairs and styles, CP, EP.
 
-A tensor-parallel pair is found by data flow inside a block: walking back from a linear
-through views, elementwise ops and attention (but not through norms or block inputs)
-reaches the linears that feed it. Those are column-parallel, it is row-parallel
-(Megatron: q,k,v -> attention -> o; gate,up -> act*mul -> down). A pair whose
-column outputs are split or chunked (a fused qkv projection) is not sharded, since
-slicing the fused output per rank would mix q, k and v.
+A tensor-parallel pair is found by data flow inside a block (Megatron-LM, Shoeybi et al.
+2019, sec. 3: q,k,v -> attention -> o; gate,up -> act*mul -> down). Walking back from a
+linear through views, elementwise ops and attention (never through norms, other linears
+or the block input) reaches the linears that feed it; they are column-parallel, it is
+row-parallel, when the split is legal:
+
+- hidden -> X -> hidden: every column reads the width the row writes (the residual width),
+  so a row that widens (an FFN up-projection fed through a hand-written norm) is no row;
+- the region between them (ops reachable from a column that reach the row) mixes in no
+  full-size tensor from outside (a residual add: the sharded half would meet a whole one);
+- nothing computed in the region, nor a column's output, is used outside the region.
+
+Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
+model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
+fused projections (one Linear for q,k,v or gate,up: a ColwiseParallel row slice would mix
+q, k and v, where Megatron/torchtitan re-order the fused weight per rank) and
+`nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
 """
 
 from __future__ import annotations
@@ -18,52 +29,136 @@ import torch.nn as nn
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
 
-_STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv"}
-_SPLITS = {"split", "chunk", "split_with_sizes", "unbind"}
+_STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv", "moe_router", "loss"}
+_SPLITS = {"split", "chunk", "split_with_sizes", "unbind", "tensor_split"}
+_FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up): sharding its "
+          "output columns would mix the parts on each rank; left unsplit")
+_PACKED_MHA = ("nn.MultiheadAttention packs q, k and v in one in_proj_weight and runs attention "
+               "inside one call, so it cannot be sharded by heads; left unsplit")
+
+
+def _graph_maps(ops: list[OpInfo], edges: list[tuple[str, str]]):
+    by_name = {op.name: op for op in ops}
+    inputs: dict[str, list[str]] = defaultdict(list)
+    users: dict[str, list[str]] = defaultdict(list)
+    for src, dst in edges:
+        if src in by_name and dst in by_name and src not in inputs[dst]:
+            inputs[dst].append(src)
+            users[src].append(dst)
+    return by_name, inputs, users
+
+
+def _walk_back(row: str, by_name: dict, inputs: dict) -> tuple[set[str], set[str]]:
+    """(feeding linears, ops passed through) walking back from `row` to the stop kinds."""
+    feeders, through, stack = set(), set(), list(inputs[row])
+    while stack:
+        name = stack.pop()
+        if name in through or name in feeders:
+            continue
+        if by_name[name].kind == "linear":
+            feeders.add(name)
+        elif by_name[name].kind not in _STOP_KINDS:
+            through.add(name)
+            stack.extend(inputs[name])
+    return feeders, through
+
+
+def _region(feeders: set[str], through: set[str], users: dict) -> set[str]:
+    """The ops of `through` reachable from a feeder: what carries sharded values."""
+    region, stack = set(), [u for f in feeders for u in users[f]]
+    while stack:
+        name = stack.pop()
+        if name in through and name not in region:
+            region.add(name)
+            stack.extend(users[name])
+    return region
+
+
+def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict,
+             users: dict) -> str | None:
+    """Why `feeders` -> `row` is not a column/row pair, or None when it is one."""
+    hidden = {by_name[f].input_shapes[0][-1] for f in feeders if by_name[f].input_shapes}
+    out = by_name[row].output_shape
+    if len(hidden) != 1 or not out or out[-1] not in hidden:
+        return "the linears do not map hidden -> X -> hidden"
+    inside = region | feeders
+    for name in region:
+        op = by_name[name]
+        if op.kind == "elementwise":
+            full = sum(1 for shape in op.input_shapes if shape == op.output_shape)
+            tensors = sum(1 for src in inputs[name] if src in inside and by_name[src].output_shape)
+            if full > tensors:
+                return f"{name} mixes in a full-size tensor from outside (a residual)"
+    for name in inside:
+        if not by_name[name].output_shape:
+            continue  # a size or shape read: a plain int, not a sharded value
+        escaped = [u for u in users[name] if u not in region and u != row]
+        if escaped:
+            return f"{name} is also used by {escaped[0]}"
+    return None
+
+
+def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict) -> bool:
+    """One Linear computing several parts: a lone column feeding attention holds q, k and v
+    (GPT-2 c_attn, timm qkv); an MLP column whose output is split holds gate and up."""
+    widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
+    split_whole = any(by_name[n].target in _SPLITS and by_name[n].input_shapes
+                      and by_name[n].input_shapes[0] and by_name[n].input_shapes[0][-1] in widths
+                      for n in region)  # fused k,v beside a separate q
+    if kind == "attention":
+        return len(feeders) == 1 or split_whole
+    return split_whole or any(by_name[n].target in _SPLITS or (by_name[n].target == "getitem"
+               and by_name[n].input_shapes and by_name[n].output_shape
+               and by_name[n].output_shape[-1] != by_name[n].input_shapes[0][-1])
+               for n in region)
 
 
 def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
-    """Column/row linear pairs of one block's ops (names relative to nothing: full op names)."""
-    by_name = {op.name: op for op in ops}
-    inputs: dict[str, list[str]] = defaultdict(list)
-    for src, dst in edges:
-        if src in by_name and dst in by_name:
-            inputs[dst].append(src)
+    """Column/row linear pairs of one block's ops (full op names), each marked "fused" when
+    a column computes several parts (a fused qkv / kv / gate_up projection)."""
+    by_name, inputs, users = _graph_maps(ops, edges)
+    order = list(by_name)
     pairs = []
     for op in ops:
         if op.kind != "linear":
             continue
-        feeders, through, stack, seen = set(), [], list(inputs[op.name]), set()
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            src = by_name[name]
-            if src.kind == "linear":
-                feeders.add(name)
-            elif src.kind not in _STOP_KINDS:
-                through.append(src)
-                stack.extend(inputs[name])
-        if not feeders or not any(t.kind in ("attention", "elementwise", "matmul") for t in through):
+        feeders, through = _walk_back(op.name, by_name, inputs)
+        region = _region(feeders, through, users)
+        kinds = {by_name[n].kind for n in region}
+        if not feeders or not kinds & {"attention", "elementwise", "matmul"}:
             continue
-        widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
-        # a split of a linear's whole output width = a fused projection (qkv / gate_up)
-        fused = any(t.target in _SPLITS and t.input_shapes and t.input_shapes[0]
-                    and t.input_shapes[0][-1] in widths for t in through)
-        kind = "attention" if any(t.kind == "attention" or t.kind == "matmul" for t in through) else "mlp"
-        attention = [t for t in through if t.kind == "attention"]
-        pairs.append({"column": sorted(feeders, key=list(by_name).index), "row": op.name,
-                      "kind": kind, "fused": fused, "attention": attention})
+        if _illegal(op.name, feeders, region, by_name, inputs, users):
+            continue
+        kind = "attention" if kinds & {"attention", "matmul"} else "mlp"
+        attention = [by_name[n] for n in sorted(region, key=order.index)
+                     if by_name[n].kind == "attention"]
+        pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
+                      "fused": _fused(kind, feeders, region, by_name), "attention": attention})
     return pairs
+
+
+def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str]]:
+    """(module, reason) for each part of a block that tensor parallelism must leave whole."""
+    module_of = {op.name: op.module for op in ops}
+    reasons = [(module_of[c], _FUSED) for p in pairs if p["fused"] for c in p["column"]]
+    reasons += [(op.module, _PACKED_MHA) for op in ops
+                if op.kind == "attention" and op.target == "MultiheadAttention"]
+    covered = {a.name for p in pairs for a in p["attention"]}
+    reasons += [(op.module or op.name, "its attention is not between a column and a row linear "
+                 "found in the data flow; left unsplit")
+                for op in ops if op.kind == "attention" and op.target != "MultiheadAttention"
+                and op.name not in covered]
+    return reasons
 
 
 def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, str]]) -> dict:
     """heads, kv_heads, ffn, kv_bytes, tp_parameters, tp_flops and the pairs of one block copy."""
     by_name = {op.name: op for op in ops}
     facts = {"heads": 0, "kv_heads": 0, "ffn": 0, "kv_bytes": 0, "tp_parameters": 0,
-             "tp_flops": 0, "pairs": []}
-    for pair in linear_pairs(ops, edges):
+             "tp_flops": 0, "pairs": [], "unsplit": []}
+    pairs = linear_pairs(ops, edges)
+    facts["unsplit"] = unsplit_reasons(ops, pairs)
+    for pair in pairs:
         if pair["fused"]:
             continue
         linears = [by_name[n] for n in pair["column"]] + [by_name[pair["row"]]]
@@ -104,50 +199,81 @@ def _common_parent(paths: list[str]) -> str:
     return ".".join(common)
 
 
-def _retarget(path: str, first: str, copy: str) -> str:
-    return copy + path[len(first):] if path.startswith(first) else path
+def _relative(path: str, block: str) -> str:
+    return path[len(block) + 1:] if path.startswith(block + ".") else ""
+
+
+def block_scopes(model: nn.Module, paths: tuple[str, ...]) -> list[str]:
+    """Keys of one block class in the TP style table: "<list>.*" when the class fills its
+    ModuleList / Sequential, else each block path (several classes share that list)."""
+    parent = paths[0].rpartition(".")[0]
+    same_parent = all(p.rpartition(".")[0] == parent for p in paths)
+    children = len(list(model.get_submodule(parent).children())) if same_parent else -1
+    if same_parent and children == len(paths):
+        return [f"{parent}.*" if parent else "*"]
+    return list(paths)
+
+
+def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dict[str, str]:
+    """Relative path -> TP style of one block class."""
+    styles: dict[str, str] = {}
+    module_of = {o.name: o.module for o in block_ops}
+    for pair in pairs:
+        columns = [module_of[n] for n in pair["column"]]
+        row = module_of[pair["row"]]
+        for column in columns:
+            styles[_relative(column, first)] = "colwise"
+        styles[_relative(row, first)] = "rowwise"
+        styles[_relative(_common_parent(columns + [row]), first)] = "prepare_input"
+    for op in block_ops:
+        if op.kind == "norm" and op.module:
+            styles[_relative(op.module, first)] = "sequence_parallel"
+    return styles
 
 
 def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, groups: dict,
                           first_path: dict[str, str], edges: list[tuple[str, str]]) -> None:
-    """Fill tensor_parallel, tp_styles, context_parallel, cp_buffers and expert_parallel."""
+    """Fill tensor_parallel, tp_unsplit, tp_styles, context_parallel, cp_buffers, expert_parallel."""
     ops = [mg.graph.nodes[n]["op"] for n in mg.graph.nodes]
-    styles: dict[str, str] = {}
+    table: dict[str, dict[str, str]] = {}
     for group, first in first_path.items():
         block_ops = [op for op in ops if op.name.startswith(first + ".")]
         facts = block_tp_facts(model.get_submodule(first), block_ops, edges)
         block = mg.segment(group)
+        mg.tp_unsplit += [{"block": group, "module": _relative(m, first) or m, "reason": r}
+                          for m, r in facts["unsplit"]]
+        if not facts["pairs"]:
+            mg.tp_unsplit.append({"block": group, "module": "", "reason": "no column/row linear "
+                                  "pair in its data flow"})
+        module_of = {o.name: o.module for o in block_ops}
         for pair in facts["pairs"]:
-            columns = [next(o.module for o in block_ops if o.name == n) for n in pair["column"]]
-            row = next(o.module for o in block_ops if o.name == pair["row"])
-            parent = _common_parent(columns + [row])
+            columns = [module_of[n] for n in pair["column"]]
+            row = module_of[pair["row"]]
             divides = ({"heads": block.heads, "kv_heads": block.kv_heads} if pair["kind"] == "attention"
                        else {"ffn": block.ffn})
             mg.tensor_parallel.append({
-                "block": group, "kind": pair["kind"], "module": parent[len(first) + 1:],
-                "column": [c[len(first) + 1:] for c in columns], "row": row[len(first) + 1:],
+                "block": group, "kind": pair["kind"],
+                "module": _relative(_common_parent(columns + [row]), first),
+                "column": [_relative(c, first) for c in columns], "row": _relative(row, first),
                 "divides": divides,
             })
-            for copy in block.paths:
-                for column in columns:
-                    styles[_retarget(column, first, copy)] = "colwise"
-                styles[_retarget(row, first, copy)] = "rowwise"
-                styles[_retarget(parent, first, copy)] = "prepare_input"
-        norms = [op.module for op in block_ops if op.kind == "norm" and op.module]
-        for copy in block.paths:
-            for norm in norms:
-                styles[_retarget(norm, first, copy)] = "sequence_parallel"
+        styles = _block_styles(block_ops, facts["pairs"], first)
+        moe = _moe_module(model.get_submodule(first))
+        if moe is not None:  # token-wise: the runtime runs it on this rank's sequence shard
+            styles[moe[0]] = "prepare_input"
+        for scope in block_scopes(model, block.paths):
+            table[scope] = dict(styles)
         attention_modules = sorted({op.module for op in block_ops if op.kind == "attention"
                                     and op.target == "scaled_dot_product_attention"})
-        moe = _moe_module(model.get_submodule(first))
         for copy in block.paths:
-            mg.context_parallel += [_retarget(a, first, copy) for a in attention_modules]
+            mg.context_parallel += [copy + a[len(first):] for a in attention_modules]
             if moe is not None:
                 path = ".".join(p for p in (copy, moe[0]) if p)
                 mg.expert_parallel.append({"module": path, "experts": moe[1], "top_k": moe[2]})
+    if mg.tp_unsplit:
+        mg.tensor_parallel = []  # a sequence-sharded residual stream needs every block sharded
     if mg.tensor_parallel:
-        styles.update(_pre_post_styles(mg, model, ops, first_path))
-    mg.tp_styles = styles
+        mg.tp_styles = {"": _pre_post_styles(mg, model, ops, first_path), **table}
     mg.cp_buffers = _sliced_buffers(gm) if mg.context_parallel else {}
 
 

@@ -99,7 +99,13 @@ class ModelGraph:
     cp_buffers: dict[str, int] = field(default_factory=dict)  # position tables sliced by seq -> dim
     expert_parallel: list[dict] = field(default_factory=list)
     fallback_modules: list[str] = field(default_factory=list)
-    tp_styles: dict[str, str] = field(default_factory=dict)  # module path -> TP style
+    tp_unsplit: list[dict] = field(default_factory=list)  # {block, module, reason} TP leaves whole
+    # TP style table: "" -> {module path: style} for modules outside blocks; a block class
+    # ("layers.*", or one block path) -> {path relative to each block: style}
+    tp_styles: dict[str, dict[str, str]] = field(default_factory=dict)
+    # axis -> why autoplan.runtime cannot apply it to this model (trace/capability.py)
+    refused: dict[str, str] = field(default_factory=dict)
+    capability_probe_s: float = 0.0
     fingerprint: str = ""
     model_name: str = ""
     # memo of values derived from this graph (block profiles, layer costs); a graph is

@@ -48,6 +48,7 @@ def summarize(graph: ModelGraph) -> dict[str, Any]:
         "embedding": {"parameters": graph.pre.parameters, "forward_flops": graph.pre.forward_flops},
         "head": {"parameters": graph.post.parameters, "forward_flops": graph.post.forward_flops},
         "tensor_parallel": graph.tensor_parallel,
+        "tp_unsplit": graph.tp_unsplit,
         "context_parallel": graph.context_parallel,
         "expert_parallel": graph.expert_parallel,
         "pipeline_cut_points": [path for path, _ in graph.layer_order],
@@ -94,6 +95,9 @@ def render(summary: dict[str, Any], console) -> None:
     console.print("[bold]Tensor parallel:[/] " + ("; ".join(
         f"{p['block']}.{p['module']}: column {', '.join(p['column'])} -> row {p['row']} "
         f"(divides {', '.join(f'{k}={v}' for k, v in p['divides'].items())})" for p in tp) or "none found"))
+    for item in summary["tp_unsplit"][:4]:
+        console.print(f"  not sharded: {item['block']}" + (f".{item['module']}" if item["module"] else "")
+                      + f": {item['reason']}")
     cp = summary["context_parallel"]
     console.print(f"[bold]Context parallel:[/] {len(cp)} SDPA attention modules"
                   + (f" (e.g. {cp[0]})" if cp else " (CP needs F.scaled_dot_product_attention)"))

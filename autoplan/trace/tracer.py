@@ -289,6 +289,7 @@ def fingerprint(module: nn.Module) -> str:
 
 def trace_model(module: nn.Module, example_inputs: tuple, *, name: str = "") -> ModelGraph:
     """Trace `module` (parameters on meta) called with `example_inputs` into a ModelGraph."""
+    from autoplan.trace.capability import add_capability_facts
     from autoplan.trace.facts import add_parallelism_facts
 
     module = module.to(device="meta", dtype=TRACE_DTYPE)
@@ -332,6 +333,7 @@ def trace_model(module: nn.Module, example_inputs: tuple, *, name: str = "") -> 
         fingerprint=fingerprint(module), model_name=name,
     )
     add_parallelism_facts(model_graph, module, gm, groups, runner.first_path, rec.edges)
+    add_capability_facts(model_graph, module, inputs)
     return model_graph
 
 

@@ -38,7 +38,7 @@ from autoplan.models.sources import fingerprint
 HERE = Path(__file__).resolve().parent
 
 # The plan, exactly as in plan.json. The runtime applies it: parallel degrees, ZeRO stage and
-# offload, micro-batching, pipeline stages (module paths), tensor-parallel style per module,
+# offload, micro-batching, pipeline stages (module paths), tensor-parallel styles per block class,
 # recomputation per block, precision and the optimizer. "estimate" holds the predictions.
 PLAN = {
     'model': {
@@ -140,7 +140,7 @@ PLAN = {
             'layer_recompute': ['none', 'none'],
         },
     },
-    'format_version': 1,
+    'format_version': 2,
 }
 
 

@@ -1,0 +1,196 @@
+"""The capability contract: which parallel axes autoplan's runtime can apply to this model.
+
+Facts read off the graph say where an axis could apply; this probe asks the runtime itself.
+For each axis the graph offers (tp, cp, ep, pp) it builds the smallest plan using that axis
+alone, applies `autoplan.runtime.apply_plan` to a copy of the meta model on torch's "fake"
+process group (one process stands for every rank: collectives return at once, torch's
+`torch.testing._internal.distributed.fake_pg`) and runs one forward and backward on meta
+tensors. The first exception is the reason the axis is refused, naming the module where
+the runtime says so. The same model without any axis runs first: when that fails (a
+model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
+the graph facts give them. Results are cached per model fingerprint and sequence length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoplan.errors import UserError
+from autoplan.plan import ModelRef, Plan
+from autoplan.trace.graph import ModelGraph
+
+_CACHE: dict[tuple[str, int], dict[str, str | None]] = {}
+
+
+def _smallest_tp(graph: ModelGraph) -> int:
+    sizes = [v for b in graph.blocks for v in (b.heads, b.kv_heads, b.ffn) if v]
+    return next((d for d in range(2, 65) if all(v % d == 0 for v in sizes)), 0)
+
+
+def _smallest_ep(graph: ModelGraph) -> int:
+    experts = [b.experts for b in graph.blocks if b.experts]
+    return next((d for d in range(2, 65) if experts and all(e % d == 0 for e in experts)), 0)
+
+
+def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, Plan]:
+    """axis -> the smallest plan that uses it alone, for each axis the graph facts offer,
+    naming only modules inside `blocks` (the block paths the probed model has)."""
+    inside = lambda path: any(path == b or path.startswith(b + ".") for b in blocks)  # noqa: E731
+    base = Plan(model=ModelRef("probe", graph.model_name), gpu="cpu", world_size=1, gpus_per_node=1,
+                global_batch=1, seq_len=seq_len, precision="fp32", sequence_parallel=False)
+    plans = {}
+    tp = _smallest_tp(graph) if graph.tensor_parallel else 0
+    if tp:
+        plans["tp"] = replace(base, world_size=tp, gpus_per_node=tp, tp=tp, sequence_parallel=True,
+                              tp_styles={k: dict(v) for k, v in graph.tp_styles.items()})
+    if graph.context_parallel and seq_len % 4 == 0:
+        plans["cp"] = replace(base, world_size=2, gpus_per_node=2, cp=2,
+                              cp_modules=[m for m in graph.context_parallel if inside(m)],
+                              cp_buffers=dict(graph.cp_buffers))
+    ep = _smallest_ep(graph) if graph.expert_parallel else 0
+    if ep:
+        plans["ep"] = replace(base, world_size=ep, gpus_per_node=ep, dp=ep, ep=ep, global_batch=ep,
+                              ep_modules=[e["module"] for e in graph.expert_parallel if inside(e["module"])])
+    paths = [p for p, _ in graph.layer_order if p in blocks]
+    if len(paths) >= 2:
+        half = len(paths) // 2
+        plans["pp"] = replace(base, world_size=2, gpus_per_node=2, pp=2, global_batch=2,
+                              stages=[paths[:half], paths[half:]])
+    return plans
+
+
+def shallow_copy(model: nn.Module, graph: ModelGraph) -> tuple[nn.Module, set[str]]:
+    """A copy of the meta model whose block lists keep only the prefix holding the first two
+    copies of each block class (copies are identical, so what applies to two applies to
+    all; two so that a pipeline can cut between them), and the block paths kept."""
+    keep: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for path, group in graph.layer_order:
+        parent, _, index = path.rpartition(".")
+        seen[group] = seen.get(group, 0) + 1
+        if index.isdigit() and seen[group] <= 2:
+            keep[parent] = max(keep.get(parent, 0), int(index) + 1)
+    small = copy.deepcopy(model)
+    for parent, length in keep.items():
+        blocks = small.get_submodule(parent)
+        if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            del blocks[length:]
+    kept = {name for name, _ in small.named_modules()}
+    return small, {p for p, _ in graph.layer_order if p in kept}
+
+
+def _logits(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    return next(t for t in output if isinstance(t, torch.Tensor))
+
+
+def _apply(model: nn.Module, plan: Plan, inputs: tuple, run: bool) -> None:
+    """apply_plan on the fake process group, then (if `run`) one forward and backward, on
+    fake CPU tensors (meta tensors have no process-group backend for point-to-point ops)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autoplan.runtime.mesh import build_mesh
+    from autoplan.runtime.parallelize import apply_plan, validate_plan
+
+    validate_plan(model, plan)
+    mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        model.to_empty(device="cpu")
+        part = apply_plan(model, plan, mesh, data_parallel=False).parts[0]
+        if run:
+            inputs = tuple(fake.from_tensor(torch.zeros_like(x, device="cpu")) if isinstance(x, torch.Tensor)
+                           else x for x in inputs)
+            _step(part, plan, inputs)
+
+
+def _step(part: nn.Module, plan: Plan, inputs: tuple) -> None:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from autoplan.runtime.tensor_parallel import uses_loss_parallel
+
+    if plan.cp > 1:
+        inputs = (inputs[0][:, : inputs[0].shape[1] // plan.cp], *inputs[1:])
+    vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
+    with loss_parallel() if vocab_sharded else contextlib.nullcontext():
+        out = part(*inputs)
+        if plan.pp > 1:  # stage 0: whatever it hands on that carries gradients
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            carried = [t.float().mean() for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not carried:
+                return
+            loss = sum(carried)
+        else:
+            logits = _logits(out)
+            labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+            loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+        loss.backward()
+
+
+def _pop(running: list[str]) -> None:
+    running.pop()  # a forward hook that returns something replaces the module's output
+
+
+def _run_on_fake_group(model: nn.Module, plan: Plan, inputs: tuple, run: bool = True) -> str | None:
+    """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
+    not, naming the innermost module that was running when it failed."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    copy_ = copy.deepcopy(model)
+    names = {id(m): path for path, m in copy_.named_modules()}
+    running: list[str] = []
+    enter = nn.modules.module.register_module_forward_pre_hook(
+        lambda m, _args: running.append(names.get(id(m), "")))
+    leave = nn.modules.module.register_module_forward_hook(lambda m, _args, _out: _pop(running))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        _apply(copy_, plan, inputs, run)
+    except UserError as exc:
+        return str(exc)
+    except Exception as exc:  # the runtime's own failure is the fact to report
+        where = next((p for p in reversed(running) if p), "the root module")
+        return f"{where} fails under autoplan.runtime: {type(exc).__name__}: " \
+               f"{(str(exc).splitlines() or [''])[0][:300]}"
+    finally:
+        enter.remove()
+        leave.remove()
+        dist.destroy_process_group()
+    return None
+
+
+def probe_capabilities(graph: ModelGraph, model: nn.Module, inputs: tuple) -> dict[str, str | None]:
+    """axis -> None (the runtime applies it) or the reason it does not, for each axis the
+    graph offers. When the model without any axis cannot run one step on fake tensors (data-
+    dependent routing), each axis is only applied, not run. Empty inside a process that
+    already has a process group (a training job)."""
+    if dist.is_initialized():
+        return {}
+    key = (graph.fingerprint, graph.seq_len)
+    if key not in _CACHE:
+        single = Plan(model=ModelRef("probe", graph.model_name), gpu="cpu", world_size=1,
+                      gpus_per_node=1, global_batch=1, seq_len=graph.seq_len, precision="fp32")
+        model, blocks = shallow_copy(model, graph)
+        plans = probe_plans(graph, graph.seq_len, blocks)
+        run = bool(plans) and _run_on_fake_group(model, single, inputs) is None
+        _CACHE[key] = {}
+        for axis, plan in plans.items():
+            reason = _run_on_fake_group(model, plan, inputs, run)
+            _CACHE[key][axis] = reason and f"(probed at {axis}={getattr(plan, axis)}) {reason}"
+    return dict(_CACHE[key])
+
+
+def add_capability_facts(graph: ModelGraph, model: nn.Module, inputs: tuple) -> None:
+    """Record on the graph the axes the runtime refuses (`graph.refused`) and the probe's time."""
+    start = time.perf_counter()
+    results = probe_capabilities(graph, model, inputs)
+    graph.refused = {axis: reason for axis, reason in results.items() if reason}
+    graph.capability_probe_s = time.perf_counter() - start

@@ -1,0 +1,63 @@
+"""The plan-time capability contract: autoplan.runtime applied on the fake process group
+refuses the axes it cannot run, naming the module; the search and --fix obey it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from autoplan.models import build_model
+from autoplan.models.sources import load_model
+from autoplan.trace.tracer import trace_model
+
+MODELS = Path(__file__).parent / "capability_models"
+PLAN = ["--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--seq-len", "32", "--json"]
+
+
+def _graph(name: str):
+    loaded = load_model(str(MODELS / name))
+    return trace_model(loaded.module, loaded.example_inputs(1, 32))
+
+
+def test_expert_parallelism_of_a_hand_written_moe_is_refused_naming_the_module():
+    graph = _graph("loop_moe.py")
+    assert [e["module"] for e in graph.expert_parallel] == ["layers.0.moe", "layers.1.moe"]
+    assert "layers.0.moe" in graph.refused["ep"] and "SparseMoE" in graph.refused["ep"]
+    assert set(graph.refused) == {"ep"}  # pp applies; tp/cp are not offered by the facts
+
+
+def test_tensor_parallelism_of_a_hard_coded_head_count_is_refused_naming_the_module():
+    graph = _graph("fixed_heads.py")
+    assert graph.tensor_parallel  # the data flow has legal pairs ...
+    assert "layers.0.attn" in graph.refused["tp"]  # ... but the view needs all heads per rank
+    assert "is invalid for input of size" in graph.refused["tp"]
+    assert set(graph.refused) == {"tp"}  # cp and pp run
+
+
+def test_reference_llama_passes_every_probe():
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    assert graph.refused == {}
+    assert graph.capability_probe_s > 0
+
+
+def test_search_never_picks_a_refused_axis(run_cli):
+    code, out, err = run_cli("plan", str(MODELS / "loop_moe.py"), *PLAN, "--fix", "dp=4", "--fix", "zero=3")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["ep"] == 1
+
+
+def test_fix_of_a_refused_axis_exits_2_naming_module_and_reason(run_cli):
+    code, _, err = run_cli("plan", str(MODELS / "loop_moe.py"), *PLAN, "--fix", "ep=2")
+    err = " ".join(err.split())  # the CLI wraps lines
+    assert code == 2
+    assert "layers.0.moe" in err and "not an autoplan.models.moe.MoE layer" in err
+    assert "Traceback" not in err
+    code, _, err = run_cli("plan", str(MODELS / "fixed_heads.py"), *PLAN, "--fix", "tp=2")
+    err = " ".join(err.split())
+    assert code == 2 and "layers.0.attn" in err and "tensor parallelism" in err

@@ -1,0 +1,223 @@
+"""Tensor-parallel pairs read off the data flow: exact pairs, and what is left unsplit and why."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoplan.trace.tracer import trace_model
+
+HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 96
+
+
+class PlainRMSNorm(nn.Module):
+    """An RMSNorm written out in Python ops, as many repositories do (not an nn norm)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, manual: bool = False):
+        super().__init__()
+        self.head_dim = HIDDEN // HEADS
+        self.q = nn.Linear(HIDDEN, HEADS * self.head_dim, bias=False)
+        self.k = nn.Linear(HIDDEN, KV_HEADS * self.head_dim, bias=False)
+        self.v = nn.Linear(HIDDEN, KV_HEADS * self.head_dim, bias=False)
+        self.o = nn.Linear(HEADS * self.head_dim, HIDDEN, bias=False)
+        self.manual = manual
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if self.manual:
+            scores = (q @ k.transpose(-2, -1)) / self.head_dim ** 0.5
+            out = torch.softmax(scores, dim=-1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.w3 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class PlainNormBlock(nn.Module):
+    """Pre-norm block whose norms are Python ops: walking back from ffn.w1 through the norm and
+    the residual add reaches attn.o, which is no pair (o -> w1 crashed a dp=2 tp=2 job)."""
+
+    def __init__(self, manual: bool = False):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = PlainRMSNorm(HIDDEN), PlainRMSNorm(HIDDEN)
+        self.attn, self.ffn = GQAAttention(manual), SwiGLU()
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TimmAttention(nn.Module):
+    """timm's ViT attention: one qkv Linear, reshaped to (3, b, heads, s, d) and unbound."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        qkv = self.qkv(x).reshape(b, s, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, c))
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TimmBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.attn, self.mlp = TimmAttention(), Mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class MHABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.attn = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True)
+        self.mlp = Mlp()
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class FusedGateUp(nn.Module):
+    """Phi-3 style MLP: one Linear for gate and up, chunked in two."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Linear(HIDDEN, 2 * FFN, bias=False)
+        self.down = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class FusedGateUpBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.attn, self.mlp = GQAAttention(), FusedGateUp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, block, layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(block() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _trace(block):
+    with torch.device("meta"):
+        model = Stack(block)
+    return trace_model(model, (torch.empty(2, 16, HIDDEN, device="meta"),))
+
+
+def _pairs(graph) -> list[tuple[str, tuple[str, ...], str]]:
+    return sorted((p["kind"], tuple(p["column"]), p["row"]) for p in graph.tensor_parallel)
+
+
+def test_plain_norm_block_pairs_are_exactly_qkv_o_and_gate_up_down():
+    graph = _trace(PlainNormBlock)
+    assert _pairs(graph) == [("attention", ("attn.q", "attn.k", "attn.v"), "attn.o"),
+                             ("mlp", ("ffn.w1", "ffn.w3"), "ffn.w2")]
+    assert graph.tp_unsplit == []
+    block = graph.blocks[0]
+    assert (block.heads, block.kv_heads, block.ffn) == (HEADS, KV_HEADS, FFN)
+
+
+def test_manual_attention_with_matmul_and_softmax_is_a_pair():
+    graph = _trace(lambda: PlainNormBlock(manual=True))
+    assert ("attention", ("attn.q", "attn.k", "attn.v"), "attn.o") in _pairs(graph)
+    assert all(p["row"] != "ffn.w1" for p in graph.tensor_parallel)
+
+
+def test_styles_are_stated_once_per_block_class():
+    graph = _trace(PlainNormBlock)
+    assert set(graph.tp_styles) == {"", "layers.*"}
+    assert graph.tp_styles["layers.*"] == {
+        "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+        "attn": "prepare_input", "ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise",
+        "ffn": "prepare_input"}
+
+
+def test_timm_fused_qkv_leaves_the_model_unsplit_and_names_the_projection():
+    graph = _trace(TimmBlock)
+    assert graph.tensor_parallel == [] and graph.tp_styles == {}
+    reasons = {(u["block"], u["module"]): u["reason"] for u in graph.tp_unsplit}
+    assert "fused projection" in reasons[("layers", "attn.qkv")]
+
+
+def test_multihead_attention_is_left_unsplit_with_its_reason():
+    graph = _trace(MHABlock)
+    assert graph.tensor_parallel == []
+    reasons = {(u["block"], u["module"]): u["reason"] for u in graph.tp_unsplit}
+    assert "in_proj_weight" in reasons[("layers", "attn")]
+
+
+def test_fused_gate_up_is_left_unsplit():
+    graph = _trace(FusedGateUpBlock)
+    assert graph.tensor_parallel == []
+    assert [u["module"] for u in graph.tp_unsplit] == ["mlp.gate_up"]
+
+
+def test_moe_layer_of_a_block_class_runs_on_sequence_shards():
+    from autoplan.models import build_model
+
+    config = dict(model_type="mixtral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                  num_local_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = build_model(config)
+    graph = trace_model(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    # without it a tp>1 job feeds the router a sequence-sharded DTensor and fails in step 1
+    assert graph.tp_styles["layers.*"]["mlp"] == "prepare_input"
+    assert graph.tp_styles["layers.*"]["self_attn.o_proj"] == "rowwise"
