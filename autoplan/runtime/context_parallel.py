@@ -148,6 +148,9 @@ def context_parallel_supported(module: nn.Module) -> str | None:
     is a Hugging Face attention module whose config selects the "sdpa" implementation (the
     call then sits in transformers' sdpa_attention_forward). Hugging Face marks causal
     attention with `is_causal`; ring attention is causal only."""
+    if isinstance(module, nn.MultiheadAttention):
+        return ("nn.MultiheadAttention passes causality as a mask (or not at all) to its "
+                "attention, and ring attention is causal SDPA without a mask")
     config = getattr(module, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation is not None:

@@ -35,7 +35,7 @@ from autoplan.runtime.data import local_microbatches, make_source, zigzag_positi
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
-from autoplan.runtime.model_io import logits_of, model_call
+from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import build_schedule, make_stages
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
@@ -113,14 +113,6 @@ def materialise(build_model: Callable[[], nn.Module], meta: nn.Module, seed: int
         return meta
     with torch.device(device):  # constructor init is deterministic under the seed
         return build_model()
-
-
-def vocab_size_of(model: nn.Module) -> int:
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            return module.num_embeddings
-    raise UserError("the model has no nn.Embedding to read the vocabulary size from; "
-                    "autoplan.runtime trains token-id -> logits models.")
 
 
 class Trainer:
@@ -394,6 +386,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         check_world_size(plan)
         meta = build_meta(build_model)
         validate_plan(meta, plan)  # before the process group: nothing can hang
+        vocab_size_of(meta)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8" and rank == 0:
             print("autoplan: fp8 runs as bf16 in autoplan.runtime (no fp8 matmuls yet)", flush=True)
         owns_group = not dist.is_initialized()

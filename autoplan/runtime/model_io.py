@@ -1,5 +1,9 @@
 """How the runtime calls a user model and reads its logits, whatever the model's conventions.
 
+The training objective is next-token prediction on token ids, so the model must read token
+ids through an nn.Embedding (its size is the vocabulary the data is drawn from). Image models
+are refused with that reason before any process starts talking (`vocab_size_of`).
+
 Outputs: a logits tensor (autoplan's models, most hand-written ones), an object or dict with
 a `logits` entry (Hugging Face `ModelOutput`), or a tuple whose first item is the logits.
 
@@ -72,3 +76,14 @@ def logits_of(output) -> torch.Tensor:
         return output[0]
     raise UserError(f"the model returned {type(output).__name__}, not logits: return a tensor "
                     "(batch, seq, vocab), an object with `.logits`, or a tuple starting with it.")
+
+
+def vocab_size_of(model: nn.Module) -> int:
+    """The vocabulary of a token-id model: the size of its first nn.Embedding."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    raise UserError(f"{type(model).__name__} has no nn.Embedding, so it does not read token ids "
+                    "(an image model?); autoplan.runtime trains token-id -> logits models with a "
+                    "next-token objective. Analyze and plan work for this model; to train it, "
+                    "use your own training loop with the plan's degrees.")

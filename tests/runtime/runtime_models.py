@@ -80,6 +80,33 @@ class ManualAttentionBlock(GPTBlock):
         return x + self.out(F.gelu(self.fc(self.ln_2(x))))
 
 
+class TinyEncoder(nn.Module):
+    """A user model around nn.TransformerEncoder (nn.MultiheadAttention inside)."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)))
+
+
+class TinyViT(nn.Module):
+    """An image classifier: patches in, class logits out; no token ids to train on."""
+
+    def __init__(self, dim: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=8, stride=8)
+        self.blocks = nn.Sequential(nn.TransformerEncoderLayer(dim, 4, 2 * dim, batch_first=True))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.patch(images).flatten(2).transpose(1, 2)).mean(1))
+
+
 def builder(kind: str):
     if kind == "llama":
         return lambda: build_model(TINY_LLAMA)
@@ -91,6 +118,8 @@ def builder(kind: str):
         return lambda: TinyGPT(manual_attention=True)
     if kind in hf_models.CONFIGS:
         return lambda: hf_models.build(kind)
+    if kind in ("encoder", "vit"):
+        return TinyEncoder if kind == "encoder" else TinyViT
     raise ValueError(kind)
 
 
@@ -118,12 +147,15 @@ def plan_dict(kind: str = "llama", **over) -> dict:
     world = over.get("dp", 1) * over.get("tp", 1) * over.get("pp", 1) * over.get("cp", 1)
     block = "blocks" if kind.endswith("gpt") else "layers"
     paths = [f"{block}.{i}" for i in range(4)]
+    if kind == "encoder":
+        paths = ["encoder.layers.0", "encoder.layers.1"]
     stages_n = over.get("pp", 1) * over.get("vpp", 1)
     plan = {"model": {"source": "catalog", "name": f"tiny-{kind}"}, "gpu": "cpu",
             "world_size": world, "gpus_per_node": world, "global_batch": GLOBAL_BATCH,
             "seq_len": SEQ_LEN, "precision": "fp32", "zero_stage": 0, "micro_batch": 1,
             "schedule": "1f1b", "optimizer": dict(OPTIMIZER), "format_version": 1,
-            "stages": ([paths[i * 4 // stages_n:(i + 1) * 4 // stages_n] for i in range(stages_n)]
+            "stages": ([paths[i * len(paths) // stages_n:(i + 1) * len(paths) // stages_n]
+                        for i in range(stages_n)]
                        if stages_n > 1 else [])}
     if over.get("tp", 1) > 1 and kind != "gpt":
         plan["tp_styles"] = llama_tp_styles(moe=kind == "mixtral")
@@ -198,8 +230,8 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
     Grad norms are compared too because AdamW and clipping are nearly invariant to a
     gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses."""
     torch.manual_seed(seed)
-    if kind == "gpt":
-        model = TinyGPT()
+    if kind in ("gpt", "encoder"):
+        model = builder(kind)()
     elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
         with torch.device("meta"):
             model = hf_models.build(kind)

@@ -15,6 +15,7 @@ CASES = {
                        "recompute: layers.9"),
     "cp_without_sdpa": ("manualgpt", dict(plan_dict("manualgpt"), cp_modules=["blocks.0"]),
                         "does not call F.scaled_dot_product_attention"),
+    "image_model": ("vit", plan_dict(), "TinyViT has no nn.Embedding, so it does not read token ids"),
     "plan_not_a_plan": ("llama", {"format_version": 1, "world_size": 1}, "plan keys do not match"),
 }
 

@@ -16,7 +16,7 @@ from autoplan.runtime.context_parallel import context_parallel_supported
 from autoplan.runtime.expert_parallel import expert_parallel_supported
 from autoplan.runtime.model_io import logits_of, model_call
 from autoplan.runtime.parallelize import validate_plan
-from runtime_models import TinyGPT, plan_dict
+from runtime_models import TinyEncoder, TinyGPT, plan_dict
 
 
 def _meta(kind: str, **config):
@@ -76,6 +76,15 @@ def test_context_parallel_accepts_hf_sdpa_causal_attention_only():
     plan = Plan.from_dict(plan_dict("hf_bert", cp=2))
     with pytest.raises(UserError, match=r"bert\.encoder\.layer\.0\.attention\.self.*not causal"):
         validate_plan(bert, plan)
+
+
+def test_context_parallel_refuses_multihead_attention_of_transformer_encoder():
+    with torch.device("meta"):
+        model = TinyEncoder()
+    plan = Plan.from_dict(dict(plan_dict("encoder", cp=2), cp_modules=["encoder.layers.0.self_attn"],
+                               cp_buffers={}))
+    with pytest.raises(UserError, match=r"encoder\.layers\.0\.self_attn.*causal SDPA without a mask"):
+        validate_plan(model, plan)
 
 
 def test_expert_parallel_supports_fused_hf_experts_and_names_what_it_refuses():
