@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from autoplan.errors import UserError
 from autoplan.runtime.data import zigzag_positions
+from autoplan.runtime.model_io import without_fake_causal_mask
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _ACTIVE = threading.local()
@@ -185,15 +186,16 @@ def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: 
     F.scaled_dot_product_attention = _cp_sdpa  # inert outside the hooked modules
     modules = dict(model.named_modules())
 
-    def enter(_module, _args):
+    def enter(module, args, kwargs):
         _ACTIVE.state = (group, seq_len)
+        return args, without_fake_causal_mask(module, kwargs)
 
     def leave(_module, _args, _out):
         _ACTIVE.state = None
 
     for path in cp_modules:
         if path in modules:
-            modules[path].register_forward_pre_hook(enter)
+            modules[path].register_forward_pre_hook(enter, with_kwargs=True)
             modules[path].register_forward_hook(leave, always_call=True)
     positions = zigzag_positions(seq_len, dist.get_world_size(group), dist.get_rank(group))
     for path, dim in cp_buffers.items():

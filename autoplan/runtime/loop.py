@@ -208,7 +208,8 @@ class Trainer:
                 self._fsdp_microbatch(model, last)
             with sync, self._context():
                 inputs = inputs.to(self.device)
-                output = model(inputs, **self.model_call.kwargs(inputs, self.token_positions))
+                output = model(inputs, **self.model_call.kwargs(inputs, self.token_positions,
+                                                                zigzag=self.plan.cp > 1))
                 loss = token_loss(logits_of(output), labels.to(self.device))
                 (loss * (self.scaler.scale / count)).backward()
             total += _plain(loss).detach()

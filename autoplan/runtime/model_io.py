@@ -36,14 +36,16 @@ class ModelCall:
     accepted: frozenset[str]
     padding_mask: bool  # `attention_mask` is a Hugging Face 2-D padding mask (1 = real token)
 
-    def kwargs(self, inputs: torch.Tensor, positions: torch.Tensor) -> dict[str, object]:
-        """Keyword inputs for `inputs` (batch, tokens) holding the tokens at `positions` (1-D)."""
+    def kwargs(self, inputs: torch.Tensor, positions: torch.Tensor,
+               zigzag: bool = False) -> dict[str, object]:
+        """Keyword inputs for `inputs` (batch, tokens) holding the tokens at `positions` (1-D);
+        `zigzag`: they are a context-parallel rank's (a flag, so fake tensors pass too)."""
         kwargs: dict[str, object] = {}
         if "position_ids" in self.accepted:
             kwargs["position_ids"] = positions.to(inputs.device)[None, :]
             # Hugging Face reads a jump in position_ids without a mask as packed sequences
             # and masks across the jump; zig-zag CP tokens jump yet are one sequence.
-            if self.padding_mask and not _contiguous(positions):
+            if self.padding_mask and zigzag:
                 kwargs["attention_mask"] = torch.ones_like(inputs)
         if "use_cache" in self.accepted:
             kwargs["use_cache"] = False
@@ -59,10 +61,6 @@ def model_call(model: nn.Module) -> ModelCall:
         accepted = frozenset()
     is_hf = hasattr(getattr(model, "config", None), "_attn_implementation")
     return ModelCall(accepted, padding_mask=is_hf and "attention_mask" in accepted)
-
-
-def _contiguous(positions: torch.Tensor) -> bool:
-    return bool((positions.diff() == 1).all())
 
 
 def logits_of(output) -> torch.Tensor:
@@ -87,3 +85,19 @@ def vocab_size_of(model: nn.Module) -> int:
                     "(an image model?); autoplan.runtime trains token-id -> logits models with a "
                     "next-token objective. Analyze and plan work for this model; to train it, "
                     "use your own training loop with the plan's degrees.")
+
+
+def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
+    """`kwargs` of a Hugging Face causal SDPA attention module without the attention_mask
+    transformers materialises only when it sees fake tensors (its `is_tracing` check: the
+    plan-time capability probe). A real run with these inputs passes no mask and lets SDPA
+    apply causality (is_causal=True), which is what ring attention and the sequence-parallel
+    gather of the full sequence rely on; the fake mask would have the local length."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    config = getattr(module, "config", None)
+    hf_causal_sdpa = (getattr(config, "_attn_implementation", None) == "sdpa"
+                      and getattr(module, "is_causal", False))
+    if hf_causal_sdpa and isinstance(kwargs.get("attention_mask"), FakeTensor):
+        return {**kwargs, "attention_mask": None}
+    return kwargs

@@ -112,7 +112,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
         ids = stage_indices(mesh.pp_rank, plan.pp, plan.vpp, plan.schedule)
         positions = (zigzag_positions(plan.seq_len, plan.cp, mesh.cp_rank) if plan.cp > 1
                      else torch.arange(plan.seq_len))
-        all_parts = split_stages(model, plan.stages, positions)
+        all_parts = split_stages(model, plan.stages, positions, zigzag=plan.cp > 1)
         parts: list[nn.Module] = [all_parts[i] for i in ids]
     else:
         ids, parts = [0], [model]

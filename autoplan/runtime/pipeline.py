@@ -81,12 +81,12 @@ def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | N
     return None
 
 
-def split_stages(model: nn.Module, stages: list[list[str]],
-                 positions: torch.Tensor) -> list[nn.Module]:
+def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Tensor,
+                 zigzag: bool = False) -> list[nn.Module]:
     """One module per (virtual) stage; each holds only its own parameters. `positions`: the
-    token positions this rank holds (used where the stages build their own positions)."""
+    token positions this rank holds (zig-zag ones under CP), where the stages build their own."""
     if hf_split_problem(model) is None:
-        return split_hf_stages(model, stages, positions)
+        return split_hf_stages(model, stages, positions, zigzag)
     block_stage = {path: i for i, paths in enumerate(stages) for path in paths}
     graph = _BlockTracer(set(block_stage)).trace(model)
     stage = _node_stages(graph, block_stage, len(stages) - 1)

@@ -61,23 +61,24 @@ def _shell(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Modul
     return copy
 
 
-def _stage_forward(root: nn.Module, first: bool, positions: torch.Tensor):
+def _stage_forward(root: nn.Module, first: bool, positions: torch.Tensor, zigzag: bool):
     """forward(x) of a stage: token ids (first stage) or hidden states -> logits or hidden."""
-    contiguous = bool((positions.diff() == 1).all())
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         kwargs = {"input_ids" if first else "inputs_embeds": x,
                   "position_ids": positions.to(x.device)[None, :], "use_cache": False}
-        if not contiguous:  # zig-zag CP positions are one sequence, not packed ones
+        if zigzag:  # zig-zag CP positions jump, yet are one sequence, not packed ones
             kwargs["attention_mask"] = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
         return type(root).forward(root, **kwargs).logits
 
     return forward
 
 
-def split_hf_stages(model: nn.Module, stages: list[list[str]],
-                    positions: torch.Tensor) -> list[nn.Module]:
-    """One shell per (virtual) stage, holding the decoder layers the plan gives it."""
+def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.Tensor,
+                    zigzag: bool) -> list[nn.Module]:
+    """One shell per (virtual) stage, holding the decoder layers the plan gives it.
+    `zigzag`: the positions are a context-parallel rank's (flag, not read from the tensor,
+    so the split also runs on fake tensors)."""
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
     layer_paths = [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
@@ -91,6 +92,6 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]],
                                    "norm": base.norm if last else StageGap()})
         root = _shell(model, {prefix: stage_base,
                               "lm_head": model.lm_head if last else StageGap()})
-        root.forward = _stage_forward(root, first, positions)
+        root.forward = _stage_forward(root, first, positions, zigzag)
         parts.append(root)
     return parts

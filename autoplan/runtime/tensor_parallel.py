@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                SequenceParallel, parallelize_module)
 
 from autoplan.runtime.expert_parallel import is_moe_layer
+from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
@@ -44,7 +45,8 @@ class GatherFirstInput(ParallelStyle):
 def _on_first_input(transform):
     """A with_kwargs forward pre-hook applying `transform` to the first tensor input."""
 
-    def hook(_module, args, kwargs):
+    def hook(module, args, kwargs):
+        kwargs = without_fake_causal_mask(module, kwargs)
         if args:
             return (transform(args[0]), *args[1:]), kwargs
         name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))

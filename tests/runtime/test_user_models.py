@@ -14,7 +14,7 @@ from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.runtime.context_parallel import context_parallel_supported
 from autoplan.runtime.expert_parallel import expert_parallel_supported
-from autoplan.runtime.model_io import logits_of, model_call
+from autoplan.runtime.model_io import logits_of, model_call, without_fake_causal_mask
 from autoplan.runtime.parallelize import validate_plan
 from runtime_models import TinyEncoder, TinyGPT, plan_dict
 
@@ -53,13 +53,13 @@ def test_logits_of_every_output_convention():
         logits_of({"loss": logits})
 
 
-def test_hf_models_get_positions_and_a_mask_only_where_positions_jump():
+def test_hf_models_get_positions_and_a_mask_only_for_zigzag_positions():
     call = model_call(_meta("hf_llama"))
     ids = torch.zeros(2, 8, dtype=torch.long)
     contiguous = call.kwargs(ids, torch.arange(8))
     assert contiguous["position_ids"].tolist() == [list(range(8))]
     assert contiguous["use_cache"] is False and "attention_mask" not in contiguous
-    zigzag = call.kwargs(ids, torch.tensor([0, 1, 2, 3, 12, 13, 14, 15]))
+    zigzag = call.kwargs(ids, torch.tensor([0, 1, 2, 3, 12, 13, 14, 15]), zigzag=True)
     assert zigzag["position_ids"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
     assert torch.equal(zigzag["attention_mask"], torch.ones_like(ids))
     with torch.device("meta"):
@@ -109,3 +109,18 @@ def test_pp_plan_on_an_unsplittable_hf_model_exits_with_the_reason():
     plan = Plan.from_dict(plan_dict("hf_gpt2", pp=2))
     with pytest.raises(UserError, match=r"GPT2LMHeadModel.*torch\.fx cannot trace"):
         validate_plan(_meta("hf_gpt2"), plan)
+
+
+def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
+    """The capability probe runs on fake tensors, where transformers materialises a causal
+    mask that a real run does not pass; only that one may go (never a real mask)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    attention = _meta("hf_llama").model.layers[0].self_attn
+    real = {"hidden_states": torch.zeros(1), "attention_mask": torch.zeros(1, 1, 4, 4)}
+    assert without_fake_causal_mask(attention, real) is real
+    with FakeTensorMode() as mode:
+        fake = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
+    assert without_fake_causal_mask(attention, fake)["attention_mask"] is None
+    bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self  # not causal
+    assert without_fake_causal_mask(bert_attention, fake) is fake
