@@ -102,22 +102,29 @@ class MoE(nn.Module):
         return combined.reshape(shape)
 
     def _expert_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Dispatch expert-sorted tokens to their owners, run the local experts, send back."""
-        group = self.ep_group
-        ep = dist.get_world_size(group)
-        local = self.num_experts // ep
-        # counts_in[s, e]: tokens rank s sends to my local expert e.
-        counts_in = torch.empty_like(counts)
-        dist.all_to_all_single(counts_in, counts, group=group)
-        counts_out = counts.view(ep, local)
-        counts_in = counts_in.view(ep, local)
-        send_splits = counts_out.sum(1).tolist()
-        recv_splits = counts_in.sum(1).tolist()
-        received = _all_to_all(routed, recv_splits, send_splits, group)
-        # received is ordered (source rank, local expert); the experts want (expert, source).
-        by_source = torch.arange(received.shape[0], device=received.device).split(
-            counts_in.flatten().tolist())
-        regroup = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
-        out = self.experts(received[regroup], counts_in.sum(0).tolist())
-        restored = torch.empty_like(out).index_copy(0, regroup, out)
-        return _all_to_all(restored, send_splits, recv_splits, group)
+        return dispatch_to_owners(routed, counts, self.ep_group, self.experts)
+
+
+def dispatch_to_owners(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
+                       run_local) -> torch.Tensor:
+    """Send expert-sorted tokens to the ranks owning their experts, run `run_local(tokens,
+    counts_per_local_expert)` there, and bring the results back in the same order.
+
+    routed: tokens sorted by global expert; counts: tokens per global expert (all experts)."""
+    ep = dist.get_world_size(group)
+    local = counts.numel() // ep
+    # counts_in[s, e]: tokens rank s sends to my local expert e.
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts, group=group)
+    counts_out = counts.view(ep, local)
+    counts_in = counts_in.view(ep, local)
+    send_splits = counts_out.sum(1).tolist()
+    recv_splits = counts_in.sum(1).tolist()
+    received = _all_to_all(routed, recv_splits, send_splits, group)
+    # received is ordered (source rank, local expert); the experts want (expert, source).
+    by_source = torch.arange(received.shape[0], device=received.device).split(
+        counts_in.flatten().tolist())
+    regroup = torch.cat([by_source[s * local + e] for e in range(local) for s in range(ep)])
+    out = run_local(received[regroup], counts_in.sum(0).tolist())
+    restored = torch.empty_like(out).index_copy(0, regroup, out)
+    return _all_to_all(restored, send_splits, recv_splits, group)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from autoplan.errors import UserError
 from autoplan.runtime.data import zigzag_positions
+from autoplan.runtime.model_io import without_fake_causal_mask
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _ACTIVE = threading.local()
@@ -141,17 +142,42 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     return RingAttention.apply(query, key, value, group, seq_len, scale)
 
 
-def check_cp_module(module: nn.Module, path: str) -> None:
-    """CP needs the module to call F.scaled_dot_product_attention in its forward."""
+def context_parallel_supported(module: nn.Module) -> str | None:
+    """None when ring attention can replace this module's attention, else the reason.
+
+    Two ways a module reaches F.scaled_dot_product_attention: its own forward calls it, or it
+    is a Hugging Face attention module whose config selects the "sdpa" implementation (the
+    call then sits in transformers' sdpa_attention_forward). Hugging Face marks causal
+    attention with `is_causal`; ring attention is causal only."""
+    if isinstance(module, nn.MultiheadAttention):
+        return ("nn.MultiheadAttention passes causality as a mask (or not at all) to its "
+                "attention, and ring attention is causal SDPA without a mask")
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is not None:
+        if implementation != "sdpa":
+            return (f"its attention implementation is {implementation!r}; context parallelism "
+                    "replaces scaled_dot_product_attention, so build the model with "
+                    "attn_implementation='sdpa'")
+        if not getattr(module, "is_causal", False):
+            return "it is not causal attention (is_causal is False); ring attention is causal only"
+        return None
     try:
         source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         source = ""
     if "scaled_dot_product_attention" not in source:
-        raise UserError(f"plan.cp_modules names {path!r} ({type(module).__name__}), whose forward "
-                        "does not call F.scaled_dot_product_attention; context parallelism "
-                        "replaces that call with ring attention. Use cp=1 for this model or "
-                        "list the modules that call SDPA.")
+        return ("its forward does not call F.scaled_dot_product_attention, the call context "
+                "parallelism replaces with ring attention")
+    return None
+
+
+def check_cp_module(module: nn.Module, path: str) -> None:
+    """Raise UserError naming the module when context parallelism cannot apply to it."""
+    reason = context_parallel_supported(module)
+    if reason is not None:
+        raise UserError(f"plan.cp_modules names {path!r} ({type(module).__name__}): {reason}. "
+                        "Use cp=1 for this model or list the modules that call SDPA.")
 
 
 def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: dict[str, int],
@@ -160,15 +186,16 @@ def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: 
     F.scaled_dot_product_attention = _cp_sdpa  # inert outside the hooked modules
     modules = dict(model.named_modules())
 
-    def enter(_module, _args):
+    def enter(module, args, kwargs):
         _ACTIVE.state = (group, seq_len)
+        return args, without_fake_causal_mask(module, kwargs)
 
     def leave(_module, _args, _out):
         _ACTIVE.state = None
 
     for path in cp_modules:
         if path in modules:
-            modules[path].register_forward_pre_hook(enter)
+            modules[path].register_forward_pre_hook(enter, with_kwargs=True)
             modules[path].register_forward_hook(leave, always_call=True)
     positions = zigzag_positions(seq_len, dist.get_world_size(group), dist.get_rank(group))
     for path, dim in cp_buffers.items():

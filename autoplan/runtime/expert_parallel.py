@@ -1,5 +1,19 @@
 """Expert parallelism: each ep rank keeps num_experts/ep experts of every MoE layer.
 
+Two expert layouts are sharded, both stacked (E, ...) so that EP slices dim 0:
+  autoplan.models.moe.MoE      GroupedExperts w_gate/w_up/w_down; the layer dispatches itself
+                               once `ep_group` is set.
+  Hugging Face fused experts   an `experts` module holding `gate_up_proj` (E, 2I, H) and
+                               `down_proj` (E, H, I), called as experts(hidden_states,
+                               top_k_index, top_k_weights) (Mixtral, Qwen2-MoE, ... in
+                               transformers 5). The model's own router still routes; the
+                               experts' forward is replaced on the instance by the same
+                               dispatch (all-to-all to the owning rank and back), computing
+                               each expert as transformers does: act(gate) * up, down, times
+                               the routing weight, summed per token.
+Other layouts (per-expert nn.ModuleList loops, biased or interleaved fused weights) are
+refused with a reason (`expert_parallel_supported`), so the planner can leave ep at 1.
+
 The stacked expert weights become DTensors sharded on dim 0 over the ep axis, so DCP saves
 them by expert index (reshardable to another EP degree) and grad-norm clipping counts each
 expert once. They are kept out of DDP/FSDP: their gradient already sums the contributions
@@ -10,13 +24,72 @@ by dp*cp, which gives the same average the DP wrappers give every other paramete
 
 from __future__ import annotations
 
+import inspect
+
+import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import UserError
-from autoplan.models.moe import MoE
+from autoplan.models.moe import MoE, dispatch_to_owners
+
+_FUSED_PARAMS = ("gate_up_proj", "down_proj")
+_FUSED_INPUTS = ["hidden_states", "top_k_index", "top_k_weights"]
+# transformers' use_experts_implementation flags; anything but these defaults changes the math.
+_FUSED_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False,
+                "is_concatenated": True, "has_post_expert_norm": False}
+
+
+def _fused_layout_problem(experts: nn.Module) -> str | None:
+    """None when `experts` is the Hugging Face fused layout this module shards, else why not."""
+    names = sorted(name for name, _ in experts.named_parameters(recurse=False))
+    if names != sorted(_FUSED_PARAMS):
+        return f"its experts hold parameters {names}, not exactly {list(_FUSED_PARAMS)}"
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0] \
+            or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
+        return (f"its experts' weights {tuple(gate_up.shape)} / {tuple(down.shape)} are not "
+                "(E, 2I, H) / (E, H, I)")
+    flags = {k: getattr(experts, k) for k, v in _FUSED_FLAGS.items() if getattr(experts, k, v) != v}
+    if flags:
+        return f"its experts use a layout variant ({flags}) the runtime does not shard"
+    if not callable(getattr(experts, "act_fn", None)):
+        return "its experts have no act_fn"
+    try:
+        inputs = list(inspect.signature(experts.forward).parameters)
+    except (TypeError, ValueError):
+        inputs = []
+    if inputs != _FUSED_INPUTS:
+        return f"its experts' forward takes {inputs}, not {_FUSED_INPUTS}"
+    return None
+
+
+def num_experts_of(module: nn.Module) -> int:
+    if isinstance(module, MoE):
+        return module.num_experts
+    return module.experts.gate_up_proj.shape[0]
+
+
+def expert_parallel_supported(module: nn.Module) -> str | None:
+    """None when expert parallelism can shard this MoE layer, else the reason it cannot."""
+    if isinstance(module, MoE):
+        return None
+    experts = getattr(module, "experts", None)
+    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return ("its experts are a per-expert nn.ModuleList run by a Python loop; expert "
+                "parallelism shards stacked (E, ...) expert weights (autoplan.models.moe.MoE or "
+                "transformers' fused gate_up_proj/down_proj)")
+    if not isinstance(experts, nn.Module):
+        return "it has no `experts` submodule (not an MoE layer the runtime knows)"
+    return _fused_layout_problem(experts)
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    """An MoE layer whose experts the runtime can shard (token-wise as a whole)."""
+    return expert_parallel_supported(module) is None
 
 
 def check_ep_modules(model: nn.Module, ep_modules: list[str], ep: int) -> None:
@@ -26,34 +99,72 @@ def check_ep_modules(model: nn.Module, ep_modules: list[str], ep: int) -> None:
                         "expert parallelism needs a model with MoE layers. Use ep=1.")
     for path in ep_modules:
         module = modules.get(path)
-        if not isinstance(module, MoE):
-            raise UserError(f"plan.ep_modules names {path!r}, which is "
-                            f"{type(module).__name__ if module is not None else 'not in the model'}, "
-                            "not an autoplan.models.moe.MoE layer; expert parallelism needs MoE "
-                            "layers. Use ep=1 for this model.")
-        if module.num_experts % ep:
-            raise UserError(f"{path} has {module.num_experts} experts, not divisible by ep={ep}; "
-                            "choose an ep that divides the expert count.")
+        if module is None:
+            raise UserError(f"plan.ep_modules names {path!r}, which is not in the model. "
+                            "Use ep=1 for this model or re-run `autoplan plan`.")
+        reason = expert_parallel_supported(module)
+        if reason is not None:
+            raise UserError(f"plan.ep_modules names {path!r} ({type(module).__name__}), which "
+                            f"expert parallelism cannot shard: {reason}. Use ep=1 for this model.")
+        if num_experts_of(module) % ep:
+            raise UserError(f"{path} has {num_experts_of(module)} experts, not divisible by "
+                            f"ep={ep}; choose an ep that divides the expert count.")
+
+
+def _shard(owner: nn.Module, names: tuple[str, ...], axis: DeviceMesh) -> list[nn.Parameter]:
+    """Replace owner.<name> by its dim-0 shard of this ep rank, as a DTensor parameter."""
+    rank, size = axis.get_local_rank(), axis.size()
+    params = []
+    for name in names:
+        full = getattr(owner, name).detach()
+        local = full.chunk(size, dim=0)[rank].clone()
+        param = nn.Parameter(DTensor.from_local(local, axis, [Shard(0)], run_check=False))
+        setattr(owner, name, param)
+        params.append(param)
+    return params
+
+
+def _fused_expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup):
+    """experts(hidden_states, top_k_index, top_k_weights) with this rank's experts only."""
+
+    def run_local(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+        outputs = []
+        for index, chunk in enumerate(torch.split(tokens, counts)):
+            gate, up = F.linear(chunk, gate_up[index]).chunk(2, dim=-1)
+            outputs.append(F.linear(experts.act_fn(gate) * up, down[index]))
+        return torch.cat(outputs)
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        top_k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of_slot = order // top_k
+        counts = torch.bincount(flat, minlength=experts.gate_up_proj.shape[0])
+        out = dispatch_to_owners(hidden_states[token_of_slot], counts, group, run_local)
+        out = out * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add_(0, token_of_slot,
+                                                          out.to(hidden_states.dtype))
+
+    return forward
 
 
 def apply_expert_parallel(model: nn.Module, ep_modules: list[str], ep_mesh: DeviceMesh) -> list[nn.Parameter]:
     """Shard the experts of this (stage) module; returns the expert parameters."""
     axis = ep_mesh["ep"]
-    rank, size = axis.get_local_rank(), axis.size()
     modules = dict(model.named_modules())
     params = []
     for path in ep_modules:
         moe = modules.get(path)
         if moe is None:
             continue  # on another pipeline stage
-        moe.ep_group = axis.get_group()
-        experts = moe.experts
-        for name in ("w_gate", "w_up", "w_down"):
-            full = getattr(experts, name).detach()
-            local = full.chunk(size, dim=0)[rank].clone()
-            param = nn.Parameter(DTensor.from_local(local, axis, [Shard(0)], run_check=False))
-            setattr(experts, name, param)
-            params.append(param)
+        if isinstance(moe, MoE):
+            moe.ep_group = axis.get_group()
+            params += _shard(moe.experts, ("w_gate", "w_up", "w_down"), axis)
+        else:
+            params += _shard(moe.experts, _FUSED_PARAMS, axis)
+            # an instance attribute: the class (and every other model) keeps its own forward
+            moe.experts.forward = _fused_expert_parallel_forward(moe.experts, axis.get_group())
     return params
 
 

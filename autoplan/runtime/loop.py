@@ -35,6 +35,7 @@ from autoplan.runtime.data import local_microbatches, make_source, zigzag_positi
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
+from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import build_schedule, make_stages
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
@@ -114,14 +115,6 @@ def materialise(build_model: Callable[[], nn.Module], meta: nn.Module, seed: int
         return build_model()
 
 
-def vocab_size_of(model: nn.Module) -> int:
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            return module.num_embeddings
-    raise UserError("the model has no nn.Embedding to read the vocabulary size from; "
-                    "autoplan.runtime trains token-id -> logits models.")
-
-
 class Trainer:
     """One plan, one model, on an initialised process group."""
 
@@ -148,6 +141,8 @@ class Trainer:
         self.source = make_source(args.data, self.vocab, args.seed, args.data_dtype)
         self.positions = (zigzag_positions(plan.seq_len, plan.cp, self.mesh.cp_rank)
                           if plan.cp > 1 else None)
+        self.token_positions = self.positions if plan.cp > 1 else torch.arange(plan.seq_len)
+        self.model_call = model_call(meta)
         self.schedule = self._schedule() if plan.pp > 1 else None
         self.start_step = 0
         self._warn_unsupported()
@@ -173,7 +168,7 @@ class Trainer:
                              self.device, self.mesh.group("pp"))
 
         def loss_fn(logits, labels):
-            return token_loss(logits, labels) * self.scaler.scale
+            return token_loss(logits_of(logits), labels) * self.scaler.scale
 
         return build_schedule(stages, plan.schedule, plan.num_microbatches, loss_fn, plan.vpp)
 
@@ -181,7 +176,7 @@ class Trainer:
         plan = self.plan
         if dist.get_rank() != 0:
             return
-        if plan.cp > 1 and not plan.cp_buffers:
+        if plan.cp > 1 and not plan.cp_buffers and "position_ids" not in self.model_call.accepted:
             print("autoplan: cp > 1 and plan.cp_buffers is empty: positions the model derives "
                   "inside forward (e.g. torch.arange for learned position embeddings) are not "
                   "this rank's zig-zag positions; only RoPE-style tables listed in cp_buffers "
@@ -212,7 +207,10 @@ class Trainer:
             if self.par.fsdp:
                 self._fsdp_microbatch(model, last)
             with sync, self._context():
-                loss = token_loss(model(inputs.to(self.device)), labels.to(self.device))
+                inputs = inputs.to(self.device)
+                output = model(inputs, **self.model_call.kwargs(inputs, self.token_positions,
+                                                                zigzag=self.plan.cp > 1))
+                loss = token_loss(logits_of(output), labels.to(self.device))
                 (loss * (self.scaler.scale / count)).backward()
             total += _plain(loss).detach()
         return total / count
@@ -390,6 +388,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         check_world_size(plan)
         meta = build_meta(build_model)
         validate_plan(meta, plan)  # before the process group: nothing can hang
+        vocab_size_of(meta)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8" and rank == 0:
             print("autoplan: fp8 runs as bf16 in autoplan.runtime (no fp8 matmuls yet)", flush=True)
         owns_group = not dist.is_initialized()

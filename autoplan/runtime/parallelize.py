@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from autoplan.errors import UserError
@@ -22,7 +23,8 @@ from autoplan.runtime import data_parallel as dp_mod
 from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
-from autoplan.runtime.pipeline import split_stages, stage_indices
+from autoplan.runtime.data import zigzag_positions
+from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stage_indices
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
 from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel, expand_tp_styles
@@ -69,6 +71,11 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
     if plan.pp > 1 and len(plan.stages) != plan.pp * plan.vpp:
         raise UserError(f"pp={plan.pp}, vpp={plan.vpp} needs {plan.pp * plan.vpp} stage lists "
                         f"in plan.stages, found {len(plan.stages)}.")
+    if plan.pp > 1:
+        reason = pipeline_split_problem(model, plan.stages)
+        if reason is not None:
+            raise UserError(f"pipeline parallelism cannot split {type(model).__name__}: {reason}. "
+                            "Use pp=1 for this model.")
     if plan.cp_modules:  # checked whenever listed, so a 1-rank dry run catches it too
         modules = dict(model.named_modules())
         for path in plan.cp_modules:
@@ -103,7 +110,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
     # 1. Pipeline split: keep only this rank's (virtual) stages.
     if plan.pp > 1:
         ids = stage_indices(mesh.pp_rank, plan.pp, plan.vpp, plan.schedule)
-        all_parts = split_stages(model, plan.stages)
+        positions = (zigzag_positions(plan.seq_len, plan.cp, mesh.cp_rank) if plan.cp > 1
+                     else torch.arange(plan.seq_len))
+        all_parts = split_stages(model, plan.stages, positions, zigzag=plan.cp > 1)
         parts: list[nn.Module] = [all_parts[i] for i in ids]
     else:
         ids, parts = [0], [model]

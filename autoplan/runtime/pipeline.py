@@ -5,8 +5,8 @@ leaf modules is fast on meta, keeps the original parameter names (so checkpoints
 between plans with and without PP), keeps each block an ordinary module (so TP styles,
 recompute wrappers and FSDP apply to it unchanged), and needs no example inputs. Values
 that cross a cut (the hidden state, RoPE tables, masks) become stage outputs/inputs and are
-passed through intermediate stages. Stages are driven by the torch.distributed.pipelining
-schedules.
+passed through intermediate stages. Hugging Face causal LMs, which fx cannot trace, are split
+by `pipeline_hf` instead. Stages are driven by the torch.distributed.pipelining schedules.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleZBVZeroBubble)
 
 from autoplan.errors import UserError
+from autoplan.runtime.pipeline_hf import hf_split_problem, split_hf_stages
 
 
 class _BlockTracer(fx.Tracer):
@@ -62,8 +63,30 @@ def _node_stages(graph: fx.Graph, block_stage: dict[str, int], last: int) -> dic
     return stage
 
 
-def split_stages(model: nn.Module, stages: list[list[str]]) -> list[fx.GraphModule]:
-    """One GraphModule per (virtual) stage; each holds only its own parameters."""
+def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | None:
+    """None when `split_stages` can cut this (meta) model at `stages`, else the reason."""
+    hf_problem = hf_split_problem(model)
+    if hf_problem is None:
+        listed = [path for paths in stages for path in paths]
+        prefix = model.base_model_prefix
+        layers = [f"{prefix}.layers.{i}" for i in range(len(getattr(model, prefix).layers))]
+        if listed != layers:
+            return f"its stages must list {layers[0]} ... {layers[-1]} once each, in order"
+        return None
+    try:
+        _BlockTracer({path for paths in stages for path in paths}).trace(model)
+    except Exception as exc:  # any tracing failure means: no fx split for this model
+        return (f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc)[:200]}); "
+                f"and the split without tracing does not apply: {hf_problem}")
+    return None
+
+
+def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Tensor,
+                 zigzag: bool = False) -> list[nn.Module]:
+    """One module per (virtual) stage; each holds only its own parameters. `positions`: the
+    token positions this rank holds (zig-zag ones under CP), where the stages build their own."""
+    if hf_split_problem(model) is None:
+        return split_hf_stages(model, stages, positions, zigzag)
     block_stage = {path: i for i, paths in enumerate(stages) for path in paths}
     graph = _BlockTracer(set(block_stage)).trace(model)
     stage = _node_stages(graph, block_stage, len(stages) - 1)

@@ -11,37 +11,53 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from autoplan.runtime.expert_parallel import is_moe_layer
+from autoplan.runtime.model_io import without_fake_causal_mask
+from autoplan.runtime.pipeline_hf import StageGap
+
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
              "vocab_head")
 
 
 class GatherFirstInput(ParallelStyle):
-    """All-gather the first positional input (a sequence-sharded activation) along the
-    sequence dim; other inputs (RoPE tables, masks) pass untouched. Works whatever the
-    module's arity, unlike PrepareModuleInput which needs one layout per input."""
+    """All-gather the first input (a sequence-sharded activation) along the sequence dim;
+    other inputs (RoPE tables, masks) pass untouched. Works whatever the module's arity,
+    unlike PrepareModuleInput which needs one layout per input, and whether the activation
+    comes positionally or by keyword (Hugging Face layers call `self_attn(hidden_states=...)`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(_module, args):
-            first = args[0]
+        def gather(first):
             if not isinstance(first, DTensor):
                 first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
-            first = first.redistribute(device_mesh, [Replicate()]).to_local()
-            return (first, *args[1:])
+            return first.redistribute(device_mesh, [Replicate()]).to_local()
 
-        module.register_forward_pre_hook(gather)
+        module.register_forward_pre_hook(_on_first_input(gather), with_kwargs=True)
         return module
 
 
-def _local_first_input(_module, args):
+def _on_first_input(transform):
+    """A with_kwargs forward pre-hook applying `transform` to the first tensor input."""
+
+    def hook(module, args, kwargs):
+        kwargs = without_fake_causal_mask(module, kwargs)
+        if args:
+            return (transform(args[0]), *args[1:]), kwargs
+        name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
+        return args, {**kwargs, name: transform(kwargs[name])}
+
+    return hook
+
+
+def _to_local(first):
     """A sequence-sharded DTensor from a SequenceParallel norm -> this rank's plain shard."""
-    first = args[0]
-    return (first.to_local() if isinstance(first, DTensor) else first, *args[1:])
+    return first.to_local() if isinstance(first, DTensor) else first
 
 
 def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
@@ -90,16 +106,14 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
     rank's sequence shard (no gather, no re-shard; EP all-to-all works per tp rank). Their
     weights stay plain replicas whose gradients cover only the local tokens: the returned
     modules need their gradients summed over the tp group after backward."""
-    from autoplan.models.moe import MoE
-
     modules = dict(model.named_modules())
     plan, token_local = {}, []
     for path, name in expand_tp_styles(table, modules).items():
-        if path not in modules:
+        if path not in modules or isinstance(modules[path], StageGap):
             continue  # on another pipeline stage
-        if name == "prepare_input" and isinstance(modules[path], MoE):
+        if name == "prepare_input" and is_moe_layer(modules[path]):
             if sequence_parallel:
-                modules[path].register_forward_pre_hook(_local_first_input)
+                modules[path].register_forward_pre_hook(_on_first_input(_to_local), with_kwargs=True)
                 token_local.append(modules[path])
             continue
         style = style_for(name, sequence_parallel)

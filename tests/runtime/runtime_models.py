@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hf_models
 from autoplan.models import build_model
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
@@ -79,6 +80,33 @@ class ManualAttentionBlock(GPTBlock):
         return x + self.out(F.gelu(self.fc(self.ln_2(x))))
 
 
+class TinyEncoder(nn.Module):
+    """A user model around nn.TransformerEncoder (nn.MultiheadAttention inside)."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)))
+
+
+class TinyViT(nn.Module):
+    """An image classifier: patches in, class logits out; no token ids to train on."""
+
+    def __init__(self, dim: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=8, stride=8)
+        self.blocks = nn.Sequential(nn.TransformerEncoderLayer(dim, 4, 2 * dim, batch_first=True))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.patch(images).flatten(2).transpose(1, 2)).mean(1))
+
+
 def builder(kind: str):
     if kind == "llama":
         return lambda: build_model(TINY_LLAMA)
@@ -88,6 +116,10 @@ def builder(kind: str):
         return lambda: TinyGPT()
     if kind == "manualgpt":
         return lambda: TinyGPT(manual_attention=True)
+    if kind in hf_models.CONFIGS:
+        return lambda: hf_models.build(kind)
+    if kind in ("encoder", "vit"):
+        return TinyEncoder if kind == "encoder" else TinyViT
     raise ValueError(kind)
 
 
@@ -109,16 +141,21 @@ def llama_tp_styles(layers: int = 4, moe: bool = False) -> dict[str, str]:
 
 
 def plan_dict(kind: str = "llama", **over) -> dict:
-    """A plan for the tiny models; stages split the 4 blocks evenly over pp*vpp."""
+    """A plan for the tiny models; stages split the blocks evenly over pp*vpp."""
+    if kind in hf_models.CONFIGS:
+        return _hf_plan_dict(kind, **over)
     world = over.get("dp", 1) * over.get("tp", 1) * over.get("pp", 1) * over.get("cp", 1)
     block = "blocks" if kind.endswith("gpt") else "layers"
     paths = [f"{block}.{i}" for i in range(4)]
+    if kind == "encoder":
+        paths = ["encoder.layers.0", "encoder.layers.1"]
     stages_n = over.get("pp", 1) * over.get("vpp", 1)
     plan = {"model": {"source": "catalog", "name": f"tiny-{kind}"}, "gpu": "cpu",
             "world_size": world, "gpus_per_node": world, "global_batch": GLOBAL_BATCH,
             "seq_len": SEQ_LEN, "precision": "fp32", "zero_stage": 0, "micro_batch": 1,
             "schedule": "1f1b", "optimizer": dict(OPTIMIZER), "format_version": 1,
-            "stages": ([paths[i * 4 // stages_n:(i + 1) * 4 // stages_n] for i in range(stages_n)]
+            "stages": ([paths[i * len(paths) // stages_n:(i + 1) * len(paths) // stages_n]
+                        for i in range(stages_n)]
                        if stages_n > 1 else [])}
     if over.get("tp", 1) > 1 and kind != "gpt":
         plan["tp_styles"] = llama_tp_styles(moe=kind == "mixtral")
@@ -127,6 +164,27 @@ def plan_dict(kind: str = "llama", **over) -> dict:
         plan["cp_buffers"] = {"rope_cos": 0, "rope_sin": 0}
     if over.get("ep", 1) > 1:
         plan["ep_modules"] = [f"layers.{i}.mlp" for i in range(4)]
+    plan.update(over)
+    return plan
+
+
+def _hf_plan_dict(kind: str, **over) -> dict:
+    """The same plan for a Hugging Face model: its module paths, positions from position_ids."""
+    plan = plan_dict("llama", **{k: v for k, v in over.items() if k not in ("tp", "cp", "ep", "pp")})
+    paths = hf_models.blocks(kind)
+    stages_n = over.get("pp", 1) * over.get("vpp", 1)
+    plan["model"]["name"] = f"tiny-{kind}"
+    plan["world_size"] = plan["gpus_per_node"] = (over.get("dp", 1) * over.get("tp", 1)
+                                                  * over.get("pp", 1) * over.get("cp", 1))
+    plan["stages"] = ([paths[i * len(paths) // stages_n:(i + 1) * len(paths) // stages_n]
+                       for i in range(stages_n)] if stages_n > 1 else [])
+    plan["stages"] = list(plan["stages"])
+    if over.get("tp", 1) > 1:
+        plan["tp_styles"] = hf_models.tp_styles(kind)
+    if over.get("cp", 1) > 1:
+        plan["cp_modules"] = hf_models.attention_modules(kind)
+    if over.get("ep", 1) > 1:
+        plan["ep_modules"] = hf_models.moe_modules(kind)
     plan.update(over)
     return plan
 
@@ -172,8 +230,14 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
     Grad norms are compared too because AdamW and clipping are nearly invariant to a
     gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses."""
     torch.manual_seed(seed)
-    if kind == "gpt":
-        model = TinyGPT()
+    if kind in ("gpt", "encoder"):
+        model = builder(kind)()
+    elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
+        with torch.device("meta"):
+            model = hf_models.build(kind)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
     else:
         with torch.device("meta"):
             model = builder(kind)()
@@ -194,7 +258,10 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
             batch = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ_LEN + 1), generator=gen)
         for group in opt.param_groups:
             group["lr"] = _lr(step)
-        logits = model(batch[:, :-1])
+        inputs = batch[:, :-1]
+        # HF returns a ModelOutput; an encoder-decoder reads the same tokens on both sides
+        logits = model(inputs, decoder_input_ids=inputs) if kind == "hf_t5" else model(inputs)
+        logits = getattr(logits, "logits", logits)
         loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER["grad_clip"])))

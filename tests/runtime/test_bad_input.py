@@ -15,6 +15,7 @@ CASES = {
                        "recompute: layers.9"),
     "cp_without_sdpa": ("manualgpt", dict(plan_dict("manualgpt"), cp_modules=["blocks.0"]),
                         "does not call F.scaled_dot_product_attention"),
+    "image_model": ("vit", plan_dict(), "TinyViT has no nn.Embedding, so it does not read token ids"),
     "plan_not_a_plan": ("llama", {"format_version": 1, "world_size": 1}, "plan keys do not match"),
 }
 
@@ -46,7 +47,8 @@ def test_ep_on_dense_model_names_the_module():
     full = Plan.from_dict(dict(plan_dict(dp=2), ep=2, ep_modules=["layers.0.mlp"]))
     with torch.device("meta"):
         model = builder("llama")()
-    with pytest.raises(UserError, match="not an autoplan.models.moe.MoE layer"):
+    with pytest.raises(UserError, match=r"'layers\.0\.mlp' \(SwiGLU\), which expert parallelism "
+                                        r"cannot shard: it has no `experts` submodule"):
         validate_plan(model, full)
 
 
@@ -58,7 +60,7 @@ def test_bad_plan_under_torchrun_every_rank_exits(torchrun, tmp_path, case, npro
         plan, message = plan_dict(dp=2), "plan is for 2 processes but 4 were launched"
     else:
         plan = dict(plan_dict(dp=2), ep=2, ep_modules=["layers.0.mlp"])
-        message = "not an autoplan.models.moe.MoE layer"
+        message = "which expert parallelism cannot shard: it has no `experts` submodule"
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc = torchrun("bad_input_worker.py", nproc, tmp_path / "plan.json", kind, timeout=120)
     assert proc.returncode != 0

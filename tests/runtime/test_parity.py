@@ -4,7 +4,9 @@ Tolerance: 1e-5 relative on losses and grad norms. The runs differ from the refe
 only in fp32 summation order (sharded matmuls, reduce-scatter/all-reduce order, ring
 attention's online softmax, MoE all-to-all regrouping, micro-batch accumulation).
 Measured over 5 steps: losses <= 1.7e-7 relative (1 ulp of 5.56 is 4.8e-7), grad norms
-<= 1.6e-6 (5.2e-6 for MoE under TP+SP+EP). A wrong sync (missing /dp, dropped shard,
+<= 1.6e-6 (5.2e-6 for MoE under TP+SP+EP); the user models (transformers classes from
+config objects, an nn.TransformerEncoder model) <= 2.6e-7 on losses and 2.2e-7 on grad
+norms. A wrong sync (missing /dp, dropped shard,
 wrong positions) moves the grad norm by >= 1e-2 relative (checked by mutation: dropping
 the EP gradient division gives 1.7e-2), while AdamW + clipping hide it in the losses.
 bf16/fp16 runs are compared with the same fp32 reference within 5e-4 relative on losses
@@ -65,6 +67,24 @@ CONFIGS = {
         "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
         "pp2_dp2_ep2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         "pp2_cp2": ("llama", P(pp=2, cp=2, schedule="1f1b")),
+        # Hugging Face transformers models, built from config objects (tests/runtime/hf_models.py)
+        "hf_llama_zero3": ("hf_llama", P("hf_llama", dp=4, zero_stage=3)),
+        "hf_llama_dp2_tp2_zero3": ("hf_llama", P("hf_llama", dp=2, tp=2, zero_stage=3)),
+        "hf_llama_pp2_dp2_zero3": ("hf_llama", P("hf_llama", pp=2, dp=2, zero_stage=3,
+                                                 schedule="1f1b")),
+        "hf_llama_pp2_tp2": ("hf_llama", P("hf_llama", pp=2, tp=2, schedule="gpipe")),
+        "hf_llama_dp2_cp2": ("hf_llama", P("hf_llama", dp=2, cp=2)),
+        "hf_llama_pp2_cp2": ("hf_llama", P("hf_llama", pp=2, cp=2, schedule="1f1b")),
+        "hf_mixtral_ep4": ("hf_mixtral", P("hf_mixtral", dp=4, ep=4)),
+        "hf_mixtral_dp2_tp2_sp_ep2": ("hf_mixtral", P("hf_mixtral", dp=2, tp=2, ep=2)),
+        "hf_mixtral_pp2_dp2_ep2": ("hf_mixtral", P("hf_mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
+        "hf_qwen2moe_ep2_of_dp4": ("hf_qwen2moe", P("hf_qwen2moe", dp=4, ep=2, zero_stage=2)),
+        "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
+        "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
+        "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
+        "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
+        "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
+        "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
     },
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),

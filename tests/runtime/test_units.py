@@ -12,7 +12,8 @@ import torch
 from autoplan.runtime import lr_at, parse_args
 from autoplan.runtime.checkpoint import latest_checkpoint
 from autoplan.runtime.data import TokenFile, local_microbatches, zigzag_positions
-from autoplan.runtime.pipeline import split_stages, stage_indices
+import hf_models
+from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stage_indices
 from runtime_models import builder
 
 
@@ -81,15 +82,41 @@ def test_split_stages_chain_equals_full_model(kind, prefix, num_stages):
         model.init_weights()
     stages = [[f"{prefix}.{i}" for i in range(4)][s * 4 // num_stages:(s + 1) * 4 // num_stages]
               for s in range(num_stages)]
-    parts = split_stages(model, stages)
+    _check_chain(model, stages)
+
+
+def _check_chain(model, stages):
+    """The stages run one after another give the full model's logits, exactly; together
+    they hold every parameter of the model once, under its own name."""
     tokens = torch.randint(0, 256, (2, 16))
+    parts = split_stages(model, stages, torch.arange(16))
     values = (tokens,)
     for part in parts:
         out = part(*values)
         values = out if isinstance(out, tuple) else (out,)
-    assert torch.equal(values[0], model(tokens))
+    full = model(tokens)
+    assert torch.equal(values[0], getattr(full, "logits", full))
     names = [n for part in parts for n, _ in part.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("kind", ["hf_llama", "hf_mixtral"])
+def test_hf_split_stages_chain_equals_full_model(kind):
+    torch.manual_seed(0)
+    model = builder(kind)()
+    blocks = hf_models.blocks(kind)
+    assert pipeline_split_problem(model, [blocks[:1], blocks[1:]]) is None
+    _check_chain(model, [blocks[:1], blocks[1:]])
+
+
+def test_pipeline_split_refuses_untraceable_models_with_a_reason():
+    model = builder("hf_gpt2")()  # learned positions are added to inputs_embeds: no shell split
+    blocks = hf_models.blocks("hf_gpt2")
+    reason = pipeline_split_problem(model, [blocks[:1], blocks[1:]])
+    assert reason is not None and "torch.fx cannot trace" in reason and "'gpt2'" in reason
+    llama = builder("hf_llama")()
+    llama_blocks = hf_models.blocks("hf_llama")
+    assert "once each, in order" in pipeline_split_problem(llama, [llama_blocks[1:], llama_blocks[:1]])
 
 
 def test_stage_placement_loop_and_v():

@@ -1,0 +1,103 @@
+"""How the runtime calls a user model and reads its logits, whatever the model's conventions.
+
+The training objective is next-token prediction on token ids, so the model must read token
+ids through an nn.Embedding (its size is the vocabulary the data is drawn from). Image models
+are refused with that reason before any process starts talking (`vocab_size_of`).
+
+Outputs: a logits tensor (autoplan's models, most hand-written ones), an object or dict with
+a `logits` entry (Hugging Face `ModelOutput`), or a tuple whose first item is the logits.
+
+Inputs: token ids positionally, plus the keyword inputs the forward accepts:
+  position_ids      the absolute positions of the tokens this rank holds. Hugging Face models
+                    otherwise derive positions from the length of the input they see, which
+                    is wrong on a context-parallel rank (its zig-zag tokens) and inside a
+                    sequence-parallel region (the local sequence shard); rotary cos/sin and
+                    learned position embeddings are then computed for the right rows.
+  use_cache=False   training builds no key/value cache.
+  decoder_input_ids encoder-decoder models (T5) read the same tokens on both sides, so the
+                    synthetic objective stays next-token prediction.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from autoplan.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """The keyword inputs a model's forward accepts, read once from the (meta) model."""
+
+    accepted: frozenset[str]
+    padding_mask: bool  # `attention_mask` is a Hugging Face 2-D padding mask (1 = real token)
+
+    def kwargs(self, inputs: torch.Tensor, positions: torch.Tensor,
+               zigzag: bool = False) -> dict[str, object]:
+        """Keyword inputs for `inputs` (batch, tokens) holding the tokens at `positions` (1-D);
+        `zigzag`: they are a context-parallel rank's (a flag, so fake tensors pass too)."""
+        kwargs: dict[str, object] = {}
+        if "position_ids" in self.accepted:
+            kwargs["position_ids"] = positions.to(inputs.device)[None, :]
+            # Hugging Face reads a jump in position_ids without a mask as packed sequences
+            # and masks across the jump; zig-zag CP tokens jump yet are one sequence.
+            if self.padding_mask and zigzag:
+                kwargs["attention_mask"] = torch.ones_like(inputs)
+        if "use_cache" in self.accepted:
+            kwargs["use_cache"] = False
+        if "decoder_input_ids" in self.accepted:
+            kwargs["decoder_input_ids"] = inputs
+        return kwargs
+
+
+def model_call(model: nn.Module) -> ModelCall:
+    try:
+        accepted = frozenset(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        accepted = frozenset()
+    is_hf = hasattr(getattr(model, "config", None), "_attn_implementation")
+    return ModelCall(accepted, padding_mask=is_hf and "attention_mask" in accepted)
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits of a model output: a tensor, `.logits`/["logits"], or a tuple's first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if logits is not None:
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise UserError(f"the model returned {type(output).__name__}, not logits: return a tensor "
+                    "(batch, seq, vocab), an object with `.logits`, or a tuple starting with it.")
+
+
+def vocab_size_of(model: nn.Module) -> int:
+    """The vocabulary of a token-id model: the size of its first nn.Embedding."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    raise UserError(f"{type(model).__name__} has no nn.Embedding, so it does not read token ids "
+                    "(an image model?); autoplan.runtime trains token-id -> logits models with a "
+                    "next-token objective. Analyze and plan work for this model; to train it, "
+                    "use your own training loop with the plan's degrees.")
+
+
+def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
+    """`kwargs` of a Hugging Face causal SDPA attention module without the attention_mask
+    transformers materialises only when it sees fake tensors (its `is_tracing` check: the
+    plan-time capability probe). A real run with these inputs passes no mask and lets SDPA
+    apply causality (is_causal=True), which is what ring attention and the sequence-parallel
+    gather of the full sequence rely on; the fake mask would have the local length."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    config = getattr(module, "config", None)
+    hf_causal_sdpa = (getattr(config, "_attn_implementation", None) == "sdpa"
+                      and getattr(module, "is_causal", False))
+    if hf_causal_sdpa and isinstance(kwargs.get("attention_mask"), FakeTensor):
+        return {**kwargs, "attention_mask": None}
+    return kwargs

@@ -1,0 +1,97 @@
+"""Pipeline stages of a Hugging Face decoder-only causal LM, without tracing.
+
+torch.fx cannot trace transformers' causal LMs (the masking code branches on shapes, the
+forwards take `**kwargs`), so each stage is a *shell* of the model: the same classes and
+forward code, with its own copy of the module tree down to the decoder-layer list, in which
+the layers of other stages are parameter-free pass-throughs. Parameter names stay those of
+the full model, so checkpoints reshard between plans with and without PP, and TP styles,
+recompute and FSDP find their modules by the plan's paths.
+  stage 0        embeds the token ids (`input_ids`);
+  later stages   receive the hidden states as `inputs_embeds` (their embedding is removed);
+  every stage    builds the rotary cos/sin from `position_ids` (this rank's positions);
+  last stage     applies the final norm and the head; elsewhere both are `StageGap`s, so a
+                 stage's output is its hidden states.
+This is only right for families whose base model adds nothing to `inputs_embeds` (no learned
+positions, no embedding scale); the ones verified by parity tests are SPLIT_MODEL_TYPES,
+others are refused with a reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+SPLIT_MODEL_TYPES = ("llama", "mixtral", "qwen2_moe")
+
+
+class StageGap(nn.Identity):
+    """Where a pipeline stage leaves out a module of the model (norm or head of an earlier
+    stage): passes its input through and holds no parameters; parallelisms skip it."""
+
+
+class _OtherStageLayer(nn.Module):
+    """A decoder layer held by another stage: returns the hidden states unchanged."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def hf_split_problem(model: nn.Module) -> str | None:
+    """None when `split_hf_stages` can split this model, else the reason it cannot."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        return "it is not a Hugging Face model"
+    if model_type not in SPLIT_MODEL_TYPES:
+        return (f"the pipeline split of Hugging Face models is verified for "
+                f"{', '.join(SPLIT_MODEL_TYPES)} only, not {model_type!r}")
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    parts = ("embed_tokens", "layers", "norm")
+    if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(model, "lm_head"):
+        return "it lacks the embed_tokens / layers / norm / lm_head modules the split expects"
+    return None
+
+
+def _shell(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
+    """A copy of `module` sharing its parameters, buffers and code, with its own module,
+    hook and parameter dicts (so one stage's wrappers never reach another stage)."""
+    copy = module.__class__.__new__(module.__class__)
+    copy.__dict__ = {k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+    copy._modules.update(children)
+    return copy
+
+
+def _stage_forward(root: nn.Module, first: bool, positions: torch.Tensor, zigzag: bool):
+    """forward(x) of a stage: token ids (first stage) or hidden states -> logits or hidden."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        kwargs = {"input_ids" if first else "inputs_embeds": x,
+                  "position_ids": positions.to(x.device)[None, :], "use_cache": False}
+        if zigzag:  # zig-zag CP positions jump, yet are one sequence, not packed ones
+            kwargs["attention_mask"] = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+        return type(root).forward(root, **kwargs).logits
+
+    return forward
+
+
+def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.Tensor,
+                    zigzag: bool) -> list[nn.Module]:
+    """One shell per (virtual) stage, holding the decoder layers the plan gives it.
+    `zigzag`: the positions are a context-parallel rank's (flag, not read from the tensor,
+    so the split also runs on fake tensors)."""
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix)
+    layer_paths = [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
+    parts = []
+    for k, paths in enumerate(stages):
+        first, last = k == 0, k == len(stages) - 1
+        layers = nn.ModuleList(layer if path in paths else _OtherStageLayer()
+                               for layer, path in zip(base.layers, layer_paths))
+        stage_base = _shell(base, {"layers": layers,
+                                   "embed_tokens": base.embed_tokens if first else None,
+                                   "norm": base.norm if last else StageGap()})
+        root = _shell(model, {prefix: stage_base,
+                              "lm_head": model.lm_head if last else StageGap()})
+        root.forward = _stage_forward(root, first, positions, zigzag)
+        parts.append(root)
+    return parts

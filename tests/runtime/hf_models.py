@@ -1,0 +1,88 @@
+"""Tiny Hugging Face transformers models (built from config objects, never downloaded) and
+the plan pieces that name their modules, for the runtime's user-model parity tests.
+
+transformers is imported only when a model is built: a torchrun launch that trains no HF
+model pays nothing for it.
+"""
+
+from __future__ import annotations
+
+LAYERS = 2
+_COMMON = {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
+           "tie_word_embeddings": False, "use_cache": False, "attn_implementation": "sdpa"}
+CONFIGS = {
+    "hf_llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, num_key_value_heads=2)),
+    "hf_mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                   dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "hf_qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                    dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                         decoder_sparse_step=1, mlp_only_layers=[])),
+    "hf_gpt2": ("GPT2Config", "GPT2LMHeadModel",
+                {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
+                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
+                 "bos_token_id": 0, "eos_token_id": 0,
+                 "attn_implementation": "sdpa"}),
+    "hf_bert": ("BertConfig", "BertForMaskedLM",
+                {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+                 "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
+                 "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                 "attn_implementation": "sdpa"}),
+    "hf_t5": ("T5Config", "T5ForConditionalGeneration",
+              {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": LAYERS, "num_heads": 4,
+               "vocab_size": 256, "dropout_rate": 0.0, "use_cache": False,
+               "attn_implementation": "sdpa"}),
+}
+BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
+               "hf_qwen2moe": "model.layers", "hf_gpt2": "transformer.h",
+               "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block"}
+
+
+def build(kind: str, **overrides):
+    """The tiny model of `kind` (under the caller's device context and seed)."""
+    import transformers
+
+    config_name, model_name, kwargs = CONFIGS[kind]
+    kwargs = dict(kwargs, **overrides)
+    attn = kwargs.pop("attn_implementation")
+    config = getattr(transformers, config_name)(**kwargs)
+    config._attn_implementation = attn
+    return getattr(transformers, model_name)(config)
+
+
+def blocks(kind: str) -> list[str]:
+    return [f"{BLOCK_LISTS[kind]}.{i}" for i in range(LAYERS)]
+
+
+def tp_styles(kind: str) -> dict[str, str]:
+    """Megatron pairs of the Llama-style decoder (q/k/v/gate/up column, o/down row) with SP."""
+    styles = {"model.embed_tokens": "vocab_embedding", "model.norm": "sequence_parallel",
+              "lm_head": "vocab_head"}
+    for block in blocks(kind):
+        styles.update({f"{block}.input_layernorm": "sequence_parallel",
+                       f"{block}.self_attn": "prepare_input",
+                       f"{block}.self_attn.q_proj": "colwise", f"{block}.self_attn.k_proj": "colwise",
+                       f"{block}.self_attn.v_proj": "colwise", f"{block}.self_attn.o_proj": "rowwise",
+                       f"{block}.post_attention_layernorm": "sequence_parallel",
+                       f"{block}.mlp": "prepare_input"})
+        if kind == "hf_llama":
+            styles.update({f"{block}.mlp.gate_proj": "colwise", f"{block}.mlp.up_proj": "colwise",
+                           f"{block}.mlp.down_proj": "rowwise"})
+    return styles
+
+
+def attention_modules(kind: str) -> list[str]:
+    name = {"hf_gpt2": "attn", "hf_bert": "attention.self"}.get(kind, "self_attn")
+    return [f"{block}.{name}" for block in blocks(kind)]
+
+
+def moe_modules(kind: str) -> list[str]:
+    return [f"{block}.mlp" for block in blocks(kind)]
+
+
+def output_with_logits(logits):
+    """What a transformers causal LM returns: a ModelOutput holding the logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(logits=logits)

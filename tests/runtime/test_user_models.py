@@ -1,0 +1,126 @@
+"""In-process checks of how the runtime meets user models: what it calls them with, how it
+reads their output, and which axes it refuses (with the reason the planner can show).
+Their training parity on several ranks is in test_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hf_models
+from autoplan.errors import UserError
+from autoplan.plan import Plan
+from autoplan.runtime.context_parallel import context_parallel_supported
+from autoplan.runtime.expert_parallel import expert_parallel_supported
+from autoplan.runtime.model_io import logits_of, model_call, without_fake_causal_mask
+from autoplan.runtime.parallelize import validate_plan
+from runtime_models import TinyEncoder, TinyGPT, plan_dict
+
+
+def _meta(kind: str, **config):
+    with torch.device("meta"):
+        return hf_models.build(kind, **config)
+
+
+class ListExpertsMoE(nn.Module):
+    """A hand-written Mixtral-style layer: router + top-2 loop over an nn.ModuleList."""
+
+    def __init__(self, dim: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, x):
+        weights, chosen = F.softmax(self.gate(x), -1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for k in range(2):
+            for e, expert in enumerate(self.experts):
+                hit = chosen[..., k] == e
+                out[hit] += weights[..., k][hit, None] * expert(x[hit])
+        return out
+
+
+def test_logits_of_every_output_convention():
+    logits = torch.randn(2, 3, 5)
+    hf_output = hf_models.output_with_logits(logits)
+    assert logits_of(logits) is logits
+    assert logits_of(hf_output) is logits
+    assert logits_of({"logits": logits}) is logits
+    assert logits_of((logits, torch.zeros(()))) is logits
+    with pytest.raises(UserError, match="not logits"):
+        logits_of({"loss": logits})
+
+
+def test_hf_models_get_positions_and_a_mask_only_for_zigzag_positions():
+    call = model_call(_meta("hf_llama"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    contiguous = call.kwargs(ids, torch.arange(8))
+    assert contiguous["position_ids"].tolist() == [list(range(8))]
+    assert contiguous["use_cache"] is False and "attention_mask" not in contiguous
+    zigzag = call.kwargs(ids, torch.tensor([0, 1, 2, 3, 12, 13, 14, 15]), zigzag=True)
+    assert zigzag["position_ids"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert torch.equal(zigzag["attention_mask"], torch.ones_like(ids))
+    with torch.device("meta"):
+        assert model_call(TinyGPT()).kwargs(ids, torch.arange(8)) == {}
+
+
+def test_context_parallel_accepts_hf_sdpa_causal_attention_only():
+    llama = _meta("hf_llama")
+    assert context_parallel_supported(llama.model.layers[0].self_attn) is None
+    eager = _meta("hf_llama", attn_implementation="eager")
+    assert "'eager'" in context_parallel_supported(eager.model.layers[0].self_attn)
+    bert = _meta("hf_bert")
+    assert "not causal" in context_parallel_supported(bert.bert.encoder.layer[0].attention.self)
+    plan = Plan.from_dict(plan_dict("hf_bert", cp=2))
+    with pytest.raises(UserError, match=r"bert\.encoder\.layer\.0\.attention\.self.*not causal"):
+        validate_plan(bert, plan)
+
+
+def test_context_parallel_refuses_multihead_attention_of_transformer_encoder():
+    with torch.device("meta"):
+        model = TinyEncoder()
+    plan = Plan.from_dict(dict(plan_dict("encoder", cp=2), cp_modules=["encoder.layers.0.self_attn"],
+                               cp_buffers={}))
+    with pytest.raises(UserError, match=r"encoder\.layers\.0\.self_attn.*causal SDPA without a mask"):
+        validate_plan(model, plan)
+
+
+def test_expert_parallel_supports_fused_hf_experts_and_names_what_it_refuses():
+    mixtral, qwen = _meta("hf_mixtral"), _meta("hf_qwen2moe")
+    assert expert_parallel_supported(mixtral.model.layers[0].mlp) is None
+    assert expert_parallel_supported(qwen.model.layers[0].mlp) is None
+    assert "nn.ModuleList" in expert_parallel_supported(ListExpertsMoE())
+    assert "no `experts`" in expert_parallel_supported(mixtral.model.layers[0].self_attn)
+    experts = mixtral.model.layers[0].mlp.experts
+    experts.has_bias = True  # a layout variant whose math the EP forward does not do
+    assert "layout variant" in expert_parallel_supported(mixtral.model.layers[0].mlp)
+
+
+def test_ep_plan_on_a_module_list_moe_exits_with_the_module_and_reason():
+    model = nn.Sequential(nn.Embedding(8, 16), ListExpertsMoE())
+    plan = Plan.from_dict(dict(plan_dict("llama", dp=2), ep=2, ep_modules=["1"]))
+    with pytest.raises(UserError, match=r"'1' \(ListExpertsMoE\).*nn\.ModuleList"):
+        validate_plan(model, plan)
+
+
+def test_pp_plan_on_an_unsplittable_hf_model_exits_with_the_reason():
+    plan = Plan.from_dict(plan_dict("hf_gpt2", pp=2))
+    with pytest.raises(UserError, match=r"GPT2LMHeadModel.*torch\.fx cannot trace"):
+        validate_plan(_meta("hf_gpt2"), plan)
+
+
+def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
+    """The capability probe runs on fake tensors, where transformers materialises a causal
+    mask that a real run does not pass; only that one may go (never a real mask)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    attention = _meta("hf_llama").model.layers[0].self_attn
+    real = {"hidden_states": torch.zeros(1), "attention_mask": torch.zeros(1, 1, 4, 4)}
+    assert without_fake_causal_mask(attention, real) is real
+    with FakeTensorMode() as mode:
+        fake = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
+    assert without_fake_causal_mask(attention, fake)["attention_mask"] is None
+    bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self  # not causal
+    assert without_fake_causal_mask(bert_attention, fake) is fake
