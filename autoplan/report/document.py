@@ -118,21 +118,12 @@ def load_plan_detail(path: str, *, tokens: int, prices, assumptions: GoodputAssu
                      error: ErrorBand | None) -> PlanDetail:
     """A plan file priced for `tokens` (the model is traced again for its parameter count)."""
     from autoplan.hardware import load_gpu
-    from autoplan.plan import Plan, PlanFormatError
-    from autoplan.solve.api import load_graph
+    from autoplan.planfile import load_checked_plan
 
-    try:
-        plan = Plan.load(path)
-    except FileNotFoundError:
-        raise UserError(f"plan file {path} does not exist; write one with `autoplan plan ... -o plan.json`") from None
-    except PlanFormatError as exc:
-        raise UserError(f"{path} is not an autoplan plan: {exc}") from None
-    if not plan.estimate or "per_stage" not in plan.estimate:
-        raise UserError(f"{path} has no estimate; write it with `autoplan plan ... -o plan.json`")
+    checked = load_checked_plan(path)  # the estimate is recomputed, never read from the file
+    plan, graph = checked.plan, checked.graph
     gpu = load_gpu(plan.gpu)
     usd = prices.usd_per_gpu_hour(gpu.key)
-    spec = plan.model.name if plan.model.source == "catalog" else plan.model.path
-    graph, _, _ = load_graph(spec, plan.seq_len)
     run = price_run(plan.estimate["step_time_s"], plan.world_size, tokens, plan.global_batch * plan.seq_len,
                     graph.parameters, plan.precision, usd, assumptions, error)
     return PlanDetail(title=f"{plan.model.name} on {plan.world_size} x {gpu.key}", plan=plan,
