@@ -41,6 +41,10 @@ def check_same_model(plan: Plan, ref, spec: str, plan_file: str) -> None:
             else (ref.source, ref.name) == (plan.model.source, plan.model.name))
     if not same:
         made_for = plan.model.path or plan.model.name
+        if made_for == spec:
+            raise UserError(f"{plan_file} does not match the model {spec!r} it names (fingerprint "
+                            "differs: the model changed since planning, or the plan was edited); "
+                            "make the plan again with `autoplan plan`")
         raise UserError(f"{plan_file} was made for the model {made_for!r}, not for {spec!r} (their "
                         "parameter names, shapes or configs differ); give the model the plan was made "
                         "for, or make a plan for this one with `autoplan plan`")
@@ -76,5 +80,5 @@ def load_checked_plan(path: str, model_spec: str | None = None) -> CheckedPlan:
 def does_not_fit(est, plan_file: str) -> str:
     """The message of a plan (file) whose recomputed estimate does not fit its GPUs."""
     return (f"{plan_file} does not fit: {est.reason} (recomputed from the model and the cost "
-            f"model: {est.memory_gib_per_gpu:.1f} GiB per GPU). Make a plan that fits with "
-            "`autoplan plan`, or change the configuration")
+            "model, not read from the file). Make a plan that fits with `autoplan plan`, or "
+            "change the configuration")

@@ -8,7 +8,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
-from autoplan.errors import UserError
+from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.hardware import resolve_cluster
 from autoplan.importers import chosen_import, import_options
 
@@ -160,7 +160,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         est = estimate(graph, config, cluster)
     _output(est, imported, as_json)
     if not est.feasible:  # "nothing fits" is exit status 1, as for `autoplan plan`
-        raise click.exceptions.Exit(1)
+        raise NoFeasiblePlan(f"the configuration does not fit: {est.reason}")
 
 
 def _output(est, imported, as_json: bool) -> None:
