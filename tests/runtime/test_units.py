@@ -120,3 +120,21 @@ def test_parse_args_defaults_and_flags():
                                                        "r/checkpoints", 2, 5)
     with pytest.raises(SystemExit):
         parse_args(["--steps", "-1"])
+
+
+def test_token_file_checks_size_and_every_id(tmp_path):
+    import torch
+
+    from autoplan.errors import UserError
+    from autoplan.runtime.data import check_token_file
+
+    path = tmp_path / "tokens.bin"
+    tokens = torch.arange(300, dtype=torch.int32) % 200
+    tokens.to(torch.int16).numpy().tofile(path)
+    assert check_token_file(str(path), 256, seq_len=16, chunk_tokens=64) == 300
+    tokens[250] = 256  # in the last chunk
+    tokens.to(torch.int16).numpy().tofile(path)
+    with pytest.raises(UserError, match="holds token id 256, but the model's vocabulary has 256"):
+        check_token_file(str(path), 256, seq_len=16, chunk_tokens=64)
+    with pytest.raises(UserError, match="holds 300 uint16 tokens; a training row needs"):
+        check_token_file(str(path), 256, seq_len=400)
