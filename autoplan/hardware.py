@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
 from autoplan.errors import UserError
+from autoplan.limits import MAX_GPUS, check_at_most
 from autoplan.paths import cost_models_dir
 
 GIB = 2**30  # memory_gib: vendors print GiB as "GB" (hardware.md conventions, [STAS-ACC])
@@ -760,6 +761,7 @@ def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_n
     --inter-node-bandwidth GB/S -> Cluster (UserError on bad input)."""
     if gpus is None or gpus < 1:
         raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
+    check_at_most("--gpus", gpus, MAX_GPUS)
     if hardware:
         cluster = load_hardware_file(hardware)
         nic = (cluster.inter_node_bandwidth_bytes_per_s / GB if inter_node_bandwidth_gb_per_s is None

@@ -18,6 +18,16 @@ from typing import Any
 FORMAT_VERSION = 2
 READS_VERSIONS = (1, 2)  # version 1 kept tp_styles as one flat {module path: style}
 
+# Allowed values of a plan's choice fields (the same tuples as autoplan.config, which this
+# standard-library-only module cannot import: a test checks they agree).
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+OFFLOAD = ("none", "optimizer", "params", "both")
+MODEL_SOURCES = ("catalog", "config", "file")
+_POSITIVE_INTS = ("world_size", "gpus_per_node", "global_batch", "seq_len", "dp", "dp_replicate",
+                  "tp", "pp", "cp", "ep", "micro_batch", "vpp")
+
 
 class PlanFormatError(ValueError):
     """A file that is not a plan of this format version."""
@@ -114,6 +124,9 @@ class Plan:
                                      "global_batch", "seq_len") if k not in data)
         if unknown or missing:
             raise PlanFormatError(f"plan keys do not match: unknown {unknown}, missing {missing}")
+        problems = field_problems(data)
+        if problems:
+            raise PlanFormatError("; ".join(problems))
         kwargs = dict(data)
         kwargs["model"] = ModelRef(**data["model"])
         if version == 1:
@@ -129,6 +142,8 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"{path} is not JSON: {exc}") from None
+        except UnicodeDecodeError:
+            raise PlanFormatError(f"{path} is not a text file") from None
         return cls.from_dict(data)
 
     def check(self) -> None:
@@ -153,3 +168,75 @@ class Plan:
             problems.append(f"{len(self.stages)} stages listed, pp*vpp = {self.pp * self.vpp}")
         if problems:
             raise PlanFormatError("; ".join(problems))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def field_problems(data: dict[str, Any]) -> list[str]:
+    """Every field of a plan dict with the wrong type or out of range, one line each."""
+    from autoplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
+
+    problems = []
+    model = data.get("model")
+    if not isinstance(model, dict) or set(model) - {f.name for f in fields(ModelRef)} \
+            or model.get("source") not in MODEL_SOURCES or not isinstance(model.get("name"), str) \
+            or not isinstance(model.get("fingerprint", ""), str) \
+            or not isinstance(model.get("path"), (str, type(None))):
+        problems.append(f"model must be {{source: one of {list(MODEL_SOURCES)}, name, path, "
+                        f"fingerprint}}, got {model!r}"[:300])
+    if not isinstance(data.get("gpu"), str):
+        problems.append(f"gpu must be a GPU name, got {data.get('gpu')!r}")
+    limits = {"world_size": MAX_GPUS, "gpus_per_node": MAX_GPUS, "global_batch": MAX_GLOBAL_BATCH,
+              "seq_len": MAX_SEQ_LEN}
+    for name in _POSITIVE_INTS:
+        value = data.get(name, 1)
+        if not _is_int(value) or value < 1:
+            problems.append(f"{name} must be a positive integer, got {value!r}")
+        elif value > limits.get(name, MAX_GPUS):
+            problems.append(f"{name} {value:,} is above autoplan's limit of {limits.get(name, MAX_GPUS):,}")
+    zero = data.get("zero_stage", 0)
+    if not _is_int(zero) or not 0 <= zero <= 3:
+        problems.append(f"zero_stage must be 0, 1, 2 or 3, got {zero!r}")
+    for name, allowed in (("offload", OFFLOAD), ("precision", PRECISIONS), ("schedule", SCHEDULES)):
+        if data.get(name, allowed[0]) not in allowed:
+            problems.append(f"{name} must be one of {list(allowed)}, got {data.get(name)!r}")
+    if not isinstance(data.get("sequence_parallel", True), bool):
+        problems.append(f"sequence_parallel must be true or false, got {data.get('sequence_parallel')!r}")
+    headroom = data.get("memory_headroom_gib", 0.0)
+    if not _is_number(headroom) or headroom < 0:
+        problems.append(f"memory_headroom_gib must be a number >= 0, got {headroom!r}")
+    nic = data.get("inter_node_bandwidth_gb_per_s")
+    if nic is not None and (not _is_number(nic) or nic <= 0):
+        problems.append(f"inter_node_bandwidth_gb_per_s must be null or a positive number, got {nic!r}")
+    stages = data.get("stages", [])
+    if not isinstance(stages, list) or not all(_is_str_list(stage) for stage in stages):
+        problems.append("stages must be a list of lists of block module paths")
+    recompute = data.get("recompute", {})
+    if not isinstance(recompute, dict) or not all(v in RECOMPUTE for v in recompute.values()):
+        problems.append(f"recompute must map block paths to one of {list(RECOMPUTE)}, "
+                        f"got {recompute!r}"[:300])
+    for name in ("cp_modules", "ep_modules"):
+        if not _is_str_list(data.get(name, [])):
+            problems.append(f"{name} must be a list of module paths")
+    buffers = data.get("cp_buffers", {})
+    if not isinstance(buffers, dict) or not all(_is_int(v) and v >= 0 for v in buffers.values()):
+        problems.append("cp_buffers must map buffer paths to their sequence dimension (an integer)")
+    for name in ("tp_styles", "optimizer", "estimate"):
+        if not isinstance(data.get(name, {}), dict):
+            problems.append(f"{name} must be a JSON object")
+    optimizer = data.get("optimizer", {})
+    if isinstance(optimizer, dict):
+        for key in ("lr", "weight_decay", "grad_clip", "warmup_steps", "max_steps"):
+            if key in optimizer and (not _is_number(optimizer[key]) or optimizer[key] < 0):
+                problems.append(f"optimizer.{key} must be a number >= 0, got {optimizer[key]!r}")
+    return problems

@@ -8,7 +8,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
-from autoplan.errors import UserError
+from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.hardware import resolve_cluster
 from autoplan.importers import chosen_import, import_options
 
@@ -49,35 +49,12 @@ def load_graph(spec: str, seq_len: int | None):
 
 
 def estimate_plan_file(path: str, gpu: str | None = None):
-    """Estimate of a plan.json with its own stages and per-block recomputation (on `gpu` instead
-    of the plan's GPU when given, in nodes of the plan's size)."""
-    from autoplan.cost import estimate_partition
-    from autoplan.plan import Plan, PlanFormatError
+    """Estimate of a plan.json with its own stages and per-block recomputation (recomputed; on
+    `gpu` instead of the plan's GPU when given, in nodes of the plan's size)."""
+    from autoplan.planfile import load_checked_plan
 
-    try:
-        plan = Plan.load(path)
-    except (PlanFormatError, FileNotFoundError, OSError) as exc:
-        raise UserError(f"cannot read plan {path}: {exc}; give a plan.json written by `autoplan plan -o`") from None
-    spec = plan.model.path or plan.model.name
-    graph, _ = load_graph(spec, plan.seq_len)
-    cluster = resolve_cluster(gpu or plan.gpu, None, plan.world_size, plan.gpus_per_node, plan.memory_headroom_gib,
-                              None if gpu else plan.inter_node_bandwidth_gb_per_s)
-    config = ParallelConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, dp=plan.dp,
-                            tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, zero_stage=plan.zero_stage,
-                            offload=plan.offload, micro_batch=plan.micro_batch,
-                            schedule=plan.schedule, vpp=plan.vpp, precision=plan.precision,
-                            sequence_parallel=plan.sequence_parallel, dp_replicate=plan.dp_replicate,
-                            stage_layers=tuple(len(s) for s in plan.stages) if plan.stages else None)
-    by_path = {path: graph.segment(name) for path, name in graph.layer_order}
-    if plan.stages:
-        unknown = [p for stage in plan.stages for p in stage if p not in by_path]
-        if unknown:
-            raise UserError(f"plan {path} names blocks the model does not have ({', '.join(unknown[:3])}); "
-                            "was it made for another model?")
-        layers = [[(by_path[p], plan.recompute.get(p, "none")) for p in stage] for stage in plan.stages]
-    else:
-        layers = [[(by_path[p], plan.recompute.get(p, "none")) for p, _ in graph.layer_order]]
-    return estimate_partition(graph, config, cluster, layers), plan
+    checked = load_checked_plan(path, gpu=gpu)
+    return checked.estimate, checked.plan
 
 
 def render(est, console) -> None:
@@ -189,6 +166,12 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
                                      global_batch, seq, recompute, schedule, vpp, precision,
                                      sequence_parallel)
         est = estimate(graph, config, cluster)
+    _output(est, imported, as_json)
+    if not est.feasible:  # "nothing fits" is exit status 1, as for `autoplan plan`
+        raise NoFeasiblePlan(f"the configuration does not fit: {est.reason}")
+
+
+def _output(est, imported, as_json: bool) -> None:
     if as_json:
         out = est.to_dict()
         if imported is not None:

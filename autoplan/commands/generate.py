@@ -32,6 +32,7 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
     """
     from autoplan.codegen.job import default_output_dir, model_source, render_job, write_job
     from autoplan.models.sources import load_model
+    from autoplan.planfile import does_not_fit, load_checked_plan, read_plan
 
     if output and Path(output).exists() and not Path(output).is_dir():
         raise UserError(f"output path {output} is a file, not a directory; give -o a directory "
@@ -43,11 +44,12 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
             flags = " ".join("--" + name.replace("_", "-") for name in given)
             raise UserError(f"--plan takes the plan as it is, so {flags} would be ignored; drop them, "
                             "or plan again without --plan")
-        plan = _load_plan(plan_file)
-        _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len)
-        loaded = load_model(model, seq_len=plan.seq_len)
+        _check_plan_matches(read_plan(plan_file), gpu, gpus, gpus_per_node, global_batch, seq_len)
+        checked = load_checked_plan(plan_file, model)
+        if not checked.estimate.feasible:
+            raise NoFeasiblePlan(does_not_fit(checked.estimate, plan_file))
+        plan, loaded = checked.plan, checked.loaded
         _refuse_images(loaded, model)
-        _check_same_model(plan, loaded.ref, model, plan_file)
     else:
         _refuse_images(load_model(model, seq_len=seq_len), model)
         if gpus is None or global_batch is None:
@@ -81,19 +83,6 @@ for _param in command.params:
         _param.help = _param.help.rstrip(".") + " (required unless --plan is given)."
 
 
-def _load_plan(path: str):
-    from autoplan.plan import Plan, PlanFormatError
-
-    try:
-        return Plan.load(path)
-    except FileNotFoundError:
-        raise UserError(f"plan file {path} does not exist; make one with `autoplan plan MODEL ... "
-                        "-o plan.json`") from None
-    except (PlanFormatError, TypeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not a plan file of this autoplan ({exc}); make it again with "
-                        "`autoplan plan MODEL ... -o plan.json`") from None
-
-
 def _refuse_images(loaded, model: str) -> None:
     """The runtime trains models that map token ids to logits; an image model cannot run."""
     if loaded.takes_images:
@@ -124,16 +113,6 @@ def _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len) -
     if problems:
         raise UserError("the plan file does not match the options: " + "; ".join(problems)
                         + ". Make a plan for this cluster with `autoplan plan`, or drop the options")
-
-
-def _check_same_model(plan, ref, spec: str, plan_file: str) -> None:
-    same = (ref.fingerprint == plan.model.fingerprint if plan.model.fingerprint
-            else (ref.source, ref.name) == (plan.model.source, plan.model.name))
-    if not same:
-        made_for = plan.model.path or plan.model.name
-        raise UserError(f"{plan_file} was made for the model {made_for!r}, not for {spec!r} (their "
-                        "parameter names, shapes or configs differ); give the model the plan was made "
-                        "for, or make a plan for this one with `autoplan plan`")
 
 
 def _command_line(ctx: click.Context, model: str, plan_file: str | None) -> str:

@@ -93,6 +93,8 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
         raise UserError("give RUNS.json (e.g. cost_models/validation/published_runs.json) or --run DIR")
 
     report = validate_file(runs_file)
+    for problem in report["malformed"]:
+        click.echo(f"warning: {problem}", err=True)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -106,5 +108,10 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
     s = report["summary"]
     console.print(
         f"{s['count']} runs, {s['skipped']} skipped, {s['predicted_infeasible']} predicted infeasible; "
-        f"tokens/s/GPU error: median {s['median_abs_rel_error']:.1%}, max {s['max_abs_rel_error']:.1%}, "
-        f"{s['within_25pct_fraction']:.0%} within 25%")
+        f"tokens/s/GPU error: median {_share(s['median_abs_rel_error'], '.1%')}, "
+        f"max {_share(s['max_abs_rel_error'], '.1%')}, {_share(s['within_25pct_fraction'], '.0%')} within 25%")
+
+
+def _share(value, spec: str) -> str:
+    """A fraction as a percentage; "-" when no run had a measured value to compare."""
+    return "-" if value is None else format(value, spec)

@@ -39,6 +39,7 @@ import torch.nn as nn
 from autoplan.models import catalog
 from autoplan.models.hf import HF_PREFIX
 from autoplan.errors import UserError
+from autoplan.limits import check_config_sizes
 from autoplan.models import MODEL_TYPES, ConfigError, build_model
 from autoplan.plan import ModelRef
 
@@ -177,6 +178,7 @@ def _check_seq_len(config: dict[str, Any], seq_len: int | None, where: str) -> N
 
 def _loaded_from_config(config: dict[str, Any], ref: ModelRef, where: str,
                         default_seq_len: int | None, seq_len: int | None) -> LoadedModel:
+    check_config_sizes(config, where)
     _check_seq_len(config, seq_len, where)
     limit = config.get("max_position_embeddings", config.get("n_positions"))
     if default_seq_len is None and isinstance(limit, int) and limit < FALLBACK_SEQ_LEN:
@@ -354,7 +356,22 @@ def _find_model(module: Any, spec: str, seq_len: int | None) -> nn.Module:
     return _from_classes(module, spec)
 
 
+def _required_forward_args(model: nn.Module) -> list[str]:
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return []
+    return [name for name, p in signature.parameters.items()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def _default_inputs_fn(model: nn.Module, spec: str) -> InputsFn:
+    needed = _required_forward_args(model)
+    if len(needed) > 1:
+        raise UserError(f"the model in {spec} takes {len(needed)} inputs ({', '.join(needed)}) in "
+                        "forward, and autoplan builds only one by default; define "
+                        "example_inputs(batch_size, seq_len) in the file returning a tuple of "
+                        f"{len(needed)} tensors, one per forward argument")
     first = next((m for m in model.modules() if not list(m.children())), None)
     if isinstance(first, nn.Embedding):
         return _token_inputs

@@ -11,7 +11,6 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from autoplan.errors import UserError
 from autoplan.report.goodput import SOURCES, GoodputAssumptions
 from autoplan.report.sweep import GIB, RunCost, Row, Sweep, price_run, recommendations
 
@@ -120,21 +119,12 @@ def load_plan_detail(path: str, *, tokens: int | None, prices, assumptions: Good
     """A plan file priced for `tokens`, or for one optimizer step when None (the model is traced
     again for its parameter count)."""
     from autoplan.hardware import load_gpu
-    from autoplan.plan import Plan, PlanFormatError
-    from autoplan.solve.api import load_graph
+    from autoplan.planfile import load_checked_plan
 
-    try:
-        plan = Plan.load(path)
-    except FileNotFoundError:
-        raise UserError(f"plan file {path} does not exist; write one with `autoplan plan ... -o plan.json`") from None
-    except PlanFormatError as exc:
-        raise UserError(f"{path} is not an autoplan plan: {exc}") from None
-    if not plan.estimate or "per_stage" not in plan.estimate:
-        raise UserError(f"{path} has no estimate; write it with `autoplan plan ... -o plan.json`")
+    checked = load_checked_plan(path)  # the estimate is recomputed, never read from the file
+    plan, graph = checked.plan, checked.graph
     gpu = load_gpu(plan.gpu)
     usd = prices.usd_per_gpu_hour(gpu.key)
-    spec = plan.model.name if plan.model.source == "catalog" else plan.model.path
-    graph, _, _ = load_graph(spec, plan.seq_len)
     tokens_per_step = plan.global_batch * plan.seq_len
     run = price_run(plan.estimate["step_time_s"], plan.world_size, tokens or tokens_per_step, tokens_per_step,
                     graph.parameters, plan.precision, usd, assumptions, error)

@@ -17,6 +17,7 @@ class TrainArgs:
     resume: bool = False
     run_dir: str = "./runs/latest"
     log_every: int = 1
+    check_only: bool = False  # check plan, data, run directory and checkpoints, then exit
 
     @property
     def checkpoint_path(self) -> str:
@@ -40,9 +41,14 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     parser.add_argument("--run-dir", default="./runs/latest", help="metrics.jsonl goes here")
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="print a log line every N steps on rank 0")
+    parser.add_argument("--check-only", action="store_true",
+                        help="check the plan, the data, the run directory and (with --resume) the "
+                             "checkpoints in this one process, then exit (launch.sh does this "
+                             "before torchrun starts the ranks)")
     ns = parser.parse_args(argv)
     if ns.steps < 0 or ns.checkpoint_every < 0 or ns.log_every < 1:
         parser.error("--steps and --checkpoint-every must be >= 0, --log-every >= 1")
     return TrainArgs(steps=ns.steps, seed=ns.seed, data=ns.data, data_dtype=ns.data_dtype,
                      checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
-                     resume=ns.resume, run_dir=ns.run_dir, log_every=ns.log_every)
+                     resume=ns.resume, run_dir=ns.run_dir, log_every=ns.log_every,
+                     check_only=ns.check_only)

@@ -1,9 +1,16 @@
-"""DCP checkpoints that reshard across plans, written atomically.
+"""DCP checkpoints that reshard across plans, written atomically and verified on load.
 
-Layout: <dir>/step_000010/ (DCP files + .metadata + trainer.json). Every rank writes into
-<dir>/step_000010.tmp/; after a barrier rank 0 writes trainer.json and renames the folder.
-`latest_checkpoint` only considers complete folders (no .tmp suffix, trainer.json present),
-so a checkpoint half-written when a process died is never loaded.
+Layout: <dir>/step_000010/ (DCP files + .metadata + trainer.json + manifest.json). Every rank
+writes into <dir>/step_000010.tmp/; after a barrier the ranks hash the files (each a share),
+rank 0 writes trainer.json and manifest.json (bytes and sha256 of every file) and renames
+the folder. `latest_checkpoint` only considers complete folders (no .tmp suffix,
+trainer.json present), so a checkpoint half-written when a process died is never loaded;
+`verified_checkpoint` also rehashes the files and falls back to the newest checkpoint whose
+files all match their manifest, so a truncated or bit-flipped file is never loaded either.
+
+Non-persistent buffers (RoPE tables) are not in `state_dict()` of the model, but the fx
+pipeline stages register them as ordinary buffers; they are left out of every checkpoint
+(`skip` holds their names), so a checkpoint loads whether or not it was saved pipelined.
 
 Keys are the model's own parameter FQNs (wrappers are stripped by
 torch.distributed.checkpoint.state_dict; pipeline stages keep the original names), and
@@ -13,6 +20,7 @@ another (different world size, DP/TP/PP/EP split).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -28,8 +36,60 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from autoplan.errors import UserError
+
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+_CHUNK_BYTES = 1 << 20
+
+
+def non_persistent_buffers(model: nn.Module) -> frozenset[str]:
+    """FQNs of buffers registered with persistent=False (recomputed at build, never saved)."""
+    return frozenset(f"{prefix}.{name}" if prefix else name
+                     for prefix, module in model.named_modules()
+                     for name in module._non_persistent_buffers_set)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_entries(folder: Path, names: list[str]) -> dict[str, dict]:
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
+            for name in names}
+
+
+def manifest_problems(folder: Path, names: list[str] | None = None) -> list[str]:
+    """What in `folder` does not match its manifest ("file: why"); [] when all listed files match.
+
+    `names` restricts the check to those manifest entries (ranks split the reading)."""
+    manifest_path = folder / MANIFEST
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"{manifest_path}: missing or unreadable"]
+    problems = []
+    for name in sorted(files) if names is None else names:
+        path, want = folder / name, files[name]
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != want["bytes"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {want['bytes']}")
+        elif sha256_file(path) != want["sha256"]:
+            problems.append(f"{path}: sha256 differs from the manifest (corrupted)")
+    return problems
+
+
+def _manifest_names(folder: Path) -> list[str]:
+    try:
+        return sorted(json.loads((folder / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def _is_zero1(opt) -> bool:
@@ -38,10 +98,11 @@ def _is_zero1(opt) -> bool:
     return isinstance(opt, ZeroRedundancyOptimizer)
 
 
-def _state(parts: list[nn.Module], optimizers: list) -> dict:
+def _state(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = frozenset()) -> dict:
     model, optim = {}, {}
     for part, opt in zip(parts, optimizers):
-        model.update(get_model_state_dict(part, options=_OPTIONS))
+        model.update({key: value for key, value in get_model_state_dict(part, options=_OPTIONS).items()
+                      if key not in skip})
         optim.update(_zero1_state(part, opt) if _is_zero1(opt)
                      else get_optimizer_state_dict(part, opt, options=_OPTIONS))
     return {"model": model, "optim": optim}
@@ -80,17 +141,25 @@ def _zero1_state(part: nn.Module, opt) -> dict:
 
 
 def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], optimizers: list,
-                    trainer_state: dict) -> Path:
+                    trainer_state: dict, skip: frozenset[str] = frozenset()) -> Path:
     final = Path(directory) / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(_state(parts, optimizers), checkpoint_id=str(tmp))
+    dcp.save(_state(parts, optimizers, skip), checkpoint_id=str(tmp))
     dist.barrier()
-    if dist.get_rank() == 0:
+    if rank == 0:
         (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}))
+    dist.barrier()
+    names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    shares: list = [None] * world
+    dist.all_gather_object(shares, _file_entries(tmp, names[rank::world]))
+    if rank == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic on POSIX: the folder is complete or absent
     dist.barrier()
@@ -98,16 +167,59 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], op
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
+    return next(iter(complete_checkpoints(directory)), None)
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoint folders, newest first."""
     root = Path(directory)
     if not root.is_dir():
-        return None
+        return []
     complete = [p for p in root.iterdir() if _STEP_DIR.match(p.name)
                 and (p / "trainer.json").is_file() and (p / ".metadata").is_file()]
-    return max(complete, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)
+    return sorted(complete, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
-def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list) -> dict:
-    state = _state(parts, optimizers)
+def verified_checkpoint(directory: str | Path, say=print) -> Path | None:
+    """The newest complete checkpoint whose files match its manifest; None when there is none.
+
+    Under a process group every rank hashes a share of each candidate's files and all ranks
+    agree on the result. Damaged checkpoints are reported (`say`) and skipped; when every
+    checkpoint is damaged it is a UserError naming the files.
+    """
+    damaged: list[str] = []
+    for folder in complete_checkpoints(directory):
+        problems = _distributed_problems(folder)
+        if not problems:
+            if damaged:
+                say(f"autoplan: falling back to {folder}, the newest checkpoint whose files match "
+                    "its manifest")
+            return folder
+        say(f"autoplan: checkpoint {folder} is damaged and is skipped: {'; '.join(problems[:4])}")
+        damaged += problems
+    if damaged:
+        raise UserError(f"no checkpoint in {directory} can be loaded, every one is damaged: "
+                        f"{'; '.join(damaged[:8])}. Remove the damaged step_* folders to start "
+                        "from step 0, or restore them from a copy.")
+    return None
+
+
+def _distributed_problems(folder: Path) -> list[str]:
+    if not (folder / MANIFEST).is_file():
+        return []  # written before manifests existed: complete, but cannot be verified
+    if not dist.is_initialized():
+        return manifest_problems(folder)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = _manifest_names(folder)
+    mine = manifest_problems(folder, names[rank::world]) if names else manifest_problems(folder)
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine)
+    return sorted({problem for share in shares for problem in share})
+
+
+def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list,
+                    skip: frozenset[str] = frozenset()) -> dict:
+    state = _state(parts, optimizers, skip)
     dcp.load(state, checkpoint_id=str(path))
     for part, opt in zip(parts, optimizers):
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))

@@ -44,34 +44,78 @@ class TokenFile:
     """A flat binary file of token ids (uint16 when the vocab fits, else uint32), memory-mapped.
 
     Each row starts at an offset drawn from (seed, step), so resumption needs no file state.
+    The file's size is checked when it is opened and every batch's ids against the
+    vocabulary; `check_token_file` also scans the whole file (before the ranks start).
     """
 
-    def __init__(self, path: str, vocab_size: int, seed: int, dtype: str | None = None) -> None:
-        if not Path(path).is_file():
-            raise UserError(f"--data {path!r} is not a file; give a token .bin file or 'synthetic'.")
-        name = dtype or ("uint16" if vocab_size <= 65536 else "uint32")
-        if name not in ("uint16", "uint32"):
-            raise UserError(f"--data-dtype {name!r}: use uint16 or uint32.")
+    def __init__(self, path: str, vocab_size: int, seed: int, dtype: str | None = None,
+                 seq_len: int = 1) -> None:
+        self.path, self.vocab_size, self.seed = path, vocab_size, seed
+        name = token_dtype_name(vocab_size, dtype)
         self.dtype = getattr(torch, name)
-        itemsize = 2 if name == "uint16" else 4
-        nbytes = os.path.getsize(path)
-        self.num_tokens = nbytes // itemsize
+        self.num_tokens = token_count(path, name, seq_len)
         # shared=True maps the file (mmap) instead of reading it; nothing is written to it.
         self.tokens = torch.from_file(path, shared=True, size=self.num_tokens, dtype=self.dtype)
-        self.seed = seed
 
     def global_batch(self, step: int, rows: int, seq_len: int) -> torch.Tensor:
         if self.num_tokens <= seq_len + 1:
             raise UserError(f"the token file holds {self.num_tokens} tokens, fewer than seq_len+1.")
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.num_tokens - seq_len - 1, (rows,), generator=gen)
-        return torch.stack([self.tokens[s: s + seq_len + 1].to(torch.int64) for s in starts.tolist()])
+        batch = torch.stack([self.tokens[s: s + seq_len + 1].to(torch.int64) for s in starts.tolist()])
+        top = int(batch.max())
+        if top >= self.vocab_size:
+            raise UserError(_id_too_large(self.path, top, self.vocab_size, self.dtype))
+        return batch
 
 
-def make_source(data: str, vocab_size: int, seed: int, dtype: str | None = None):
+def token_dtype_name(vocab_size: int, dtype: str | None) -> str:
+    name = dtype or ("uint16" if vocab_size <= 65536 else "uint32")
+    if name not in ("uint16", "uint32"):
+        raise UserError(f"--data-dtype {name!r}: use uint16 or uint32.")
+    return name
+
+
+def token_count(path: str, dtype_name: str, seq_len: int) -> int:
+    """Tokens in the file; a UserError when it is missing, empty, ragged or too short."""
+    if not Path(path).is_file():
+        raise UserError(f"--data {path!r} is not a file; give a token .bin file or 'synthetic'.")
+    itemsize = 2 if dtype_name == "uint16" else 4
+    nbytes = os.path.getsize(path)
+    if nbytes % itemsize:
+        raise UserError(f"--data {path}: {nbytes} bytes is not a whole number of {dtype_name} "
+                        f"tokens ({itemsize} bytes each); check --data-dtype or the file.")
+    count = nbytes // itemsize
+    if count < seq_len + 2:
+        raise UserError(f"--data {path} holds {count} {dtype_name} tokens; a training row needs "
+                        f"seq_len + 1 = {seq_len + 1} and the file at least one more. Give a "
+                        "longer token file (or 'synthetic').")
+    return count
+
+
+def _id_too_large(path: str, top: int, vocab_size: int, dtype) -> str:
+    return (f"--data {path} holds token id {top}, but the model's vocabulary has {vocab_size} "
+            f"ids (0..{vocab_size - 1}); the file was tokenized for another vocabulary or is "
+            f"not {str(dtype).replace('torch.', '')} (--data-dtype). Re-tokenize it for this model.")
+
+
+def check_token_file(path: str, vocab_size: int, seq_len: int, dtype: str | None = None,
+                     chunk_tokens: int = 1 << 24) -> int:
+    """Size, dtype and the largest id of the whole file, read in chunks; returns the token count."""
+    name = token_dtype_name(vocab_size, dtype)
+    count = token_count(path, name, seq_len)
+    tokens = torch.from_file(path, shared=True, size=count, dtype=getattr(torch, name))
+    for start in range(0, count, chunk_tokens):
+        top = int(tokens[start: start + chunk_tokens].to(torch.int64).max())  # no max for uint16
+        if top >= vocab_size:
+            raise UserError(_id_too_large(path, top, vocab_size, tokens.dtype))
+    return count
+
+
+def make_source(data: str, vocab_size: int, seed: int, dtype: str | None = None, seq_len: int = 1):
     if data == "synthetic":
         return SyntheticTokens(vocab_size, seed)
-    return TokenFile(data, vocab_size, seed, dtype)
+    return TokenFile(data, vocab_size, seed, dtype, seq_len)
 
 
 def local_microbatches(batch: torch.Tensor, *, dp_rank: int, num_microbatches: int,

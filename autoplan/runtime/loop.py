@@ -30,8 +30,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autoplan.errors import UserError
 from autoplan.plan import Plan, PlanFormatError
 from autoplan.runtime.args import TrainArgs
-from autoplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from autoplan.runtime.data import local_microbatches, make_source, zigzag_positions
+from autoplan.runtime.checkpoint import (load_checkpoint, non_persistent_buffers, save_checkpoint,
+                                         verified_checkpoint)
+from autoplan.runtime.data import check_token_file, local_microbatches, make_source, zigzag_positions
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
@@ -39,6 +40,7 @@ from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import build_schedule, make_stages
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
+from autoplan.runtime.rundir import DirectoryLock, check_unlocked, drop_metrics_from, job_directories
 from autoplan.runtime.tensor_parallel import uses_loss_parallel
 
 
@@ -131,6 +133,7 @@ class Trainer:
                             f"has {dist.get_world_size()}; launch {plan.world_size} ranks.")
         self.mesh = mesh or build_mesh(plan, self.device_type)
         self.vocab = vocab_size_of(meta)
+        self.unsaved = non_persistent_buffers(meta)
         model = materialise(build_model, meta, args.seed, self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.par = apply_plan(model, plan, self.mesh)
@@ -138,13 +141,14 @@ class Trainer:
         self.optimizers = [self._optimizer(part) for part in self.par.parts]
         self.scaler = DynamicLossScaler(plan.precision == "fp16")
         self.loss_parallel = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
-        self.source = make_source(args.data, self.vocab, args.seed, args.data_dtype)
+        self.source = make_source(args.data, self.vocab, args.seed, args.data_dtype, plan.seq_len)
         self.positions = (zigzag_positions(plan.seq_len, plan.cp, self.mesh.cp_rank)
                           if plan.cp > 1 else None)
         self.token_positions = self.positions if plan.cp > 1 else torch.arange(plan.seq_len)
         self.model_call = model_call(meta)
         self.schedule = self._schedule() if plan.pp > 1 else None
         self.start_step = 0
+        self.resuming = False
         self._warn_unsupported()
         self.last_grad_norm = float("nan")  # pre-clip global grad norm of the last step
         self.grad_norms: list[float] = []
@@ -286,26 +290,36 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------
     def save(self, step: int) -> None:
         save_checkpoint(self.args.checkpoint_path, step, self.par.parts, self.optimizers,
-                        {"loss_scaler": self.scaler.state_dict()})
+                        {"loss_scaler": self.scaler.state_dict()}, skip=self.unsaved)
 
     def maybe_resume(self) -> None:
-        if not self.args.resume:
+        """With --resume, or after torchrun restarted the workers: continue from the newest
+        checkpoint whose files match their manifest."""
+        restart = restart_count()
+        if not (self.args.resume or restart):
             return
-        path = latest_checkpoint(self.args.checkpoint_path)
+        self.resuming = True
+        say = _say if dist.get_rank() == 0 else (lambda _text: None)
+        if restart:
+            say(f"autoplan: restart {restart} after a failure: resuming from the latest checkpoint")
+        path = verified_checkpoint(self.args.checkpoint_path, say)
         if path is None:
+            say(f"autoplan: no complete checkpoint in {self.args.checkpoint_path}: starting from step 0")
             return
-        state = load_checkpoint(path, self.par.parts, self.optimizers)
+        state = load_checkpoint(path, self.par.parts, self.optimizers, skip=self.unsaved)
         self.scaler.load_state_dict(state["loss_scaler"])
         self.start_step = int(state["step"])
-        if dist.get_rank() == 0:
-            print(f"autoplan: resumed from {path} (step {self.start_step})", flush=True)
+        say(f"autoplan: resumed from {path} (step {self.start_step})")
 
     # -- the loop -----------------------------------------------------------------
     def run(self) -> list[float]:
         self.maybe_resume()
         losses = []
-        metrics = MetricsLog(self.args.run_dir, self.plan, self.num_params) \
-            if dist.get_rank() == 0 else None
+        metrics = None
+        if dist.get_rank() == 0:
+            metrics = MetricsLog(self.args.run_dir, self.plan, self.num_params)
+            if self.resuming:  # the replayed steps are written again below
+                drop_metrics_from(metrics.path, self.start_step)
         for step in range(self.start_step, self.args.steps):
             start = time.perf_counter()
             loss = self.step(step)
@@ -319,6 +333,15 @@ class Trainer:
             if every and (step + 1) % every == 0:
                 self.save(step + 1)
         return losses
+
+
+def restart_count() -> int:
+    """How many times torchrun (--max-restarts) has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -383,14 +406,22 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
     status 2.
     """
     rank = int(os.environ.get("RANK", "0"))
+    locks: list[DirectoryLock] = []
     try:
         plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
-        check_world_size(plan)
         meta = build_meta(build_model)
+        if args.check_only:
+            check_before_launch(meta, plan, args)
+            return []
+        check_world_size(plan)
         validate_plan(meta, plan)  # before the process group: nothing can hang
         vocab_size_of(meta)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8" and rank == 0:
             print("autoplan: fp8 runs as bf16 in autoplan.runtime (no fp8 matmuls yet)", flush=True)
+        if rank == 0:  # held until this process exits; the kernel releases it if it dies
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+            locks = [DirectoryLock(d).acquire(run_id)
+                     for d in job_directories(args.run_dir, args.checkpoint_path)]
         owns_group = not dist.is_initialized()
         init_distributed()
         losses = Trainer(build_model, plan, args, meta=meta).run()
@@ -407,3 +438,24 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs) -> None:
+    """What launch.sh checks in one process before torchrun starts the ranks (--check-only):
+    the plan against the model, the token file (size, dtype, every id below the vocabulary),
+    that no other job holds the run directory, and with --resume the checkpoint to resume from.
+    """
+    validate_plan(meta, plan)
+    if args.data != "synthetic":
+        count = check_token_file(args.data, vocab_size_of(meta), plan.seq_len, args.data_dtype)
+        print(f"autoplan: --data {args.data}: {count:,} tokens, all ids below the vocabulary", flush=True)
+    for directory in job_directories(args.run_dir, args.checkpoint_path):
+        check_unlocked(directory, os.environ.get("AUTOPLAN_RUN_ID", ""))
+    if args.resume:
+        path = verified_checkpoint(args.checkpoint_path, _say)
+        _say(f"autoplan: will resume from {path}" if path else
+             f"autoplan: --resume: no complete checkpoint in {args.checkpoint_path}, the run starts "
+             "from step 0")

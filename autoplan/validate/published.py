@@ -47,11 +47,84 @@ def load_runs(path: str | Path) -> list[dict[str, Any]]:
                         "cost_models/validation/published_runs.json") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"runs file {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"runs file {path} is not a text file; give a JSON runs file") from None
     runs = data.get("runs") if isinstance(data, dict) else None
     if not isinstance(runs, list):
         raise UserError(f"runs file {path} must be an object with a \"runs\" list "
                         "(see cost_models/validation/published_runs.json)")
+    if not runs:
+        raise UserError(f"runs file {path} has an empty \"runs\" list; add at least one run "
+                        "(see cost_models/validation/published_runs.json for the format)")
     return runs
+
+
+# (section, field, what it must be) of every value validate_run reads; "count" is a positive
+# integer, "amount" a positive number, "?" allows null; limits bound the work a typo can cause.
+_RUN_FIELDS = (
+    ("model", "seq_len", "count"), ("model", "layers", "count"), ("model", "hidden", "count"),
+    ("model", "heads", "count"), ("model", "vocab", "count"), ("model", "ffn_hidden", "count?"),
+    ("model", "kv_heads", "count?"), ("model", "head_dim", "count?"), ("model", "family", "text"),
+    ("hardware", "gpu_key", "text"), ("hardware", "n_gpus", "count"),
+    ("hardware", "gpus_per_node", "count?"), ("hardware", "interconnect", "text?"),
+    ("parallel", "dp", "count"), ("parallel", "global_batch_seqs", "count"),
+    ("parallel", "tp", "count?"), ("parallel", "pp", "count?"), ("parallel", "cp", "count?"),
+    ("parallel", "ep", "count?"), ("parallel", "vpp", "count?"), ("parallel", "micro_batch", "count?"),
+    ("parallel", "zero_stage", "stage?"), ("parallel", "recompute", "recompute?"),
+    ("parallel", "sequence_parallel", "flag?"),
+    ("truth", "tokens_per_s_per_gpu", "amount?"), ("truth", "mem_gib_per_gpu", "amount?"),
+)
+
+
+def _field_problem(value, kind: str) -> str | None:
+    """Why `value` is not a `kind` (see _RUN_FIELDS), or None."""
+    from autoplan.config import RECOMPUTE
+
+    if kind.endswith("?"):
+        if value is None:
+            return None
+        kind = kind[:-1]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    wants = {"count": "a positive integer", "amount": "a positive number", "text": "a string",
+             "stage": "0, 1, 2 or 3", "recompute": f"one of {list(RECOMPUTE)}", "flag": "true or false"}
+    ok = {"count": number and value == int(value) and value >= 1,
+          "amount": number and value > 0,
+          "text": isinstance(value, str),
+          "stage": number and value in (0, 1, 2, 3),
+          "recompute": value in RECOMPUTE,
+          "flag": isinstance(value, bool)}[kind]
+    return None if ok else f"is {json.dumps(value)[:40]}, must be {wants[kind]}"
+
+
+def run_problems(run: Any) -> list[str]:
+    """Every field of one runs-file row that validate_run could not use ("section.field: why")."""
+    from autoplan.limits import MAX_GPUS, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, check_at_most
+
+    if not isinstance(run, dict):
+        return [f"the row is {json.dumps(run)[:40]}, not a JSON object describing a run"]
+    problems = []
+    for section in dict.fromkeys(section for section, _, _ in _RUN_FIELDS):
+        if not isinstance(run.get(section), dict):
+            problems.append(f"{section} is missing or not an object")
+    if problems:
+        return problems
+    for section, name, kind in _RUN_FIELDS:
+        value = run[section].get(name)
+        if value is None and not kind.endswith("?"):
+            problems.append(f"{section}.{name} is missing")
+        elif (why := _field_problem(value, kind)) is not None:
+            problems.append(f"{section}.{name} {why}")
+    limits = (("model", "seq_len", MAX_SEQ_LEN), ("model", "layers", MAX_LAYERS),
+              ("model", "hidden", MAX_WIDTH), ("model", "vocab", MAX_VOCAB),
+              ("hardware", "n_gpus", MAX_GPUS), ("parallel", "dp", MAX_GPUS))
+    for section, name, limit in limits:
+        try:
+            check_at_most(f"{section}.{name}", run[section].get(name), limit)
+        except UserError as exc:
+            problems.append(str(exc).split(" (far beyond")[0])
+    if not isinstance(run.get("precision_key"), str):
+        problems.append(f"precision_key {_field_problem(run.get('precision_key'), 'text')}")
+    return problems
 
 
 def _divisors_up_to(n: int, limit: int) -> list[int]:
@@ -317,7 +390,27 @@ def summarize(results: Iterable[RunResult]) -> dict[str, Any]:
     }
 
 
+def validate_row(index: int, run: Any) -> RunResult:
+    """One row: skipped with every malformed field named (row number from 1, and its id), or
+    estimated."""
+    problems = run_problems(run)
+    if not problems:
+        return validate_run(run)
+    run_id = run.get("id") if isinstance(run, dict) and isinstance(run.get("id"), str) else None
+    name = f"row {index + 1}" + (f" ({run_id})" if run_id else "")
+    return RunResult(id=run_id or f"row {index + 1}",
+                     skipped=f"{name} is malformed: {'; '.join(problems[:6])}")
+
+
 def validate_file(path: str | Path) -> dict[str, Any]:
-    """{"runs": [...], "summary": {...}} for every run of a runs file."""
-    results = [validate_run(run) for run in load_runs(path)]
-    return {"runs": [r.to_dict() for r in results], "summary": summarize(results)}
+    """{"runs": [...], "summary": {...}} for every run of a runs file; malformed rows are
+    reported as skipped with the fields named, the others estimated."""
+    rows = load_runs(path)
+    results = [validate_row(index, run) for index, run in enumerate(rows)]
+    malformed = [r.skipped for r in results if r.skipped.startswith("row ") and " is malformed: " in r.skipped]
+    if len(malformed) == len(results):
+        raise UserError(f"no run in {path} can be validated: {' | '.join(malformed[:3])}"
+                        + (f" | and {len(malformed) - 3} more" if len(malformed) > 3 else "")
+                        + ". Fix the fields named (format: cost_models/validation/published_runs.json)")
+    return {"runs": [r.to_dict() for r in results], "summary": summarize(results),
+            "malformed": malformed}

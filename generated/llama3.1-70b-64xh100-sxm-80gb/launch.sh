@@ -7,12 +7,17 @@
 #   RDZV_ENDPOINT=node0:29500 RDZV_ID=run1 ./launch.sh --steps 100
 # NNODES and NPROC_PER_NODE override the plan's shape. Arguments go on to train.py
 # (python train.py --help lists them).
+#
+# When a rank dies, torchrun restarts all of them (MAX_RESTARTS times, default 3) and they
+# resume from the newest checkpoint whose files match its manifest; use --checkpoint-every N
+# so a restart repeats at most N steps. MAX_RESTARTS=0 ends the job at the first failure.
 set -euo pipefail
 
 JOB_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NNODES="${NNODES:-8}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
 RDZV_ID="${RDZV_ID:-llama3.1-70b-64xh100-sxm-80gb}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
 # fewer fragmentation OOMs near the memory limit (as torchtitan's run_train.sh)
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 # NCCL says why a collective failed
@@ -23,6 +28,7 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 if [[ -n "${RDZV_ENDPOINT:-}" || -n "${MASTER_ADDR:-}" ]]; then
   RDZV_ENDPOINT="${RDZV_ENDPOINT:-${MASTER_ADDR}:${MASTER_PORT:-29500}}"
   rendezvous=(--rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT}" --rdzv-id "${RDZV_ID}")
+  export AUTOPLAN_RUN_ID="${RDZV_ID}"  # the run directory lock of this job's rank 0 is not another job's
 elif [[ "${NNODES}" == 1 ]]; then
   rendezvous=(--standalone)
 else
@@ -31,5 +37,9 @@ else
   exit 2
 fi
 
+# One process checks the plan, --data, the run directory's lock and (with --resume) the
+# checkpoints before any rank starts: bad input ends here with one message and exit status 2.
+"${PYTHON:-python3}" "${JOB_DIR}/train.py" --check-only "$@"
+
 exec torchrun --nnodes "${NNODES}" --nproc-per-node "${NPROC_PER_NODE}" "${rendezvous[@]}" \
-  "${JOB_DIR}/train.py" "$@"
+  --max-restarts "${MAX_RESTARTS}" "${JOB_DIR}/train.py" "$@"

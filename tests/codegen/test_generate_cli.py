@@ -101,4 +101,4 @@ def test_nothing_fits_is_exit_1(tmp_path):
 def test_partial_last_node_is_refused(plan_file, tmp_path):
     # the planner refuses such a cluster; a plan file can still say 6 ranks on 4-GPU nodes
     uneven = edited(plan_file, world_size=6, dp=6, global_batch=12)
-    expect_user_error("tiny-gpt", "--plan", str(uneven), "-o", str(tmp_path / "x"), match="partial")
+    expect_user_error("tiny-gpt", "--plan", str(uneven), "-o", str(tmp_path / "x"), match="do not fill whole nodes")

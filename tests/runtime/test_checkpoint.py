@@ -33,8 +33,9 @@ def test_resume_same_and_other_plan(torchrun, tmp_path):
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     first = torchrun("ckpt_worker.py", 2, save_plan, tmp_path / "first.json", "--steps", "5",
                      "--seed", "1234", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
-                     "--run-dir", run)
+                     "--run-dir", run, "--resume")
     assert first.returncode == 0, first.stderr[-4000:]
+    assert f"no complete checkpoint in {ckpt}: starting from step 0" in first.stdout
     assert (ckpt / "step_000005" / "trainer.json").is_file()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(5))
@@ -57,6 +58,18 @@ def test_resume_same_and_other_plan(torchrun, tmp_path):
     assert other.returncode == 0, other.stderr[-4000:]
     resharded = json.loads((tmp_path / "other.json").read_text())
     assert max(_rel(a, b) for a, b in zip(resharded, ref_losses[5:])) <= 1e-5
+
+    # Onto a pipeline (pp=2): its fx stages hold the RoPE tables as ordinary buffers, which
+    # the data-parallel checkpoint does not have (they are non-persistent in the model).
+    pipelined = _write(tmp_path, "pp2.json", plan_dict(pp=2, schedule="1f1b"))
+    piped = torchrun("ckpt_worker.py", 2, pipelined, tmp_path / "piped.json", "--steps", "10",
+                     "--seed", "1234", "--checkpoint-dir", ckpt, "--resume",
+                     "--run-dir", tmp_path / "run-pp")
+    assert piped.returncode == 0, piped.stderr[-4000:]
+    assert "(step 5)" in piped.stdout
+    piped_losses = json.loads((tmp_path / "piped.json").read_text())
+    assert len(piped_losses) == 5
+    assert max(_rel(a, b) for a, b in zip(piped_losses, ref_losses[5:])) <= 1e-5
 
 
 @pytest.mark.slow
@@ -96,3 +109,47 @@ def test_zero1_checkpoint_resumes_as_zero1_and_as_fsdp(torchrun, tmp_path):
         assert proc.returncode == 0, proc.stderr[-4000:]
         losses = json.loads((tmp_path / f"{name}.json").read_text())
         assert max(_rel(a, b) for a, b in zip(losses, ref_losses[5:])) <= 1e-5, name
+
+
+def _fake_checkpoint(root, step: int, payload: bytes):
+    """A complete checkpoint folder with a manifest, as save_checkpoint leaves it."""
+    from autoplan.runtime.checkpoint import MANIFEST, sha256_file
+
+    folder = root / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"meta")
+    (folder / "__0_0.distcp").write_bytes(payload)
+    (folder / "trainer.json").write_text(json.dumps({"step": step}))
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in folder.iterdir()}
+    (folder / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
+    return folder
+
+
+def test_manifest_catches_a_byte_flip_and_a_truncation(tmp_path):
+    from autoplan.runtime.checkpoint import manifest_problems
+
+    folder = _fake_checkpoint(tmp_path, 3, bytes(range(256)) * 4)
+    assert manifest_problems(folder) == []
+    data = bytearray((folder / "__0_0.distcp").read_bytes())
+    data[100] ^= 0x01  # one bit, same size
+    (folder / "__0_0.distcp").write_bytes(bytes(data))
+    assert manifest_problems(folder) == [f"{folder / '__0_0.distcp'}: sha256 differs from the manifest (corrupted)"]
+    (folder / "__0_0.distcp").write_bytes(bytes(data[:10]))
+    assert manifest_problems(folder) == [f"{folder / '__0_0.distcp'}: 10 bytes, the manifest says 1024"]
+
+
+def test_verified_checkpoint_falls_back_then_refuses_naming_files(tmp_path):
+    from autoplan.errors import UserError
+    from autoplan.runtime.checkpoint import verified_checkpoint
+
+    older = _fake_checkpoint(tmp_path, 3, b"a" * 64)
+    newer = _fake_checkpoint(tmp_path, 6, b"b" * 64)
+    (newer / "__0_0.distcp").write_bytes(b"c" * 64)
+    said = []
+    assert verified_checkpoint(tmp_path, said.append) == older
+    assert "step_000006 is damaged" in said[0] and "falling back to" in said[1]
+    (older / ".metadata").unlink()  # no longer complete: not a candidate
+    (older / ".metadata").write_bytes(b"META")  # complete again, but not what the manifest says
+    with pytest.raises(UserError, match=r"every one is damaged: .*step_000006/__0_0.distcp.*step_000003/.metadata"):
+        verified_checkpoint(tmp_path, said.append)
+    assert verified_checkpoint(tmp_path / "none", said.append) is None

@@ -159,3 +159,21 @@ def test_metrics_record_the_device_they_ran_on(tmp_path):
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # validate --run compares a CPU run with the CPU cost model whatever GPU the plan was made for
     assert record["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_token_file_checks_size_and_every_id(tmp_path):
+    import torch
+
+    from autoplan.errors import UserError
+    from autoplan.runtime.data import check_token_file
+
+    path = tmp_path / "tokens.bin"
+    tokens = torch.arange(300, dtype=torch.int32) % 200
+    tokens.to(torch.int16).numpy().tofile(path)
+    assert check_token_file(str(path), 256, seq_len=16, chunk_tokens=64) == 300
+    tokens[250] = 256  # in the last chunk
+    tokens.to(torch.int16).numpy().tofile(path)
+    with pytest.raises(UserError, match="holds token id 256, but the model's vocabulary has 256"):
+        check_token_file(str(path), 256, seq_len=16, chunk_tokens=64)
+    with pytest.raises(UserError, match="holds 300 uint16 tokens; a training row needs"):
+        check_token_file(str(path), 256, seq_len=400)

@@ -1,0 +1,188 @@
+"""Faults during training of the generated tiny job (4 gloo ranks, launch.sh as a user runs it):
+a rank killed with SIGKILL, a corrupted checkpoint, a second job in the same run directory,
+and bad token files. The killed and the corrupted runs must end with the losses of the
+uninterrupted run: same plan, same seed, so the restarted steps replay bit for bit
+(tolerance 1e-6 relative, the same-plan resume tolerance of tests/runtime/test_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from codegen_helpers import run_script
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 12, 3
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [row["loss"] for row in metrics(run_dir)]
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def clean_run(tiny_job, tmp_path_factory) -> Path:
+    """The uninterrupted reference: 12 steps, checkpoints after steps 3, 6, 9 and 12."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    result = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--checkpoint-every", EVERY,
+                        "--run-dir", run, cwd=run.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["step"] for row in metrics(run)] == list(range(STEPS))
+    return run
+
+
+def _descendants(root: int) -> list[tuple[int, dict[str, str]]]:
+    """(pid, environment) of every process below `root` (torchrun starts each worker in a
+    session of its own, so the process tree, not the session, finds them)."""
+    parents, envs = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            raw = (entry / "environ").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        envs[int(entry.name)] = dict(item.split("=", 1) for item in
+                                     raw.decode(errors="replace").split("\0") if "=" in item)
+    below, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - below
+        below |= frontier
+    return [(pid, envs[pid]) for pid in sorted(below) if pid in envs]
+
+
+def _kill_rank_once_running(proc: subprocess.Popen, run: Path, rank: str, after_rows: int,
+                            timeout: float) -> None:
+    """SIGKILL local rank `rank` of the first attempt once metrics.jsonl has `after_rows` rows."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = run / "metrics.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= after_rows:
+            for pid, env in _descendants(proc.pid):
+                if env.get("LOCAL_RANK") == rank and env.get("TORCHELASTIC_RESTART_COUNT") == "0":
+                    os.kill(pid, signal.SIGKILL)
+                    return
+        time.sleep(0.05)
+    pytest.fail("the job ended or stalled before the rank could be killed")
+
+
+def test_killed_rank_restarts_and_ends_with_the_uninterrupted_losses(tiny_job, clean_run, tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    for name in ("RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC_PER_NODE"):
+        env.pop(name, None)
+    proc = subprocess.Popen(["bash", str(tiny_job / "launch.sh"), "--steps", str(STEPS),
+                             "--checkpoint-every", str(EVERY), "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        _kill_rank_once_running(proc, run, rank="1", after_rows=EVERY + 2, timeout=240)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # torchrun stops its workers on SIGTERM
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "restart 1 after a failure" in out, out[-2000:]
+    assert "resumed from" in out and "step_000000" not in out, out[-2000:]
+    assert [row["step"] for row in metrics(run)] == list(range(STEPS))  # replayed steps once
+    assert close(losses(run), losses(clean_run)), (losses(run), losses(clean_run))
+
+
+def _flip_bytes(path: Path) -> None:
+    """The same size, different bytes (a silent disk or copy error)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 8] = bytes(b ^ 0xFF for b in data[middle: middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tiny_job, clean_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(clean_run / "checkpoints", run / "checkpoints")
+    _flip_bytes(run / "checkpoints" / "step_000012" / "__1_0.distcp")
+    # steps 9..11 again from checkpoint 9, then nothing more: the losses of the clean run
+    result = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step_000012 is damaged" in result.stdout and "__1_0.distcp" in result.stdout
+    assert "resumed from" in result.stdout and "(step 9)" in result.stdout, result.stdout[-2000:]
+    assert [row["step"] for row in metrics(run)] == [9, 10, 11]
+    assert close(losses(run), losses(clean_run)[9:])
+
+    for folder in (run / "checkpoints").glob("step_*"):
+        _flip_bytes(folder / "__0_0.distcp")
+    start = time.monotonic()
+    refused = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
+                         cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "every one is damaged" in refused.stderr and "step_000003/__0_0.distcp" in refused.stderr
+    assert "Traceback" not in refused.stderr and "ChildFailedError" not in refused.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_second_job_in_the_same_run_directory_is_refused(tiny_job, tmp_path):
+    from autoplan.runtime.rundir import DirectoryLock
+
+    run = tmp_path / "run"
+    held = DirectoryLock(run).acquire("first-job")  # what the first job's rank 0 holds
+    try:
+        result = run_script(tiny_job / "launch.sh", "--steps", 2, "--run-dir", run, cwd=tmp_path)
+    finally:
+        held.release()
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "is in use by job pid" in result.stderr and "Traceback" not in result.stderr
+    assert not (run / "metrics.jsonl").exists()
+
+
+def _token_file(path: Path, values: list[int] | None, dtype=torch.int16) -> Path:
+    path.write_bytes(b"" if values is None else torch.tensor(values, dtype=dtype).numpy().tobytes())
+    return path
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "is not a file"),
+    ("empty", "holds 0 uint16 tokens"),
+    ("short", "holds 10 uint16 tokens"),
+    ("ragged", "not a whole number of uint16 tokens"),
+    ("id_too_large", "holds token id 30000"),
+])
+def test_bad_token_file_stops_before_the_ranks_start(tiny_job, tmp_path, case, message):
+    data = tmp_path / "tokens.bin"
+    if case == "empty":
+        _token_file(data, None)
+    elif case == "short":
+        _token_file(data, list(range(10)))
+    elif case == "ragged":
+        data.write_bytes(b"\x01\x00" * 200 + b"\x01")
+    elif case == "id_too_large":
+        _token_file(data, [1, 2, 3] * 100 + [30000] + [4] * 100)
+    start = time.monotonic()
+    result = run_script(tiny_job / "launch.sh", "--steps", 2, "--data", data, "--run-dir",
+                        tmp_path / "run", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert result.stderr.count("autoplan: error:") == 1
+    assert time.monotonic() - start < 60
