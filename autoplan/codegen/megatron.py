@@ -170,6 +170,6 @@ def megatron_args(plan: Plan) -> str:
               "(autoplan estimate MODEL --from-megatron @megatron.args reads it back)"]
     header += ["", "Not expressible in Megatron-LM (nearest setting written):"] + [f"- {n}" for n in notes] \
         if notes else ["", "Everything in the plan is expressed."]
-    lines = [f"# {line}".rstrip() for line in header]
+    lines = [f"# {' '.join(line.split())}".rstrip() for line in header]
     lines += [flag if value is None else f"{flag} {shlex.quote(value)}" for flag, value in megatron_arguments(plan)]
     return "\n".join(lines) + "\n"

@@ -201,7 +201,7 @@ def torchtitan_toml(plan: Plan) -> str:
     notes = torchtitan_notes(plan)
     header += ["", "Not expressible in torchtitan (nearest setting written):"] + [f"- {n}" for n in notes] \
         if notes else ["", "Everything in the plan is expressed."]
-    lines = [f"# {line}".rstrip() for line in header]
+    lines = [f"# {' '.join(line.split())}".rstrip() for line in header]
     for section, values in config.items():
         lines += ["", f"[{section}]"] + [f"{key} = {toml_value(value)}" for key, value in values.items()]
     return "\n".join(lines) + "\n"
