@@ -22,6 +22,8 @@ from autoplan.codegen.torchtitan import stage_block_counts
 from autoplan.plan import Plan
 
 _SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+# autoplan.runtime.lr_at decays the cosine to 10% of the peak learning rate.
+_MIN_LR_RATIO = 0.1
 
 
 def megatron_arguments(plan: Plan) -> list[tuple[str, str | None]]:
@@ -106,7 +108,7 @@ def _optimizer(plan: Plan) -> list[tuple[str, str | None]]:
     opt = plan.optimizer
     betas = list(opt.get("betas", [0.9, 0.95]))
     return [("--optimizer", "adam"), ("--lr", repr(float(opt.get("lr", 3e-4)))),
-            ("--min-lr", repr(float(opt.get("lr", 3e-4)) * 0.1)), ("--lr-decay-style", "cosine"),
+            ("--min-lr", f"{float(opt.get('lr', 3e-4)) * _MIN_LR_RATIO:.6g}"), ("--lr-decay-style", "cosine"),
             ("--lr-warmup-iters", str(int(opt.get("warmup_steps", 0)))),
             ("--train-iters", str(int(opt.get("max_steps", 1000)))),
             ("--weight-decay", repr(float(opt.get("weight_decay", 0.0)))),

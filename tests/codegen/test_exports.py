@@ -14,6 +14,7 @@ import pytest
 
 from autoplan.codegen.megatron import megatron_args, megatron_notes, pipeline_layout
 from autoplan.codegen.torchtitan import torchtitan_config, torchtitan_notes, torchtitan_toml
+from autoplan.errors import UserError
 from autoplan.importers import load_imported
 from autoplan.plan import ModelRef, Plan
 
@@ -210,3 +211,21 @@ def test_torchtitan_toml_loads_in_torchtitans_config_manager(tmp_path, monkeypat
         for section in ("training", "parallelism"):
             for key, value in data[section].items():
                 assert getattr(getattr(parsed, section), key) == value, (section, key)
+
+
+def test_plan_format_prints_the_export_and_its_notes():
+    from click.testing import CliRunner
+
+    from autoplan.cli import cli
+
+    args = ["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+            "--seq-len", "64"]
+    result = CliRunner().invoke(cli, [*args, "--format", "torchtitan"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = tomllib.loads(result.stdout)
+    assert data["training"]["global_batch_size"] == 8 and data["training"]["seq_len"] == 64
+    assert "torchtitan has no model family for tiny-gpt" in result.stderr
+    result = CliRunner().invoke(cli, [*args, "--format", "megatron"], catch_exceptions=False)
+    assert "--global-batch-size 8" in result.stdout.splitlines()
+    with pytest.raises(UserError, match="two outputs"):
+        CliRunner().invoke(cli, [*args, "--format", "megatron", "--json"], catch_exceptions=False)
