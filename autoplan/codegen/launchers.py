@@ -66,3 +66,26 @@ def launcher_context(plan: Plan, job_name: str, nnodes: int, nproc: int) -> dict
             "claim": f"{name}-shared", "mount": K8S_MOUNT, "workers": nnodes - 1,
             "replica_specs": [("Master", 1)] + ([("Worker", nnodes - 1)] if nnodes > 1 else []),
             "gpus_per_pod": 0 if plan.gpu == "cpu" else nproc}
+
+
+def generate_command(plan: Plan) -> str:
+    """The `autoplan generate` command that writes this plan's job with its cloud launch files.
+
+    Every choice the search made is fixed (--fix), so planning again gives this plan: the
+    block partition and recomputation follow from the fixed degrees by the exact inner solver."""
+    import shlex
+
+    model = plan.model.name if plan.model.source == "catalog" else (plan.model.path or plan.model.name)
+    fixed = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero_stage,
+             "micro_batch": plan.micro_batch, "schedule": plan.schedule, "vpp": plan.vpp, "offload": plan.offload}
+    parts = ["autoplan", "generate", model, "--gpu", plan.gpu, "--gpus", str(plan.world_size),
+             "--gpus-per-node", str(plan.gpus_per_node), "--global-batch", str(plan.global_batch),
+             "--seq-len", str(plan.seq_len), "--precision", plan.precision]
+    if plan.memory_headroom_gib:
+        parts += ["--memory-headroom", f"{plan.memory_headroom_gib:g}"]
+    if plan.inter_node_bandwidth_gb_per_s is not None:
+        parts += ["--inter-node-bandwidth", f"{plan.inter_node_bandwidth_gb_per_s:g}"]
+    for key, value in fixed.items():
+        parts += ["--fix", f"{key}={value}"]
+    parts += ["--launcher", "skypilot", "--launcher", "k8s"]
+    return " ".join(shlex.quote(part) for part in parts)

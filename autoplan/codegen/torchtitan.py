@@ -203,8 +203,15 @@ def torchtitan_toml(plan: Plan) -> str:
         if notes else ["", "Everything in the plan is expressed."]
     lines = [f"# {' '.join(line.split())}".rstrip() for line in header]
     for section, values in config.items():
-        lines += ["", f"[{section}]"] + [f"{key} = {toml_value(value)}" for key, value in values.items()]
+        lines += ["", f"[{section}]"] + [f"{key} = {_toml_entry(value)}" for key, value in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def _toml_entry(value: Any) -> str:
+    """A value, a list of lists one inner list a line (module_fqns_per_model_part stays readable)."""
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        return "[\n" + "".join(f"    {toml_value(v)},\n" for v in value) + "]"
+    return toml_value(value)
 
 
 def toml_value(value: Any) -> str:

@@ -130,3 +130,19 @@ def test_generate_writes_launch_files_on_request(tmp_path):
     assert "| pytorchjob.yaml | kubectl apply -f pytorchjob.yaml" in readme
     assert "sky.yaml (not written) | generate again with --launcher skypilot" in readme
     assert "--launcher k8s" in readme.split("## Regenerate")[1]
+
+
+def test_generate_command_gives_back_the_same_plan(tiny_job, tmp_path):
+    """The command `report` prints for a cluster writes that cluster's plan, with both launch files."""
+    import shlex
+
+    from autoplan.codegen.launchers import generate_command
+
+    plan = Plan.load(tiny_job / "plan.json")
+    words = shlex.split(generate_command(plan))
+    assert words[:3] == ["autoplan", "generate", "tiny-gpt"]
+    out = tmp_path / "again"
+    code, stdout, stderr = generate(*words[2:], "-o", str(out))
+    assert code == 0, stdout + stderr
+    assert Plan.load(out / "plan.json") == plan
+    assert (out / "sky.yaml").is_file() and (out / "pytorchjob.yaml").is_file()
