@@ -229,3 +229,10 @@ def test_plan_format_prints_the_export_and_its_notes():
     assert "--global-batch-size 8" in result.stdout.splitlines()
     with pytest.raises(UserError, match="two outputs"):
         CliRunner().invoke(cli, [*args, "--format", "megatron", "--json"], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("layout", ["Et*3|t*x", "Et*3|t*2|t*3,L"])
+def test_a_layout_that_is_no_pipeline_of_this_size_is_a_user_error(layout):
+    with pytest.raises(UserError, match="pipeline-model-parallel-layout"):
+        load_imported("megatron", f"--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout '{layout}'",
+                      num_gpus=8)
