@@ -31,6 +31,8 @@ def megatron_arguments(plan: Plan) -> list[tuple[str, str | None]]:
     args: list[tuple[str, str | None]] = [
         ("--tensor-model-parallel-size", str(plan.tp)), ("--pipeline-model-parallel-size", str(plan.pp)),
         ("--context-parallel-size", str(plan.cp)), ("--expert-model-parallel-size", str(plan.ep))]
+    if plan.ep > 1 and plan.tp > 1:  # Megatron's default expert-TP is the TP size; autoplan never TP-shards experts
+        args.append(("--expert-tensor-parallel-size", "1"))
     if plan.tp > 1 and plan.sequence_parallel:
         args.append(("--sequence-parallel", None))
     args += _pipeline(plan) + _sharding(plan)

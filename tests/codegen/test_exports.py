@@ -104,6 +104,7 @@ CASES = [
     ("pp-zbv", dict(dp=4, pp=2, vpp=2, schedule="zero-bubble"), {"megatron": "schedule"}),
     ("cp", dict(dp=4, cp=2), {}),
     ("ep", dict(ep=4), {}),
+    ("ep-with-tp", dict(dp=4, tp=2, ep=4), {}),
     ("micro-global-batch", dict(micro_batch=2, global_batch=64, seq_len=256), {}),
     ("pp-micro-batch", dict(dp=4, pp=2, micro_batch=2, global_batch=32), {}),
     ("fp32", dict(precision="fp32"), {}),
@@ -142,6 +143,12 @@ def test_nearest_settings_are_named_on_the_notes_lists():
     zbv = make_plan(dp=4, pp=2, vpp=2, schedule="zero-bubble")
     assert any("zero-bubble" in n and "interleaved 1F1B" in n for n in megatron_notes(zbv))
     assert torchtitan_config(zbv)["parallelism"]["pipeline_parallel_schedule"] == "ZBVZeroBubble"
+
+
+def test_experts_are_not_tensor_parallel_in_megatron():
+    """Megatron-LM's --expert-tensor-parallel-size defaults to the TP size (arguments.py, core_v0.16.1)."""
+    assert "--expert-tensor-parallel-size 1" in megatron_args(make_plan(dp=4, tp=2, ep=4)).splitlines()
+    assert "--expert-tensor-parallel-size" not in megatron_args(make_plan(ep=4))
 
 
 def test_uneven_stages_use_megatron_layout_and_torchtitan_model_parts():
