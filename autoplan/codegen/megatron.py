@@ -53,12 +53,13 @@ def _pipeline(plan: Plan) -> list[tuple[str, str | None]]:
     if plan.pp == 1:
         return []
     counts = stage_block_counts(plan)
-    args: list[tuple[str, str | None]] = []
-    if len(counts) > plan.pp:
-        args.append(("--num-virtual-stages-per-pipeline-rank", str(len(counts) // plan.pp)))
+    # Megatron-LM accepts at most one of the layout and the virtual-stage count (validate_args);
+    # the layout's stage count gives the virtual stages.
     if counts and len(set(counts)) > 1:
-        args.append(("--pipeline-model-parallel-layout", pipeline_layout(counts)))
-    return args
+        return [("--pipeline-model-parallel-layout", pipeline_layout(counts))]
+    if len(counts) > plan.pp:
+        return [("--num-virtual-stages-per-pipeline-rank", str(len(counts) // plan.pp))]
+    return []
 
 
 def pipeline_layout(counts: list[int]) -> str:
@@ -73,10 +74,11 @@ def _sharding(plan: Plan) -> list[tuple[str, str | None]]:
     args: list[tuple[str, str | None]] = []
     if plan.zero_stage == 1:
         args.append(("--use-distributed-optimizer", None))
-    elif plan.zero_stage in _SHARDING:
-        args += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", _SHARDING[plan.zero_stage])]
-    if plan.offload != "none":
-        args.append(("--optimizer-cpu-offload", None))
+    elif plan.zero_stage in _SHARDING:  # Megatron-FSDP checkpoints only in its own format (validate_args)
+        args += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", _SHARDING[plan.zero_stage]),
+                 ("--ckpt-format", "fsdp_dtensor")]
+    if plan.offload != "none":  # the offloading optimizer runs on the precision-aware path (validate_args)
+        args += [("--optimizer-cpu-offload", None), ("--use-precision-aware-optimizer", None)]
     return args
 
 

@@ -145,6 +145,22 @@ def test_nearest_settings_are_named_on_the_notes_lists():
     assert torchtitan_config(zbv)["parallelism"]["pipeline_parallel_schedule"] == "ZBVZeroBubble"
 
 
+@pytest.mark.parametrize("options", [dict(dp=4, pp=2, vpp=2, schedule="interleaved-1f1b", counts=[1, 2, 2, 3]),
+                                     dict(dp=4, pp=2, vpp=2, schedule="interleaved-1f1b"),
+                                     dict(zero_stage=2, offload="both"), dict(zero_stage=3)])
+def test_megatron_arguments_pass_megatrons_cross_checks(options):
+    """The rules of validate_args (megatron/training/arguments.py, core_v0.16.1) the exports can meet:
+    at most one of the layout / virtual-stage flags, Megatron-FSDP with --ckpt-format fsdp_dtensor,
+    --optimizer-cpu-offload with --use-precision-aware-optimizer."""
+    args = megatron_args(make_plan(**options)).splitlines()
+    flags = {line.split()[0]: line.split()[1] if " " in line else None for line in args if line.startswith("--")}
+    virtual = {"--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+               "--pipeline-model-parallel-layout"}
+    assert len(virtual & set(flags)) <= 1
+    assert "--use-megatron-fsdp" not in flags or flags["--ckpt-format"] == "fsdp_dtensor"
+    assert "--optimizer-cpu-offload" not in flags or "--use-precision-aware-optimizer" in flags
+
+
 def test_experts_are_not_tensor_parallel_in_megatron():
     """Megatron-LM's --expert-tensor-parallel-size defaults to the TP size (arguments.py, core_v0.16.1)."""
     assert "--expert-tensor-parallel-size 1" in megatron_args(make_plan(dp=4, tp=2, ep=4)).splitlines()
