@@ -1,10 +1,12 @@
-"""Plan -> a runnable job directory: train.py, launch.sh, slurm.sbatch, plan.json, ds_config.json, README.md.
+"""Plan -> a runnable job directory: train.py, launch.sh, slurm.sbatch, plan.json, README.md, the
+plan for other stacks (ds_config.json, torchtitan.toml, megatron.args) and, on request, the cloud
+launch files (sky.yaml, pytorchjob.yaml).
 
 Every decision (launch shape, environment settings, how train.py builds the model, what the
 README says) is made here in Python; the jinja2 templates in templates/ only lay the values
 out (StrictUndefined: a missing value fails the render). User-supplied strings never reach a
 template raw: Python code gets them through the `py` filter (repr), shell code through `sh`
-(shlex.quote), Markdown through `md`. Anything else a template prints must be a number or a
+(shlex.quote), Markdown through `md`, YAML through `yaml` (a JSON string). Anything else a template prints must be a number or a
 string of "safe" characters (`_checked`), so an unquoted model name or path fails the render
 instead of producing broken or injectable code.
 
@@ -25,7 +27,8 @@ from typing import Any
 
 import jinja2
 
-from autoplan.codegen.deepspeed import ds_config, ds_config_notes
+from autoplan.codegen.exports import EXPORTS, export_files, export_notes
+from autoplan.codegen.launchers import LAUNCH_FILES, launcher_context
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.paths import templates_dir
@@ -47,6 +50,11 @@ def py_quote(value: Any) -> Quoted:
 def sh_quote(value: Any) -> Quoted:
     """One shell word (POSIX single quotes where needed)."""
     return Quoted(shlex.quote(str(value)))
+
+
+def yaml_quote(value: Any) -> Quoted:
+    """One YAML flow scalar: the JSON string of the value's text (always valid, never raw)."""
+    return Quoted(json.dumps(str(value)))
 
 
 def md_escape(value: Any) -> Quoted:
@@ -194,7 +202,7 @@ def environment() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, autoescape=False,
                              finalize=_checked)
-    env.filters.update(py=py_quote, sh=sh_quote, md=md_escape)
+    env.filters.update(py=py_quote, sh=sh_quote, md=md_escape, yaml=yaml_quote)
     return env
 
 
@@ -226,9 +234,12 @@ def env_settings(plan: Plan, nnodes: int) -> list[dict[str, str]]:
 
 
 def render_job(plan: Plan, source: ModelSource, *, command_line: str,
-               price: tuple[float, str] | None = None, gpu_memory_gib: float | None = None
-               ) -> dict[str, bytes]:
-    """All files of the job directory, name -> content. Pure: reads only the templates."""
+               price: tuple[float, str] | None = None, gpu_memory_gib: float | None = None,
+               launchers: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """All files of the job directory, name -> content. Pure: reads only the templates.
+
+    `launchers` adds the cloud launch files (skypilot: sky.yaml, k8s: pytorchjob.yaml) to the
+    torchrun and SLURM scripts every job has."""
     env = environment()
     nnodes, nproc = launch_shape(plan)
     common = {"job_name": job_name(plan), "world_size": plan.world_size, "nnodes": nnodes,
@@ -245,11 +256,16 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
         "launch.sh": env.get_template("launch.sh.j2").render(**common),
         "slurm.sbatch": env.get_template("slurm.sbatch.j2").render(**common, sbatch_extra=sbatch_extra),
         "plan.json": plan.to_json(),
-        "ds_config.json": json.dumps(ds_config(plan), indent=2) + "\n",
+        **export_files(plan),
         "README.md": env.get_template("job_README.md.j2").render(
             **common, **readme_context(plan, source, command_line, price, gpu_memory_gib),
-            ds_notes=[md_escape(n) for n in ds_config_notes(plan)]),
+            stacks=stack_rows(launchers), stack_notes=[
+                (name, [md_escape(n) for n in notes]) for name, notes in export_notes(plan)]),
     }
+    context = launcher_context(plan, job_name(plan), nnodes, nproc)
+    for launcher in launchers:
+        name = LAUNCH_FILES[launcher]
+        files[name] = env.get_template(f"{name}.j2").render(**common, **context)
     out = {name: text.encode() for name, text in files.items()}
     if source.copy_name:
         out[source.copy_name] = source.copy_bytes
@@ -279,6 +295,27 @@ def write_job(files: dict[str, bytes], out_dir: Path, force: bool) -> list[Path]
             path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         written.append(path)
     return written
+
+
+def stack_rows(launchers: tuple[str, ...]) -> list[tuple[Quoted, Quoted, Quoted]]:
+    """The README's table: (stack, file, how to start it) for every stack the job serves."""
+    def cloud(launcher: str, command: str) -> tuple[str, str]:
+        name = LAUNCH_FILES[launcher]
+        return (name, command) if launcher in launchers else (
+            f"{name} (not written)", f"generate again with --launcher {launcher}")
+
+    rows = [("autoplan.runtime, torchrun", "launch.sh", "./launch.sh --steps 100"),
+            ("autoplan.runtime, SLURM", "slurm.sbatch", "sbatch slurm.sbatch --steps 100"),
+            ("autoplan.runtime, SkyPilot", *cloud("skypilot", "sky launch -c JOB sky.yaml")),
+            ("autoplan.runtime, Kubernetes (Kubeflow PyTorchJob)",
+             *cloud("k8s", "kubectl apply -f pytorchjob.yaml (set the volume claim first)")),
+            ("torchtitan", EXPORTS["torchtitan"].file_name,
+             "torchrun ... -m torchtitan.train --job.config_file torchtitan.toml (0.3: see its header)"),
+            ("Megatron-LM", EXPORTS["megatron"].file_name,
+             "torchrun ... pretrain_gpt.py $(grep -v '^#' megatron.args) plus your model and data arguments"),
+            ("DeepSpeed", EXPORTS["deepspeed"].file_name,
+             "deepspeed your_train.py --deepspeed_config ds_config.json")]
+    return [(md_escape(stack), md_escape(name), md_escape(command)) for stack, name, command in rows]
 
 
 def launch_examples(nnodes: int) -> list[tuple[Quoted, Quoted]]:
@@ -378,10 +415,7 @@ def _estimate_rows(plan: Plan, price: tuple[float, str] | None,
 
 def _file_rows(source: ModelSource) -> list[tuple[str, str]]:
     rows = [("train.py", "the plan as data, the model, then autoplan.runtime (run it with torchrun)"),
-            ("launch.sh", "torchrun on one node or several (arguments go to train.py)"),
-            ("slurm.sbatch", "the same under SLURM: srun torchrun, one task per node"),
-            ("plan.json", "the exact plan (autoplan estimate/report --plan plan.json)"),
-            ("ds_config.json", "the DeepSpeed config of the same ZeRO stage, batch and precision")]
+            ("plan.json", "the exact plan (autoplan estimate/report --plan plan.json)")]
     if source.copy_name:
         rows.append((source.copy_name, "a copy of the model the plan was made for; train.py builds it"))
     return rows

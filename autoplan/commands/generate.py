@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from autoplan.codegen.launchers import LAUNCH_FILES, LAUNCHERS
 from autoplan.commands import options as o
 from autoplan.commands.plan import plan_options, run_plan
 from autoplan.errors import NoFeasiblePlan, UserError
@@ -23,10 +24,14 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
 @click.option("-o", "--output", type=click.Path(), default=None,
               help="Job directory (default: generated/<model>-<gpus>x<gpu> here).")
 @click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
+@click.option("--launcher", "launchers", multiple=True, type=click.Choice(LAUNCHERS),
+              help="Also write the launch file of this launcher (repeatable): skypilot -> sky.yaml, "
+                   "k8s -> pytorchjob.yaml; torchrun (launch.sh) and slurm (slurm.sbatch) are always written.")
 @click.pass_context
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-            global_batch, seq_len, image_size, objective, fix, precision, time_limit, output, force):
-    """Write train.py, launch.sh, slurm.sbatch, plan.json, ds_config.json and README.md for MODEL.
+            global_batch, seq_len, image_size, objective, fix, precision, time_limit, output, force, launchers):
+    """Write train.py, launch.sh, slurm.sbatch, plan.json, README.md and the plan for torchtitan
+    (torchtitan.toml), Megatron-LM (megatron.args) and DeepSpeed (ds_config.json) for MODEL.
 
     Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
     """
@@ -67,13 +72,25 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
     model_class = type(loaded.module).__name__ if loaded is not None else ""
     source = model_source(model, plan.model.source, plan.model.name, model_class)
     files = render_job(plan, source, command_line=_command_line(ctx, model, plan_file),
-                       price=_price(plan.gpu), gpu_memory_gib=_gpu_memory_gib(plan.gpu))
+                       price=_price(plan.gpu), gpu_memory_gib=_gpu_memory_gib(plan.gpu),
+                       launchers=tuple(dict.fromkeys(x for x in launchers if x in LAUNCH_FILES)))
     out_dir = Path(output) if output else default_output_dir(plan)
     write_job(files, out_dir, force)
     click.echo(f"plan: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} ep={plan.ep} "
                f"zero={plan.zero_stage} micro-batch={plan.micro_batch} {plan.precision}")
     click.echo(f"wrote {out_dir}/: {', '.join(sorted(files))}")
     click.echo(f"launch: {shlex.quote(str(out_dir))}/launch.sh --steps 100")
+    _echo_export_notes(plan)
+
+
+def _echo_export_notes(plan) -> None:
+    """What the other stacks' files cannot express (also in each file's header), on stderr."""
+    from autoplan.codegen.exports import export_notes
+
+    for name, notes in export_notes(plan):
+        click.echo(f"{name}: not expressible there, nearest setting written:", err=True)
+        for note in notes:
+            click.echo(f"  - {note}", err=True)
 
 
 # gpus and global_batch are required by `plan`, but not with --plan; the help says so

@@ -11,6 +11,8 @@ from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.importers import compare_with_option
 
+EXPORT_FORMATS = ("torchtitan", "megatron", "deepspeed")  # autoplan.codegen.exports.EXPORTS
+
 
 def plan_options(func):
     """The options shared by `plan` and `generate`."""
@@ -59,19 +61,28 @@ def _positive_time_limit(seconds: float) -> float:
 @plan_options
 @o.top_option(3)
 @o.json_option
+@click.option("--format", "output_format", type=click.Choice(["text", "json", *EXPORT_FORMATS]), default="text",
+              show_default=True, help="How to print the plan: text, json (as --json), or the configuration of "
+              "another stack: torchtitan (TOML), megatron (arguments), deepspeed (JSON); what that stack cannot "
+              "express goes to stderr and the file's header.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @compare_with_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
-            seq_len, image_size, objective, fix, precision, time_limit, top, as_json, output, force, compare_with):
+            seq_len, image_size, objective, fix, precision, time_limit, top, as_json, output_format, output, force,
+            compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
     from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
 
+    if as_json and output_format not in ("text", "json"):
+        raise UserError(f"--json and --format {output_format} ask for two outputs; give one of them")
+    export = output_format if output_format in EXPORT_FORMATS else None
+    as_json = as_json or output_format == "json"
     if output and Path(output).exists() and not force:
         raise UserError(f"{output} exists; pass --force to overwrite it or choose another -o path")
     job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-                   global_batch, seq_len, objective, fix, precision, top, quiet=as_json, time_limit=time_limit,
-                   image_size=image_size)
+                   global_batch, seq_len, objective, fix, precision, top, quiet=as_json or export is not None,
+                   time_limit=time_limit, image_size=image_size)
     if job.plan is None:
         report = infeasible_report(job)
         if as_json:
@@ -85,6 +96,9 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         comparison = compare_with_plan(job, compare_with)
     if output:
         job.plan.save(output)
+    if export is not None:
+        _echo_export(job.plan, export)
+        return
     if as_json:
         out = job_json(job, explanation)
         if comparison is not None:
@@ -100,3 +114,13 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
             render_comparison(comparison, Console())
         if output:
             click.echo(f"plan written to {output}")
+
+
+def _echo_export(plan, name: str) -> None:
+    """The plan in another stack's format on stdout; what it cannot express on stderr."""
+    from autoplan.codegen.exports import EXPORTS
+
+    export = EXPORTS[name]
+    click.echo(export.render(plan), nl=False)
+    for note in export.notes(plan):
+        click.echo(f"{export.file_name}: not expressible in {export.stack}: {note}", err=True)

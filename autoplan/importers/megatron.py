@@ -10,6 +10,7 @@ runtime does it (fused kernels, overlapped communication), or listed as not mode
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -26,6 +27,7 @@ MAPPED = {
     "num-virtual-stages-per-pipeline-rank", "virtual-pipeline-model-parallel-size", "bf16", "fp16", "fp8-format",
     "seq-length", "num-layers", "optimizer-cpu-offload", "optimizer-offload-fraction", "use-torch-fsdp2",
     "use-megatron-fsdp", "use-custom-fsdp", "data-parallel-sharding-strategy", "optimizer",
+    "pipeline-model-parallel-layout",
 }
 MODEL = {  # describe the architecture; the estimate uses MODEL
     "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups", "group-query-attention",
@@ -184,6 +186,9 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
     zero, offload = _sharding(flags, notes, unsupported)
     recompute, full_layers = _recompute(flags, num, notes, unsupported)
     vpp, per_stage = _virtual(flags, num, pp, notes)
+    stage_layers = _layout(flags.get("pipeline-model-parallel-layout"), pp, source)
+    if stage_layers is not None:
+        vpp, per_stage = len(stage_layers) // pp, None
     precision = _precision(flags, notes)
     sp = bool(flags.get("sequence-parallel")) and tp > 1
     if flags.get("sequence-parallel") and tp == 1:
@@ -195,7 +200,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
         global_batch=gb, seq_len=finish_seq_len(seq, notes), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
         offload=offload, micro_batch=micro, recompute=recompute,
         schedule="interleaved-1f1b" if (vpp or 1) > 1 else "1f1b", vpp=vpp or 1, precision=precision,
-        sequence_parallel=sp)
+        sequence_parallel=sp, stage_layers=stage_layers)
     if full_layers is not None:
         config = config.with_(recompute="none", stage_recompute=((full_layers, 0),) * (pp * (vpp or 1)))
     return ImportedConfig(config=config, unsupported=unsupported, notes=notes, source=source, seq_len=seq,
@@ -281,6 +286,23 @@ def _virtual(flags, num, pp, notes) -> tuple[int | None, int | None]:
     if (vpp or 1) > 1 and pp == 1:
         raise UserError("a virtual pipeline size needs --pipeline-model-parallel-size > 1")
     return vpp, per_stage
+
+
+def _layout(layout, pp: int, source: str) -> tuple[int, ...] | None:
+    """Transformer layers per (virtual) stage of --pipeline-model-parallel-layout.
+
+    The syntax of megatron/core/transformer/pipeline_parallel_layer_layout.py (parse_str_to_list):
+    commas are cosmetic, "(...)*n" and "x*n" repeat, "|" ends a stage, "t" is a transformer layer."""
+    if layout in (None, True):
+        return None
+    text = str(layout).replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    stages = text.split("|")
+    if set(text) - set("ELtm|") or len(stages) % pp:
+        raise UserError(f"{source}: --pipeline-model-parallel-layout {layout!r} is not a layout of {pp} pipeline "
+                        "ranks (stages of E, t, m, L split by |, as many as a multiple of the pipeline size)")
+    return tuple(stage.count("t") for stage in stages)
 
 
 def _precision(flags, notes) -> str:

@@ -28,7 +28,7 @@ KNOWN = {
                  "compile", "gc_freq", "gc_debug", "seed", "deterministic", "dtype", "warmup_steps",
                  "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
-                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
+                    "tensor_parallel_degree", "enable_sequence_parallel", "disable_loss_parallel", "enable_async_tensor_parallel",
                     "pipeline_parallel_degree", "pipeline_parallel_split_points", "pipeline_parallel_layers_per_stage",
                     "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
                     "context_parallel_degree", "context_parallel_rotate_method", "expert_parallel_degree",
@@ -80,6 +80,9 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
     zero = _zero(shard, replicate, par.get("fsdp_reshard_after_forward", "default"), notes)
     micro, gb = _batch(training, par, dp, pp, global_batch, source, notes)
     schedule, vpp, per_stage = _schedule(par, pp, notes, unsupported)
+    stage_layers = _model_parts(par.get("module_fqns_per_model_part"), pp, source)
+    if stage_layers is not None:
+        vpp, per_stage = len(stage_layers) // pp, None
     recompute, every = _ac(data.get("activation_checkpoint"), notes)
     precision = _precision(data, training, notes, unsupported)
     offload = "both" if training.get("enable_cpu_offload") else "none"
@@ -93,7 +96,8 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
     config = ParallelConfig(
         global_batch=gb, seq_len=finish_seq_len(seq, notes), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
         offload=offload, micro_batch=micro, recompute=recompute if every is None else "full", schedule=schedule,
-        vpp=vpp, precision=precision, sequence_parallel=tp > 1, dp_replicate=replicate if shard > 1 else 1)
+        vpp=vpp, precision=precision, sequence_parallel=tp > 1 and bool(par.get("enable_sequence_parallel", True)),
+        dp_replicate=replicate if shard > 1 else 1, stage_layers=stage_layers)
     if every is not None:
         notes.append(f"selective_ac_option {every}: every {every}-th block fully recomputed (placed per stage "
                      "once the model's block count is known; until then every block)")
@@ -161,6 +165,9 @@ def _schedule(par, pp, notes, unsupported) -> tuple[str, int, int | None]:
     if par.get("pipeline_parallel_split_points"):
         unsupported.append("pipeline_parallel_split_points: explicit split points; stages are modelled as even")
     per_stage = par.get("pipeline_parallel_layers_per_stage")
+    if key == "zbvzerobubble":
+        notes.append(f"{name}: zero-bubble schedule with 2 stages per rank in V placement")
+        return schedule, 2, None
     if schedule == "zero-bubble":
         notes.append(f"{name}: zero-bubble schedule (its {stages} stages per rank are part of the schedule model)")
         return schedule, 1, None
@@ -169,6 +176,16 @@ def _schedule(par, pp, notes, unsupported) -> tuple[str, int, int | None]:
     if stages > 1:
         notes.append(f"{name} without pipeline_parallel_layers_per_stage: {stages} virtual stages per rank")
     return schedule, stages, None
+
+
+def _model_parts(parts: Any, pp: int, source: str) -> tuple[int, ...] | None:
+    """Blocks per (virtual) stage from module_fqns_per_model_part (the `layers.<i>` entries of each part)."""
+    if not parts or pp == 1:
+        return None
+    if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts) or len(parts) % pp:
+        raise UserError(f"{source}: parallelism.module_fqns_per_model_part must be a list of module-name lists, "
+                        f"a multiple of pipeline_parallel_degree {pp} of them (one per virtual stage)")
+    return tuple(sum(1 for name in part if str(name).startswith("layers.")) for part in parts)
 
 
 def _ac(section: Any, notes: list[str]) -> tuple[str, int | None]:

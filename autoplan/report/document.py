@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from autoplan.report.goodput import SOURCES, GoodputAssumptions
+from autoplan.codegen.launchers import generate_command
 from autoplan.report.sweep import GIB, RunCost, Row, Sweep, price_run, recommendations
 
 if TYPE_CHECKING:
@@ -109,7 +110,9 @@ def sweep_dict(sweep: Sweep) -> dict[str, Any]:
         "deadline_days": sweep.deadline_days, "assumptions": assumptions_dict(sweep.assumptions),
         "error": error_dict(sweep.error), "rows": [row_dict(r) for r in sweep.rows],
         "frontier": [r.label for r in sorted((r for r in sweep.rows if r.frontier), key=lambda r: r.run.time_s)],
-        "recommendations": {k: {"label": row.label if row else None, "why": why} for k, (row, why) in recs.items()},
+        "recommendations": {k: {"label": row.label if row else None, "why": why,
+                                "generate": generate_command(row.plan) if row else None}
+                            for k, (row, why) in recs.items()},
         "detail": detail_dict(detail) if detail else None, "wall_s": sweep.wall_s,
     }
 

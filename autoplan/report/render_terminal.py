@@ -24,6 +24,10 @@ def print_report(doc: dict[str, Any], console) -> None:
         for name, r in doc["recommendations"].items():
             rec.add_row(name, r["label"] or "none", r["why"])
         console.print(rec)
+        for name, r in doc["recommendations"].items():
+            if r.get("generate"):
+                console.print(f"{name}: the job, with sky.yaml and pytorchjob.yaml:", markup=False)
+                console.print(f"  {r['generate']}", markup=False, soft_wrap=True)
         for table in _clusters_tables(doc, console.width):
             console.print(table)
         runners_up = _runners_up_table(doc)

@@ -91,7 +91,8 @@ def test_file_builder_follows_the_loader_rule(source, expected):
 
 def test_job_files(tiny_job):
     assert sorted(p.name for p in tiny_job.iterdir()) == sorted(
-        ["train.py", "launch.sh", "slurm.sbatch", "plan.json", "ds_config.json", "README.md"])
+        ["train.py", "launch.sh", "slurm.sbatch", "plan.json", "ds_config.json", "torchtitan.toml", "megatron.args",
+         "README.md"])
     for name in ("train.py", "launch.sh", "slurm.sbatch"):
         assert (tiny_job / name).stat().st_mode & 0o111, f"{name} is not executable"
     json.loads((tiny_job / "ds_config.json").read_text())

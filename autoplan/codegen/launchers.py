@@ -1,0 +1,91 @@
+"""The cloud launch files of a job: sky.yaml (SkyPilot) and pytorchjob.yaml (Kubernetes).
+
+Both start the same train.py under torchrun as launch.sh does, with the plan's nodes and
+processes per node, and install autoplan and torch on the nodes first.
+
+- sky.yaml is a SkyPilot task (docs.skypilot.co, "YAML spec" and "Distributed jobs"):
+  resources.accelerators NAME:COUNT, num_nodes, envs, setup, run; every node's run step gets
+  SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS (one IP a line, the head first) and
+  SKYPILOT_NUM_GPUS_PER_NODE.
+- pytorchjob.yaml is a Kubeflow training-operator PyTorchJob (kubeflow.org/v1; schema of
+  manifests/base/crds/kubeflow.org_pytorchjobs.yaml at v1.9.0): one Master and nodes-1 Worker
+  replicas, nprocPerNode, nvidia.com/gpu limits, a shared volume (a PersistentVolumeClaim,
+  the parameter CHECKPOINT_CLAIM) holding the job directory and its checkpoints. The operator
+  sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT
+  (pkg/controller.v1/pytorch/envvar.go).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from autoplan.plan import Plan
+
+LAUNCHERS = ("torchrun", "slurm", "skypilot", "k8s")
+LAUNCH_FILES = {"skypilot": "sky.yaml", "k8s": "pytorchjob.yaml"}
+# autoplan GPU key -> SkyPilot accelerator name (`sky show-gpus -a`,
+# docs.skypilot.co/en/stable/compute/gpus.html).
+SKYPILOT_ACCELERATORS = {
+    "a100-sxm4-40gb": "A100", "a100-sxm4-80gb": "A100-80GB", "h100-sxm-80gb": "H100", "h100-pcie-80gb": "H100",
+    "h200-sxm-141gb": "H200", "b200": "B200", "gh200": "GH200", "l40s": "L40S", "v100-sxm2-32gb": "V100-32GB",
+    "mi300x": "MI300X",
+}
+# What the nodes install: autoplan (AUTOPLAN_PIP_SPEC, e.g. a git URL or a wheel) and torch.
+AUTOPLAN_PIP_SPEC = "autoplan"
+TORCH_PIP_SPEC = "torch>=2.6"
+K8S_IMAGE = "pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime"  # Docker Hub's official PyTorch image
+K8S_MOUNT = "/shared"
+
+
+def skypilot_accelerator(gpu: str) -> tuple[str | None, str | None]:
+    """(accelerator name or None for CPU ranks, a note when the name is a guess)."""
+    if gpu == "cpu":
+        return None, None
+    if gpu in SKYPILOT_ACCELERATORS:
+        return SKYPILOT_ACCELERATORS[gpu], None
+    guess = gpu.split("-")[0].upper()
+    return guess, (f"{gpu} has no SkyPilot accelerator name autoplan knows; {guess} is written, check it "
+                   "with `sky show-gpus -a`.")
+
+
+def k8s_name(job_name: str) -> str:
+    """A DNS-1035 label for the PyTorchJob: lower-case letters, digits and '-', short enough for
+    the operator's '-worker-N' pod and service names to stay under 63 characters."""
+    name = re.sub(r"[^a-z0-9-]+", "-", job_name.lower()).strip("-")
+    name = re.sub(r"^[^a-z]+", "", name)[:45].rstrip("-")
+    return name or "autoplan-job"
+
+
+def launcher_context(plan: Plan, job_name: str, nnodes: int, nproc: int) -> dict[str, Any]:
+    """The values sky.yaml.j2 and pytorchjob.yaml.j2 lay out."""
+    accelerator, note = skypilot_accelerator(plan.gpu)
+    name = k8s_name(job_name)
+    return {"accelerator": accelerator, "launcher_notes": [note] if note else [], "k8s_name": name,
+            "autoplan_pip": AUTOPLAN_PIP_SPEC, "torch_pip": TORCH_PIP_SPEC, "k8s_image": K8S_IMAGE,
+            "claim": f"{name}-shared", "mount": K8S_MOUNT, "workers": nnodes - 1,
+            "replica_specs": [("Master", 1)] + ([("Worker", nnodes - 1)] if nnodes > 1 else []),
+            "gpus_per_pod": 0 if plan.gpu == "cpu" else nproc}
+
+
+def generate_command(plan: Plan) -> str:
+    """The `autoplan generate` command that writes this plan's job with its cloud launch files.
+
+    Every choice the search made is fixed (--fix), so planning again gives this plan: the
+    block partition and recomputation follow from the fixed degrees by the exact inner solver."""
+    import shlex
+
+    model = plan.model.name if plan.model.source == "catalog" else (plan.model.path or plan.model.name)
+    fixed = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero_stage,
+             "micro_batch": plan.micro_batch, "schedule": plan.schedule, "vpp": plan.vpp, "offload": plan.offload}
+    parts = ["autoplan", "generate", model, "--gpu", plan.gpu, "--gpus", str(plan.world_size),
+             "--gpus-per-node", str(plan.gpus_per_node), "--global-batch", str(plan.global_batch),
+             "--seq-len", str(plan.seq_len), "--precision", plan.precision]
+    if plan.memory_headroom_gib:
+        parts += ["--memory-headroom", f"{plan.memory_headroom_gib:g}"]
+    if plan.inter_node_bandwidth_gb_per_s is not None:
+        parts += ["--inter-node-bandwidth", f"{plan.inter_node_bandwidth_gb_per_s:g}"]
+    for key, value in fixed.items():
+        parts += ["--fix", f"{key}={value}"]
+    parts += ["--launcher", "skypilot", "--launcher", "k8s"]
+    return " ".join(shlex.quote(part) for part in parts)
