@@ -180,6 +180,18 @@ def _least_max_sync(tables: Tables, caps: list[int]) -> tuple[int, list[int]] | 
     return best
 
 
+def _times_below(rank: _RankTime, vpp: int, L: int, limit: float) -> list[tuple[int, int]]:
+    """(n, g_r(n)) from n = vpp up while the time stays below `limit` (g_r is nondecreasing:
+    larger counts only reach levels the search never tries)."""
+    out = []
+    for n in range(vpp, L + 1):
+        least = rank.least(n)
+        if least is None or least[0] >= limit:
+            break
+        out.append((n, least[0]))
+    return out
+
+
 def solve_identical(tables: Tables) -> Partition | None:
     """Best partition of one group of identical blocks (see the module docstring), or None if
     nothing fits. Call only where `applies(tables)`.
@@ -203,8 +215,7 @@ def solve_identical(tables: Tables) -> Partition | None:
     if greedy is None:
         return None
     best, best_value = greedy, objective(greedy)
-    times = [[(n, ranks[r].least(n)) for n in range(vpp, L + 1)] for r in range(pp)]
-    times = [[(n, c[0]) for n, c in rank if c is not None] for rank in times]
+    times = [_times_below(rank, vpp, L, best_value / slot_weight) for rank in ranks]
     least_time = max(ranks[r].least(n)[0] for r, n in enumerate(greedy))
     for level in sorted({t for rank in times for _, t in rank if t >= least_time}):
         if slot_weight * level >= best_value:
