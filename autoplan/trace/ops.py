@@ -17,6 +17,22 @@ _VIEW_FUNCS = {"view", "reshape", "transpose", "permute", "contiguous", "size", 
 _MATMUL_FUNCS = {"matmul", "bmm", "mm", "baddbmm", "addmm", "einsum"}
 
 
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors of a value that may nest them in tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
+
+
+def shape_of(value) -> tuple[int, ...]:
+    """A tensor's shape as plain ints (symbolic sizes are concrete here); () for anything else."""
+    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoplan.trace.fallback import expert_matrices, moe_facts, routes_tokens
 from autoplan.trace.graph import OpInfo
-from autoplan.trace.ops import function_kind, gemm_mnk, tensor_bytes
+from autoplan.trace.ops import function_kind, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.routing import RoutingContext
 
 _ROUTING_FIELDS = ("tokens", "experts", "top_k", "module", "expert_ids")
@@ -39,20 +39,6 @@ def func_name(func) -> str:
         if name.startswith(("r", "i")) and name[1:] in ("add", "sub", "mul", "truediv", "matmul"):
             name = name[1:]
     return name
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _shape(value) -> tuple[int, ...]:
-    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else ()
 
 
 def _is_dropout_call(name: str, args, kwargs) -> bool:
@@ -84,7 +70,7 @@ class ModuleStack:
         saved = None
         if id(module) in self.paths and not self.routing.module and self._routes(module):
             experts, top_k = moe_facts(module)
-            first = _tensors(args)
+            first = tensors_in(args)
             if first:
                 saved = RoutingContext(**{k: getattr(self.routing, k) for k in _ROUTING_FIELDS})
                 self.routing.tokens = first[0].numel() // max(int(first[0].shape[-1]), 1)
@@ -135,7 +121,7 @@ class FunctionRecorder(TorchFunctionMode):
         name = func_name(func)
         module = self.modules.current()
         op_name = self._unique(".".join(p for p in (module, name) if p))
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         flash = name in _FLASH_SAVED
         dropout = _is_dropout_call(name, args, kwargs)
         before = self.counter.get_total_flops()
@@ -150,7 +136,7 @@ class FunctionRecorder(TorchFunctionMode):
         finally:
             self.rec.suspend -= flash or dropout
             self.rec.current = previous
-        out = _tensors(result)
+        out = tensors_in(result)
         if not out:
             return result
         if flash:
@@ -185,8 +171,8 @@ class FunctionRecorder(TorchFunctionMode):
         self.op_params[op_name] = parameters
         op = OpInfo(
             name=op_name, module=module, kind=kind, target=target,
-            input_shapes=tuple(_shape(t) for t in inputs if id(t) not in self.params),
-            output_shape=_shape(out[0]),
+            input_shapes=tuple(shape_of(t) for t in inputs if id(t) not in self.params),
+            output_shape=shape_of(out[0]),
             dtype=str(out[0].dtype).replace("torch.", ""),
             parameters=parameters, flops=flops,
             elementwise_flops=sum(t.numel() for t in out) if kind in ("elementwise", "norm") else 0,
@@ -204,7 +190,7 @@ class FunctionRecorder(TorchFunctionMode):
         node.name = op_name.replace(".", "_")
         node.meta["nn_module_stack"] = self.modules.module_stack()
         node.meta["op_name"] = op_name
-        node.meta["shape"] = _shape(out[0])
+        node.meta["shape"] = shape_of(out[0])
         for t in out:
             self.op_of[id(t)] = op_name
             self.node_of[id(t)] = node
@@ -264,7 +250,7 @@ class FunctionRecorder(TorchFunctionMode):
                     node = self.graph.get_attr(key)
                 else:
                     node = self.graph.placeholder(f"input_{len(self.node_of)}")
-                    node.meta["shape"] = _shape(value)
+                    node.meta["shape"] = shape_of(value)
                 self.node_of[id(value)] = node
                 self.rec.keep.append(value)
                 return node
@@ -318,7 +304,7 @@ def skip_copies(module: nn.Module, block_of: dict[str, str]):
         original = block.forward
 
         def forward(*args, _group=group, _path=path, _original=original, **kwargs):
-            key = (_group, tuple(_shape(t) for t in _tensors((args, kwargs))))
+            key = (_group, tuple(shape_of(t) for t in tensors_in((args, kwargs))))
             if key in outputs:
                 return fresh_like(outputs[key])
             first_path.setdefault(_group, _path)

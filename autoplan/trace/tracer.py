@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
-from autoplan.trace.ops import classify, gemm_mnk, tensor_bytes
+from autoplan.trace.ops import classify, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.blocks import build_segments, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
                                      install_module_hooks, restore_forwards, skip_copies)
@@ -115,20 +115,6 @@ def _is_dropout(node: fx.Node, root: nn.Module) -> bool:
     return False
 
 
-def _shape(value) -> tuple[int, ...]:
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 class _CostInterpreter(fx.Interpreter):
     """Runs a GraphModule on meta tensors, recording one OpInfo per node."""
 
@@ -146,7 +132,7 @@ class _CostInterpreter(fx.Interpreter):
             return super().run_node(node)
         name = self._path(node.name)
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         if node.op == "call_module":
             path = self._path(str(node.target))
             if self.block_runner.is_block(path):
@@ -166,9 +152,9 @@ class _CostInterpreter(fx.Interpreter):
             self.rec.suspend -= fused_attention or dropout
         if fused_attention:
             self._save_like_flash_attention(inputs, result)
-        if dropout and torch.is_grad_enabled() and _tensors(result) and _tensors(result)[0].requires_grad:
+        if dropout and torch.is_grad_enabled() and tensors_in(result) and tensors_in(result)[0].requires_grad:
             # GPU dropout (native_dropout) saves a 1-byte mask; CPU/meta save a float one
-            out = _tensors(result)[0]
+            out = tensors_in(result)[0]
             self.rec.saved[name] = self.rec.saved.get(name, 0) + out.numel()
             if out.dim() >= 2 and out.shape[-1] == out.shape[-2] == self.rec.seq_len:
                 self.rec.saved_quadratic[name] = self.rec.saved_quadratic.get(name, 0) + out.numel()
@@ -176,11 +162,11 @@ class _CostInterpreter(fx.Interpreter):
         flops = self.counter.get_total_flops() - before
         module, target = self._owner(node)
         kind = classify(node, target, self.module if node.op == "call_module" else None)
-        out = _tensors(result)
+        out = tensors_in(result)
         op = OpInfo(
             name=name, module=module, kind=kind, target=target,
-            input_shapes=tuple(_shape(t) for t in inputs),
-            output_shape=_shape(out[0]) if out else (),
+            input_shapes=tuple(shape_of(t) for t in inputs),
+            output_shape=shape_of(out[0]) if out else (),
             dtype=str(out[0].dtype).replace("torch.", "") if out else "",
             parameters=self._leaf_parameters(node),
             flops=flops,
@@ -197,7 +183,7 @@ class _CostInterpreter(fx.Interpreter):
         """SDPA on meta runs the math kernel, which saves the (seq x seq) probabilities.
         Training kernels (FlashAttention, cuDNN, memory-efficient) save q, k, v, the output
         and the fp32 log-sum-exp per row (Dao et al. 2022, Alg. 2); count those instead."""
-        for tensor in inputs[:3] + _tensors(result)[:1]:
+        for tensor in inputs[:3] + tensors_in(result)[:1]:
             self.rec.pack(tensor)
         q = inputs[0]
         lse_bytes = q.numel() // q.shape[-1] * 4
@@ -238,7 +224,7 @@ class _BlockRunner:
 
     def run(self, path: str, module: nn.Module, args, kwargs):
         group = self.groups[path]
-        key = (group, tuple(_shape(t) for t in _tensors((args, kwargs))))
+        key = (group, tuple(shape_of(t) for t in tensors_in((args, kwargs))))
         if key in self.outputs:
             return fresh_like(self.outputs[key])
         self.first_path.setdefault(group, path)
