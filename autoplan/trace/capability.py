@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
@@ -192,6 +193,9 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level, fake_log.level = fake_log.level, logging.CRITICAL  # the failure is the reason, not a log
+    # The runtime's CP swaps F.scaled_dot_product_attention for the whole process, as a job
+    # wants; the planner process traces more models afterwards and must see the original.
+    sdpa = F.scaled_dot_product_attention
     try:
         _apply(copy_, plan, args, kwargs, run, routing)
     except UserError as exc:
@@ -201,6 +205,7 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         return f"{where} fails under autoplan.runtime: {type(exc).__name__}: " \
                f"{(str(exc).splitlines() or [''])[0][:300]}"
     finally:
+        F.scaled_dot_product_attention = sdpa
         fake_log.setLevel(level)
         enter.remove()
         leave.remove()

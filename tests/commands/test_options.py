@@ -24,6 +24,7 @@ DIFFERENT_HELP = {
     "--force": "each command overwrites its own kind of file",
     "--precision": "estimate costs one given precision (no auto)",
     "--global-batch": "estimate also takes it from an imported configuration",
+    "--format": "plan prints another stack's configuration, report a document format",
 }
 DIFFERENT_DEFAULT = {"--top": "a report sweep searches for each cluster's best alone unless asked (faster)"}
 

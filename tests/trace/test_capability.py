@@ -62,3 +62,15 @@ def test_fix_of_a_refused_axis_exits_2_naming_module_and_reason(run_cli):
     code, _, err = run_cli("plan", str(MODELS / "fixed_heads.py"), *PLAN, "--fix", "tp=2")
     err = " ".join(err.split())
     assert code == 2 and "layers.0.attn" in err and "tensor parallelism" in err
+
+
+def test_probing_context_parallel_leaves_sdpa_as_it_was():
+    # The runtime's CP swaps F.scaled_dot_product_attention process-wide; the planner traces
+    # more models in the same process (report, tests) and must keep seeing torch's own.
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    loaded = load_model("tiny-gpt")
+    graph = trace_model(loaded.module, loaded.example_inputs(1, 64), name="tiny-gpt")
+    assert graph.context_parallel and "cp" not in graph.refused  # the CP probe did run
+    assert F.scaled_dot_product_attention is original
