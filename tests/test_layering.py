@@ -14,27 +14,29 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "autoplan"
 
 # What each top-level part of autoplan may import (besides itself). Lower layers first.
-_BASE = {"errors", "paths"}
+_BASE = {"errors", "paths", "limits"}
 _CONTRACT = _BASE | {"plan", "config"}
 _TORCH_ONLY = _CONTRACT | {"models"}
 _PLANNER = _TORCH_ONLY | {"hardware", "trace", "cost"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "paths": set(),
-    "plan": {"errors"},
+    "limits": {"errors"},
+    "plan": {"errors", "limits"},
     "config": {"errors", "plan"},
     "models": _CONTRACT,
     "runtime": _TORCH_ONLY,
     "hardware": _BASE,
-    "trace": _TORCH_ONLY,
+    "trace": _TORCH_ONLY | {"runtime"},  # the capability probe applies the runtime itself
     "cost": _TORCH_ONLY | {"hardware", "trace"},
     "solve": _PLANNER,
+    "planfile": _PLANNER | {"solve"},
     "codegen": _PLANNER | {"solve"},
     "validate": _PLANNER | {"solve"},
     "importers": _PLANNER | {"solve"},
     "calibrate": _PLANNER | {"runtime", "validate"},
-    "report": _PLANNER | {"solve", "validate", "codegen"},
-    "commands": _PLANNER | {"solve", "codegen", "validate", "importers", "calibrate", "report"},
+    "report": _PLANNER | {"solve", "planfile", "validate", "codegen"},
+    "commands": _PLANNER | {"solve", "planfile", "codegen", "validate", "importers", "calibrate", "report"},
     "cli": _BASE | {"commands", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),
