@@ -238,7 +238,7 @@ def job_json(job, explanation: list[str]) -> dict[str, Any]:
         "fastest": candidate_json(r.fastest) if r.fastest else None,
         "solver": {"status": r.status, "wall_s": r.wall_s,
                    "configurations_considered": r.configurations_considered,
-                   "configurations_solved": r.configurations_solved},
+                   "configurations_solved": r.configurations_solved, "notes": list(r.notes)},
         "explanation": explanation,
     }
 
@@ -276,5 +276,5 @@ def render_job(job, explanation: list[str], console) -> None:
                         "equivalent within the error band" if equivalent(r, a) else "")
         console.print(alt)
     console.print("[bold]Why:[/]")
-    for line in explanation:
+    for line in [*explanation, *r.notes]:
         console.print(f"  - {line}")

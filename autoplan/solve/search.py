@@ -12,6 +12,7 @@ candidate is then computed exactly by `cost.estimate`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -147,7 +148,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
     threshold = float("inf")
     solved, infeasible, all_optimal = 0, sum(n for _, n in skipped_memory), True
     least_mem = min((m for m, _ in skipped_memory), default=float("inf"))
-    done, completed = 0, True
+    done, completed, edge_resolved = 0, True, 0
     for bound, key in bounds:
         if bound >= threshold * (1 + band):
             break
@@ -171,21 +172,14 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             lower_s = lower_bound_ns(tables) * 1e-9 - rounding_s(tables.slots * tables.vpp, graph.num_layers)
             if not _worth_solving(lower_s, config, threshold, band, preferred):
                 continue
-            part = solve_partition(tables, time_limit_s=max(1.0, time_limit_s / 10))
             solved += 1
-            if part is None:
+            cand, proven, lowered = _solve_fitting(graph, tables, config, cluster, runs,
+                                                   max(1.0, time_limit_s / 10))
+            all_optimal &= proven
+            edge_resolved += lowered
+            if cand is None:
                 infeasible += 1
                 continue
-            # exact only where the tables carry the step-end tail the estimate adds
-            exact = part.status == "OPTIMAL" and tables.tail_ns is not None
-            all_optimal &= exact
-            cand_config = partition_to_config(config, part, runs)
-            est = estimate_candidate(graph, cand_config, cluster)
-            if not est.feasible:  # rounding at the capacity edge: another partition may fit
-                infeasible += 1
-                all_optimal = False
-                continue
-            cand = Candidate(cand_config, est, "OPTIMAL" if exact else "FEASIBLE")
             if cand.signature not in kept or cand.step_time_s < kept[cand.signature].step_time_s:
                 kept[cand.signature] = cand
             # the bound proves the fastest plan; runners-up are the best found on the way
@@ -198,7 +192,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
         best=best, alternatives=alternatives, status=status,
         wall_s=time.perf_counter() - start, configurations_considered=len(configs),
         configurations_solved=solved, least_memory_gib=least_mem, infeasible_by_memory=infeasible,
-        fastest=fastest, band=band,
+        fastest=fastest, band=band, notes=_edge_notes(edge_resolved),
     )
 
 
@@ -218,6 +212,45 @@ def _preferred_key(kept, floor_s: float, band: float) -> tuple:
     """Preference key of the plan preferred so far among those sure to stay within the band."""
     return min((preference_key(c.step_time_s, c.config) for c in kept
                 if within_band(c.step_time_s, floor_s, band)), default=(float("inf"),))
+
+
+EDGE_RETRIES = 3
+
+
+def _edge_notes(count: int) -> list[str]:
+    if not count:
+        return []
+    return [f"{count} configuration(s) sat at the memory edge: the solver rounds memory to the KiB, "
+            "so their partitions were solved again with slightly less memory; a partition inside that "
+            "margin might be faster, so the result is labelled FEASIBLE, not OPTIMAL"]
+
+
+def _solve_fitting(graph: ModelGraph, tables, config: ParallelConfig, cluster, runs,
+                   time_limit_s: float) -> tuple[Candidate | None, bool, bool]:
+    """The solver's best partition, estimated exactly. The tables round each memory term to
+    the KiB, so at the capacity edge the solver may pick a partition the estimate finds a few
+    KiB too large: it is solved again with the capacity lowered by that excess. Such a plan
+    is labelled FEASIBLE (a partition inside the excess might have been faster); OPTIMAL
+    also needs the tables to carry the step-end tail the estimate adds. Returns the
+    candidate (None when nothing fits), whether that outcome is proven, and whether the
+    capacity was lowered."""
+    from autoplan.cost import hw
+
+    usable_kib = hw.usable_memory_bytes(cluster) / 1024
+    lowered = False
+    for _ in range(EDGE_RETRIES + 1):
+        part = solve_partition(tables, time_limit_s=time_limit_s)
+        if part is None:
+            return None, not lowered, lowered
+        cand_config = partition_to_config(config, part, runs)
+        est = estimate_candidate(graph, cand_config, cluster)
+        if est.feasible:
+            exact = part.status == "OPTIMAL" and tables.tail_ns is not None and not lowered
+            return Candidate(cand_config, est, "OPTIMAL" if exact else "FEASIBLE"), exact, lowered
+        excess_kib = max(s["memory_gib"] for s in est.per_stage) * GIB_KIB - usable_kib
+        tables = replace(tables, capacity_kib=tables.capacity_kib - max(1, math.ceil(excess_kib)))
+        lowered = True
+    return None, False, True
 
 
 def _worth_solving(lower_s: float, config: ParallelConfig, threshold: float, band: float,

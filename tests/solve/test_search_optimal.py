@@ -76,6 +76,10 @@ def instances(draw):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(instances())
+@example(({"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 256,
+           "max_position_embeddings": 256, "num_local_experts": 2, "num_experts_per_tok": 2},
+          "h100-sxm-80gb", 2, 2, 64, 1.0))  # ZeRO-2 without recomputation over by 0.6 KiB
 def test_search_matches_brute_force(instance):
     config, gpu, gpus, global_batch, seq, free_mib = instance
     graph = graph_for_config(config, 1, seq)
@@ -90,7 +94,8 @@ def test_search_matches_brute_force(instance):
     if math.isinf(brute):
         assert result.best is None
         return
-    assert result.status == "OPTIMAL"
+    # a partition re-solved at the memory edge is honestly labelled FEASIBLE, with a note
+    assert result.status == ("FEASIBLE" if result.notes else "OPTIMAL"), result.notes
     assert abs(result.best.step_time_s - brute) <= TOLERANCE_S, (result.best.config, brute)
 
 
