@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-OFFLOAD = ("none", "optimizer", "params", "both")
+from autoplan.plan import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES  # noqa: F401  (re-exported)
 
 
 def schedule_label(pp: int, schedule: str, vpp: int = 1) -> str:

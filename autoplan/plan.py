@@ -18,8 +18,8 @@ from typing import Any
 FORMAT_VERSION = 2
 READS_VERSIONS = (1, 2)  # version 1 kept tp_styles as one flat {module path: style}
 
-# Allowed values of a plan's choice fields (the same tuples as autoplan.config, which this
-# standard-library-only module cannot import: a test checks they agree).
+# Allowed values of a plan's choice fields: the one definition, which the planner's config
+# and the runtime read too.
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")

@@ -13,7 +13,8 @@ import argparse
 import statistics
 import time
 
-from autoplan.solve.api import load_graph, plan_job, resolve_cluster
+from autoplan.solve.api import plan_job, resolve_cluster
+from autoplan.trace.load import load_graph
 
 CASES = [  # (model, gpu, gpus, global batch, seq, target seconds)
     ("llama3.1-70b", "h100", 64, 256, 8192, 2.0),

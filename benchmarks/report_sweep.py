@@ -19,7 +19,7 @@ def main() -> None:
     from autoplan.report.accuracy import published_runs_error
     from autoplan.report.formatting import duration, usd
     from autoplan.report.sweep import gpu_prices, parse_counts, parse_gpus, run_sweep
-    from autoplan.solve.api import load_graph
+    from autoplan.trace.load import load_graph
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama3.1-70b")

@@ -76,7 +76,8 @@ def _estimate_with_cost_model(plan):
 
     from autoplan.config import ParallelConfig
     from autoplan.cost.estimate import estimate
-    from autoplan.solve.api import load_graph, resolve_cluster
+    from autoplan.trace.load import load_graph
+    from autoplan.solve.api import resolve_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"

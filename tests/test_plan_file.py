@@ -7,16 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import config, plan
 from autoplan.plan import Plan, PlanFormatError
 
 EXAMPLE = json.loads((Path(__file__).resolve().parents[1] / "generated" / "tiny-gpt-4xcpu"
                       / "plan.json").read_text())
-
-
-def test_choice_tuples_agree_with_the_cost_model_config():
-    assert (plan.SCHEDULES, plan.RECOMPUTE, plan.PRECISIONS, plan.OFFLOAD) == \
-        (config.SCHEDULES, config.RECOMPUTE, config.PRECISIONS, config.OFFLOAD)
 
 
 @pytest.mark.parametrize("changes,message", [

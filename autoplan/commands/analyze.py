@@ -12,7 +12,7 @@ from autoplan.errors import UserError
 
 def analyze_model(spec: str, batch_size: int, seq_len: int | None, image_size: int | None = None):
     """Load MODEL (file, config.json or catalog name) and trace it: (LoadedModel, ModelGraph)."""
-    from autoplan.solve.api import input_extent
+    from autoplan.trace.load import input_extent
     from autoplan.models.sources import load_model
     from autoplan.trace.tracer import trace_model
 

@@ -11,7 +11,7 @@ from autoplan.errors import UserError
 
 def gemm_shapes_of(model: str, seq_len: int | None) -> tuple[tuple[int, int, int], ...]:
     """Distinct (m, n, k) of the matmul-like ops of MODEL traced at batch 1 (no TP split)."""
-    from autoplan.solve.api import load_graph
+    from autoplan.trace.load import load_graph
 
     graph, _, _ = load_graph(model, seq_len)
     shapes = {(m, n, k) for seg in (graph.pre, *graph.blocks, graph.post) for m, n, k, _ in seg.gemm_shapes}

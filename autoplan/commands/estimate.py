@@ -11,6 +11,7 @@ from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelC
 from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.hardware import resolve_cluster
 from autoplan.importers import chosen_import, import_options
+from autoplan.trace.load import load_graph
 
 
 def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep: int, zero: int,
@@ -34,18 +35,6 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
                           ep=ep, zero_stage=zero, offload=offload, micro_batch=micro_batch,
                           recompute=recompute, schedule=schedule, vpp=vpp, precision=precision,
                           sequence_parallel=sequence_parallel and tp > 1)
-
-
-def load_graph(spec: str, seq_len: int | None):
-    """Trace MODEL at batch 1 and its training sequence length: (graph, sequence length)."""
-    from autoplan.models.sources import FALLBACK_SEQ_LEN, load_model
-    from autoplan.trace.tracer import trace_model
-
-    if seq_len is not None and seq_len <= 0:
-        raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
-    loaded = load_model(spec, seq_len=seq_len)
-    seq = seq_len if seq_len is not None else (loaded.default_seq_len or FALLBACK_SEQ_LEN)
-    return trace_model(loaded.module, loaded.example_inputs(1, seq), name=loaded.ref.name), seq
 
 
 def estimate_plan_file(path: str, gpu: str | None = None):
@@ -161,7 +150,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         if global_batch is None:
             raise UserError("give the global batch in sequences with --global-batch G")
         cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
-        graph, seq = load_graph(model, seq_len)
+        graph, _, seq = load_graph(model, seq_len)
         config = config_from_options(gpus, dp, tp, pp, cp, ep, zero, offload, micro_batch,
                                      global_batch, seq, recompute, schedule, vpp, precision,
                                      sequence_parallel)

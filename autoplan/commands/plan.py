@@ -30,7 +30,8 @@ def plan_options(func):
 
 def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
              global_batch, seq_len, objective, fix, precision, top, quiet, time_limit=None, image_size=None):
-    from autoplan.solve.api import load_graph, plan_job, resolve_cluster
+    from autoplan.solve.api import plan_job, resolve_cluster
+    from autoplan.trace.load import load_graph
     from autoplan.solve.space import parse_fix
 
     fixed = parse_fix(fix)

@@ -64,7 +64,7 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_p
                precision, assumptions, error, price_list, budget, deadline, time_limit, memory_headroom,
                inter_node_bandwidth, show_progress):
     from autoplan.report.sweep import check_positive, gpu_prices, parse_counts, run_sweep
-    from autoplan.solve.api import load_graph
+    from autoplan.trace.load import load_graph
     from autoplan.solve.space import parse_fix
 
     if not model or not (gpu or hardware) or not gpus or global_batch is None or tokens is None:

@@ -29,7 +29,7 @@ def estimate_imported_model(model: str, cluster, kind: str, value: str, *, globa
     The model is traced at --seq-len, else the file's sequence length, else the model's default.
     """
     from autoplan.cost import estimate
-    from autoplan.solve.api import load_graph
+    from autoplan.trace.load import load_graph
 
     imported = load_imported(kind, value, num_gpus=cluster.num_gpus, global_batch=global_batch, seq_len=seq_len)
     graph, _, _ = load_graph(model, imported.seq_len)

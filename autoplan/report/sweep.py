@@ -1,6 +1,6 @@
 """Plan one training job on every (GPU type, count) and price each plan for a whole run.
 
-The model is traced once by the caller (`solve.api.load_graph`); every cluster reuses that
+The model is traced once by the caller (`trace.load.load_graph`); every cluster reuses that
 graph. A cluster where nothing fits, or where the global batch does not split, is a row with
 its reason, not an error. Time to train is the goodput wall time (checkpoints, interruptions,
 restarts: `goodput.py`) of ceil(tokens / (global batch x seq len)) steps.

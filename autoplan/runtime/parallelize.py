@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import UserError
-from autoplan.plan import Plan
+from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
 from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
@@ -28,8 +28,6 @@ from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stag
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
 from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel, expand_tp_styles
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 @dataclass

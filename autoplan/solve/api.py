@@ -32,38 +32,6 @@ def precisions_for(precision: str, cluster) -> tuple[str, ...]:
     return (precision,)
 
 
-def load_graph(model_spec: str, seq_len: int | None,
-               image_size: int | None = None) -> tuple[ModelGraph, ModelRef, int]:
-    """Load and trace MODEL at batch 1 and the training sequence length (an image model at
-    its image size; its sequence length is then 1: a sample is one image)."""
-    from autoplan.models.sources import load_model
-    from autoplan.trace.tracer import trace_model
-
-    loaded = load_model(model_spec, seq_len=seq_len)
-    seq = input_extent(loaded, seq_len, image_size)
-    graph = trace_model(loaded.module, loaded.example_inputs(1, seq), name=loaded.ref.name)
-    return graph, loaded.ref, graph.seq_len
-
-
-def input_extent(loaded, seq_len: int | None, image_size: int | None) -> int:
-    """The second argument of `loaded.example_inputs`: the image side of an image model, else
-    the sequence length (the model's, else 2048)."""
-    from autoplan.models.sources import FALLBACK_SEQ_LEN, default_image_size
-
-    if loaded.takes_images:
-        side = image_size if image_size is not None else default_image_size(loaded.module)
-        if side <= 0:
-            raise UserError(f"--image-size must be a positive number of pixels, got {side}")
-        return side
-    if image_size is not None:
-        raise UserError(f"--image-size applies to image models; {loaded.ref.name} takes token "
-                        "ids, so give its sequence length with --seq-len instead")
-    seq = seq_len if seq_len is not None else (loaded.default_seq_len or FALLBACK_SEQ_LEN)
-    if seq <= 0:
-        raise UserError(f"--seq-len must be positive, got {seq}")
-    return seq
-
-
 def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, seq_len: int,
              fixed: dict | None = None, precision: str = "bf16", objective: str = "time",
              top: int = 3, progress: Callable[[int, int], None] | None = None,

@@ -147,7 +147,7 @@ def test_cli_without_torchrun_exits_2(run_cli, monkeypatch, tmp_path):
 def test_device_only_single_process_writes_a_file_estimate_accepts(run_cli, monkeypatch, tmp_path):
     from autoplan.cost import estimate
     from autoplan.config import ParallelConfig
-    from autoplan.solve.api import load_graph
+    from autoplan.trace.load import load_graph
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -169,7 +169,8 @@ def test_device_only_single_process_writes_a_file_estimate_accepts(run_cli, monk
 def test_calibrate_on_gloo_ranks_writes_a_file_estimate_accepts(torchrun, tmp_path, nproc):
     from autoplan.cost import estimate
     from autoplan.config import ParallelConfig
-    from autoplan.solve.api import load_graph, resolve_cluster
+    from autoplan.trace.load import load_graph
+    from autoplan.solve.api import resolve_cluster
 
     out = tmp_path / f"cpu{nproc}.toml"
     proc = torchrun(nproc, "calibrate", "--quick", "-o", str(out))

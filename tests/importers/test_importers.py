@@ -217,7 +217,8 @@ def test_compare_with_plan_sets_yours_next_to_the_best_plan():
 
     from autoplan.hardware import load_gpu, make_cluster
     from autoplan.importers.compare import compare_with_plan, render_comparison
-    from autoplan.solve.api import load_graph, plan_job
+    from autoplan.solve.api import plan_job
+    from autoplan.trace.load import load_graph
 
     graph, ref, seq = load_graph("tiny-gpt", None)
     job = plan_job(graph, ref, make_cluster(load_gpu("cpu"), 4), global_batch=8, seq_len=seq)

@@ -11,7 +11,7 @@ PRICES = {"h100-sxm-80gb": 2.5, "a100-sxm4-80gb": 1.25}
 @pytest.fixture(scope="session")
 def graph8b():
     """(graph, ModelRef, seq_len) of llama3.1-8b at SEQ, traced once."""
-    from autoplan.solve.api import load_graph
+    from autoplan.trace.load import load_graph
 
     return load_graph(MODEL, SEQ)
 

@@ -113,7 +113,8 @@ def test_no_neighbour_of_the_plan_is_faster():
     # other ZeRO stages) is in the search space, so none may be faster than the fastest plan
     # (band 0: no preference for a simpler, slower one).
     from autoplan.hardware import resolve_cluster
-    from autoplan.solve.api import load_graph, plan_job
+    from autoplan.solve.api import plan_job
+    from autoplan.trace.load import load_graph
     from autoplan.solve.explain import explain
 
     graph, ref, seq = load_graph("llama3.1-70b", None)

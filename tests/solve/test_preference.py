@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from autoplan.hardware import resolve_cluster
-from autoplan.solve.api import load_graph, plan_job
+from autoplan.solve.api import plan_job
+from autoplan.trace.load import load_graph
 from autoplan.solve.explain import explain, job_json
 from autoplan.solve.preference import equivalence_band, mechanisms
 
