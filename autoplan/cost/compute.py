@@ -156,19 +156,24 @@ def loss_times_s(tokens: float, vocab: int, tp: int, gpu) -> tuple[float, float]
     return logits * LOSS_FWD_BYTES_PER_LOGIT / bw, logits * LOSS_BWD_BYTES_PER_LOGIT / bw
 
 
-def recompute_time_s(times: BlockTimes, recompute: str) -> float:
-    """Extra forward work per micro-batch: all of it (full), the attention core (selective)."""
+def recompute_time_s(times: BlockTimes, recompute: str, selective_policy: str = "op") -> float:
+    """Extra forward work per micro-batch. full: all of it. selective: what the policy does
+    not save (trace/activations.py) -- under the "op" policy every op but the GEMMs and the
+    attention kernel, i.e. the memory-bound element-wise and norm ops; under Megatron's
+    "attention_core" policy the attention core."""
     if recompute == "full":
         return times.fwd_s
     if recompute == "selective":
-        return times.attention_fwd_s
+        return times.memory_fwd_s if selective_policy == "op" else times.attention_fwd_s
     return 0.0
 
 
 def recompute_flops(times: BlockTimes, profile: BlockProfile, config: ParallelConfig,
-                    traced_batch: int, recompute: str) -> float:
+                    traced_batch: int, recompute: str, selective_policy: str = "op") -> float:
+    """Recomputed FLOPs counted as hardware FLOPs: element-wise recomputation counts none
+    (FLOPs here are matmul/attention FLOPs, as FlopCounterMode counts them)."""
     if recompute == "full":
         return times.fwd_flops
-    if recompute == "selective":
+    if recompute == "selective" and selective_policy == "attention_core":
         return profile.attention_flops * config.micro_batch / traced_batch / config.cp / config.tp
     return 0.0

@@ -42,12 +42,17 @@ class Runtime:
     and the fp32 master in the optimizer (memory.model_state_bytes).
     flash_kernel: the FlashAttention kernel (compute.FLASH_KERNEL_SLOWDOWN): "flash2" (FA2 and
     later, cuDNN/TE, PyTorch SDPA) or "triton" (the 2022 Triton kernel, MosaicML's default).
+    selective_policy: what selective recomputation keeps (trace/activations.py): "op", the
+    matmul and attention outputs (torch's selective checkpoint, autoplan's runtime,
+    torchtitan), or "attention_core", everything but the attention core's s^2 tensors
+    (Megatron-LM --recompute-granularity selective, Korthikanti et al. 2022).
     """
 
     tp_comm_overlap: bool = False
     zero3_flat_gather: bool = False
     fp32_module_weights: bool = True
     flash_kernel: str = "flash2"
+    selective_policy: str = "op"
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -295,8 +300,9 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     profile = block_profile(graph, block)
     times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel)
     rc = recompute if block.kind not in ("pre", "post") else "none"
-    recompute_s = compute.recompute_time_s(times, rc)
-    rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc)
+    recompute_s = compute.recompute_time_s(times, rc, runtime.selective_policy)
+    rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc,
+                                       runtime.selective_policy)
     params = block_params(block, graph, config)
     accumulate = grad_accumulation_s(params, config, gpu)
     if accumulate:
@@ -353,7 +359,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                       if runtime.fp32_module_weights else 0.0)
             dense_states["parameters"] = shards + unsharded * memory.weight_bytes_per_param(config.precision)
             expert_states["parameters"] = 0.0
-    activation = memory.block_activation_bytes(graph, block, config, rc, flash_attention)
+    activation = memory.block_activation_bytes(graph, block, config, rc, flash_attention,
+                                               runtime.selective_policy)
     return LayerCost(
         name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
         recompute_s=recompute_s,

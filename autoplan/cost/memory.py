@@ -8,10 +8,10 @@ Sources:
 - Activations (Korthikanti et al. 2022, §4): the graph's bytes saved for backward, with
   tensor parallelism dividing everything but the LayerNorm/dropout/residual-width tensors
   (their 10sbh of 34sbh) unless sequence parallelism is on (then all of it, Eq. 4),
-  context parallelism dividing the tokens, selective recomputation dropping the attention
-  core's s^2 tensors (Eq. 6), full recomputation keeping only the block input (2sbh).
-  FlashAttention never materialises the s^2 tensors (Dao et al. 2022, §3.1), so with it
-  "none" and "selective" save the same bytes.
+  context parallelism dividing the tokens. The bytes per recomputation mode are defined once
+  in trace/activations.py: selective = what the runtime's selective checkpoint keeps (torch's
+  "op" policy: matmul and attention outputs) or, for Megatron runs, Korthikanti's Eq. 6
+  (the attention core's s^2 tensors dropped); full = the block input only (2sbh).
 - Last stage: fp32 logits for the loss (Korthikanti et al. 2022 App. B, the 4sbV term).
 - Buffers: ZeRO-3 keeps the gathered weights of the current and the prefetched block
   (FSDP/DeepSpeed prefetch); pipeline stages keep one send and one receive buffer of one
@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.config import ParallelConfig
+from autoplan.trace import activations
+from autoplan.trace.activations import sac_saved_bytes, saved_bytes_by_mode
 from autoplan.trace.graph import BlockInfo, ModelGraph
 
 ADAM_MIXED_OPTIMIZER_BYTES = 12  # ZeRO §3: fp32 master + momentum + variance
@@ -151,28 +153,31 @@ def replicated_saved_bytes(graph: ModelGraph, block: BlockInfo) -> float:
 
 
 def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
-                           recompute: str, flash_attention: bool = True) -> float:
-    """Activation bytes one block copy keeps per micro-batch in flight on one rank."""
+                           recompute: str, flash_attention: bool = True,
+                           selective_policy: str = "op") -> float:
+    """Activation bytes one block copy keeps per micro-batch in flight on one rank: the
+    traced bytes of `recompute` (trace/activations.py) rescaled, TP/SP-divided."""
     scale = _scale(graph, config)
     tp = config.tp
+    saved = saved_bytes_by_mode(graph, block, selective_policy=selective_policy,
+                                flash_attention=flash_attention)[recompute]
     if recompute == "full":
-        return block.input_bytes * scale / (tp if config.sequence_parallel else 1)
-    quadratic_free = recompute == "selective" or flash_attention
-    saved = float(block.saved_bytes_selective if quadratic_free else block.saved_bytes)
-    saved -= fused_norm_excess_bytes(graph, block)
+        return saved * scale / (tp if config.sequence_parallel else 1)
     if tp == 1:
         return saved * scale
     if config.sequence_parallel:
         return saved * scale / tp
-    replicated = min(replicated_saved_bytes(graph, block), saved)
+    if recompute == "selective" and selective_policy == "op":
+        replicated = sac_saved_bytes(graph, block)[1]
+    else:
+        replicated = replicated_saved_bytes(graph, block)
+    replicated = min(replicated, saved)
     return (replicated + (saved - replicated) / tp) * scale
 
 
 def fused_norm_excess_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     """Bytes the traced (decomposed) norms save beyond what a fused norm kernel keeps."""
-    from autoplan.cost.profile import block_profile
-
-    return block_profile(graph, block).norm_saved_excess
+    return activations.fused_norm_excess_bytes(activations.block_ops(graph, block), graph.dtype_bytes)
 
 
 def logits_bytes(graph: ModelGraph, config: ParallelConfig) -> float:

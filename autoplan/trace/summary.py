@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autoplan.trace.activations import saved_bytes_by_mode
 from autoplan.trace.graph import ModelGraph
 
 
@@ -12,14 +13,18 @@ def summarize(graph: ModelGraph) -> dict[str, Any]:
     tokens = graph.batch_size * graph.seq_len
     forward = graph.forward_flops()
     activation = sum(s.saved_bytes * s.count for s in graph.segments)
+    modes = {s.name: saved_bytes_by_mode(graph, s) for s in graph.blocks}
     blocks = [
         {
             "name": s.name, "count": s.count, "kind": s.kind, "parameters": s.parameters,
             "forward_flops": s.forward_flops, "attention_flops": s.attention_flops,
+            # autograd's saved tensors as traced (decomposed norms, attention as traced)
             "activation_bytes": s.saved_bytes,
-            "activation_bytes_per_token": s.saved_bytes / tokens,
-            "activation_bytes_per_token_selective": s.saved_bytes_selective / tokens,
-            "activation_bytes_per_token_full_recompute": s.input_bytes / tokens,
+            "activation_bytes_per_token_traced": s.saved_bytes / tokens,
+            # what the runtime keeps per mode, as `estimate` costs it (trace/activations.py)
+            "activation_bytes_per_token": modes[s.name]["none"] / tokens,
+            "activation_bytes_per_token_selective": modes[s.name]["selective"] / tokens,
+            "activation_bytes_per_token_full_recompute": modes[s.name]["full"] / tokens,
             "heads": s.heads, "kv_heads": s.kv_heads, "ffn": s.ffn,
             "experts": s.experts, "top_k": s.top_k, "expert_parameters": s.expert_parameters,
             "first": s.paths[0],
@@ -87,15 +92,20 @@ def render(summary: dict[str, Any], console) -> None:
     head.add_row("graph ops", str(summary["ops"]))
     console.print(head)
     blocks = Table(title="Repeated blocks (pipeline cut points at each copy)")
-    for col in ("block", "copies", "kind", "params/copy", "fwd FLOPs/copy", "act B/token/copy",
-                "heads/kv", "ffn", "experts (top-k)"):
+    for col in ("block", "copies", "kind", "params/copy", "fwd FLOPs/copy",
+                "act B/token/copy none/sel/full", "heads/kv", "ffn", "experts (top-k)"):
         blocks.add_column(col)
     for b in summary["blocks"]:
         blocks.add_row(b["name"], str(b["count"]), b["kind"], _fmt(b["parameters"]),
-                       _fmt(b["forward_flops"]), f"{b['activation_bytes_per_token']:.0f}",
+                       _fmt(b["forward_flops"]),
+                       f"{b['activation_bytes_per_token']:.0f}/{b['activation_bytes_per_token_selective']:.0f}"
+                       f"/{b['activation_bytes_per_token_full_recompute']:.0f}",
                        f"{b['heads']}/{b['kv_heads']}", str(b["ffn"] or "-"),
                        f"{b['experts']} ({b['top_k']})" if b["experts"] else "-")
     console.print(blocks)
+    console.print("act B/token (bf16, as estimate costs it): none = autograd's saved tensors with "
+                  "fused norms and FlashAttention; sel = what autoplan's selective checkpoint keeps "
+                  "(matmul and attention outputs, block input); full = the block input")
     tp = summary["tensor_parallel"]
     console.print("[bold]Tensor parallel:[/] " + ("; ".join(
         f"{p['block']}.{p['module']}: column {', '.join(p['column'])} -> row {p['row']} "

@@ -86,6 +86,7 @@ class _Recorder:
     seen: set[int] = field(default_factory=set)
     keep: list[torch.Tensor] = field(default_factory=list)
     seq_len: int = 0
+    batch: int = 0
     suspend: int = 0
     direct_parameters: bool = False  # OpInfo.parameters are the op's own (run traces)
 
@@ -99,9 +100,16 @@ class _Recorder:
         self.keep.append(base)
         nbytes = tensor_bytes(base)
         self.saved[self.current] = self.saved.get(self.current, 0) + nbytes
-        if self.seq_len > 1 and base.dim() >= 2 and base.shape[-1] == base.shape[-2] == self.seq_len:
+        if self.is_attention_square(base):
             self.saved_quadratic[self.current] = self.saved_quadratic.get(self.current, 0) + nbytes
         return tensor
+
+    def is_attention_square(self, t: torch.Tensor) -> bool:
+        """An attention score/probability tensor: (..., heads, seq, seq). A (batch, seq, hidden)
+        tensor whose hidden width happens to equal seq (Llama-2-7B at seq 4096) is not one."""
+        if self.seq_len <= 1 or t.dim() < 3 or t.shape[-1] != self.seq_len or t.shape[-2] != self.seq_len:
+            return False
+        return t.dim() >= 4 or t.shape[0] != self.batch
 
 
 def _is_dropout(node: fx.Node, root: nn.Module) -> bool:
@@ -156,7 +164,7 @@ class _CostInterpreter(fx.Interpreter):
             # GPU dropout (native_dropout) saves a 1-byte mask; CPU/meta save a float one
             out = tensors_in(result)[0]
             self.rec.saved[name] = self.rec.saved.get(name, 0) + out.numel()
-            if out.dim() >= 2 and out.shape[-1] == out.shape[-2] == self.rec.seq_len:
+            if self.rec.is_attention_square(out):
                 self.rec.saved_quadratic[name] = self.rec.saved_quadratic.get(name, 0) + out.numel()
         self.rec.current = None
         flops = self.counter.get_total_flops() - before
@@ -270,10 +278,10 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     try:
         if kwargs:
             raise _NotSymbolic("keyword inputs")
-        gm, rec, first_path = _trace_by_fx(module, args, block_of, seq)
+        gm, rec, first_path = _trace_by_fx(module, args, block_of, seq, batch)
         costed_by_routing: list[str] = []
     except _NotSymbolic:
-        gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq)
+        gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq, batch)
     graph = nx.DiGraph()
     for op in rec.ops:
         graph.add_node(op.name, op=op)
@@ -294,10 +302,10 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     return model_graph
 
 
-def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: int):
+def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: int, batch: int):
     """Symbolic fx trace of the root (blocks as leaves) and of each block group's first copy."""
     gm = _trace_symbolic(module, "", set(block_of))
-    rec = _Recorder(seq_len=seq)
+    rec = _Recorder(seq_len=seq, batch=batch)
     with FlopCounterMode(display=False) as counter:
         runner = _BlockRunner(block_of, rec, counter)
         interp = _CostInterpreter(gm, "", rec, counter, runner)
@@ -307,11 +315,11 @@ def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: 
 
 
 def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: dict[str, str],
-                      seq: int):
+                      seq: int, batch: int):
     """Run the forward on fake meta tensors under the recorder (see recorder.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    rec = _Recorder(seq_len=seq, direct_parameters=True)
+    rec = _Recorder(seq_len=seq, batch=batch, direct_parameters=True)
     routing = RoutingContext()
     paths: dict[int, str] = {}
     for path, sub in module.named_modules():

@@ -343,7 +343,7 @@ def validate_run(run: dict[str, Any]) -> RunResult:
             for overlap in overlaps:
                 # published runs are Megatron / DeepSpeed / FSDP: 16-bit module weights
                 runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat,
-                                  fp32_module_weights=False, flash_kernel=kernel)
+                                  fp32_module_weights=False, flash_kernel=kernel, selective_policy="attention_core")
                 est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
                 if not est.feasible and assumed.get("recompute") == "none":
                     est, assumed = _partial_recompute(graph, config, cluster, flash, runtime, est,

@@ -1,0 +1,100 @@
+"""Bytes one block copy keeps for backward, per recomputation mode: the one definition that
+`analyze` reports and the cost model scales.
+
+- none: what autograd saves (the traced saved-tensor hooks), without the attention core's
+  s^2 tensors when a FlashAttention kernel runs (Dao et al. 2022 §3.1), and with fused
+  norm kernels, which save their input and per-row statistics only, not the upcast copies
+  a decomposed norm saves (Apex / Transformer Engine / torch's fused RMSNorm on CUDA).
+- selective, policy "op" (autoplan's runtime, runtime/recompute.py; torchtitan's "op" SAC):
+  torch's selective checkpoint keeps the outputs of the ops it must save -- matmuls
+  (linear, matmul, expert GEMMs, the router) and the attention kernel (its output and fp32
+  log-sum-exp) -- plus the block input, and recomputes everything else in backward.
+- selective, policy "attention_core" (Megatron-LM --recompute-granularity selective,
+  Korthikanti et al. 2022 §5 Eq. 6): "none" without the attention core's s^2 tensors.
+- full: the block input only (Korthikanti et al. 2022 §5: 2sbh).
+
+All bytes are at the traced batch, sequence length and dtype (ModelGraph).
+"""
+
+from __future__ import annotations
+
+from autoplan.trace.graph import BlockInfo, ModelGraph, OpInfo
+
+SELECTIVE_POLICIES = ("op", "attention_core")
+# op kinds whose outputs torch's selective-checkpoint policy in runtime/recompute.py saves
+# (aten mm/addmm/bmm and the SDPA kernels)
+SAC_SAVED_KINDS = ("linear", "matmul", "attention", "expert", "moe_router")
+LSE_BYTES = 4  # SDPA kernels save one fp32 log-sum-exp per query row and head
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def block_ops(graph: ModelGraph, block: BlockInfo) -> list[OpInfo]:
+    """Ops of the block's first copy in the traced graph (empty for hand-built graphs)."""
+    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
+    if not prefix:
+        return []
+    g = graph.graph
+    return [g.nodes[n]["op"] for n in g.nodes if n.startswith(prefix)]
+
+
+def fused_norm_excess_bytes(ops: list[OpInfo], dtype_bytes: int) -> float:
+    """Bytes the traced (decomposed) norms save beyond what a fused norm kernel keeps."""
+    excess = 0.0
+    for op in ops:
+        if op.kind == "norm" and op.input_shapes and op.input_shapes[0]:
+            excess += max(0.0, op.saved_bytes - _numel(op.input_shapes[0]) * dtype_bytes)
+    return excess
+
+
+def sac_output_bytes(op: OpInfo, dtype_bytes: int) -> float:
+    """Bytes the selective checkpoint caches for one op it must save: its output (and the
+    attention kernel's log-sum-exp, one per row of (batch, heads, seq))."""
+    if not op.output_shape:
+        return float(op.saved_bytes) if op.kind == "expert" else 0.0
+    out = _numel(op.output_shape) * dtype_bytes
+    if op.kind == "attention" and len(op.output_shape) >= 2:
+        out += _numel(op.output_shape[:-1]) * LSE_BYTES
+    return float(out)
+
+
+def sac_saved_bytes(graph: ModelGraph, block: BlockInfo) -> tuple[float, float]:
+    """(total, residual-width part) of what the "op" selective checkpoint keeps per copy.
+
+    The residual-width part (block input, outputs of linears that produce the hidden width:
+    row-parallel o_proj / down_proj) is what tensor parallelism without sequence
+    parallelism leaves whole on every rank. Without an op graph: Korthikanti's 34sbh minus
+    the element-wise tensors is not derivable, so the selective bytes fall back to "none".
+    """
+    ops = block_ops(graph, block)
+    if not ops:
+        return float(block.saved_bytes_selective), float(block.input_bytes)
+    total = residual = float(block.input_bytes)
+    for op in ops:
+        if op.kind not in SAC_SAVED_KINDS:
+            continue
+        nbytes = sac_output_bytes(op, graph.dtype_bytes)
+        total += nbytes
+        if op.kind == "linear" and op.output_shape and op.output_shape[-1] == block.hidden:
+            residual += nbytes
+    return total, residual
+
+
+def saved_bytes_by_mode(graph: ModelGraph, block: BlockInfo, *, selective_policy: str = "op",
+                        flash_attention: bool = True) -> dict[str, float]:
+    """{none, selective, full} bytes one copy keeps for backward (traced batch/seq/dtype)."""
+    if selective_policy not in SELECTIVE_POLICIES:
+        raise ValueError(f"selective_policy must be one of {SELECTIVE_POLICIES}, got {selective_policy!r}")
+    excess = fused_norm_excess_bytes(block_ops(graph, block), graph.dtype_bytes)
+    quadratic_free = float(block.saved_bytes_selective) - excess
+    none = quadratic_free if flash_attention else float(block.saved_bytes) - excess
+    if selective_policy == "op":
+        selective = sac_saved_bytes(graph, block)[0]
+    else:
+        selective = quadratic_free
+    return {"none": none, "selective": selective, "full": float(block.input_bytes)}
