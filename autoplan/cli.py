@@ -25,6 +25,7 @@ COMMANDS = {
     "estimate": "Predict step time, MFU and memory per GPU for one parallel configuration.",
     "validate": "Compare the cost model with published training runs (or a generated run).",
     "plan": "Find the fastest (or cheapest) parallel plan with CP-SAT and explain it.",
+    "check": "Dry-run a plan's runtime at full size on fake tensors: memory and collectives.",
     "generate": "Write a runnable torchrun job directory for a plan.",
     "report": "Time, GPU-hours and cost across GPU types and cluster sizes, with charts.",
     "calibrate": "Measure this cluster (run under torchrun) and write a hardware file.",

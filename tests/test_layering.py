@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "hardware": _BASE,
     "trace": _TORCH_ONLY | {"runtime"},  # the capability probe applies the runtime itself
     "cost": _TORCH_ONLY | {"hardware", "trace"},
+    "dryrun": _TORCH_ONLY | {"runtime", "trace"},  # runs the runtime on trace's fake group
     "solve": _PLANNER,
     "planfile": _PLANNER | {"solve"},
     "codegen": _PLANNER | {"solve"},
@@ -36,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "importers": _PLANNER | {"solve"},
     "calibrate": _PLANNER | {"runtime", "validate"},
     "report": _PLANNER | {"solve", "planfile", "validate", "codegen"},
-    "commands": _PLANNER | {"solve", "planfile", "codegen", "validate", "importers", "calibrate", "report"},
+    "commands": _PLANNER | {"solve", "planfile", "codegen", "validate", "importers", "calibrate", "report",
+                            "dryrun"},
     "cli": _BASE | {"commands", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),

@@ -121,7 +121,8 @@ class Trainer:
     """One plan, one model, on an initialised process group."""
 
     def __init__(self, build_model: Callable[[], nn.Module], plan: Plan, args: TrainArgs,
-                 mesh: ParallelMesh | None = None, meta: nn.Module | None = None) -> None:
+                 mesh: ParallelMesh | None = None, meta: nn.Module | None = None,
+                 ddp: bool = True) -> None:
         self.plan, self.args = plan, args
         meta = meta if meta is not None else build_meta(build_model)
         validate_plan(meta, plan)
@@ -136,7 +137,7 @@ class Trainer:
         self.unsaved = non_persistent_buffers(meta)
         model = materialise(build_model, meta, args.seed, self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.par = apply_plan(model, plan, self.mesh)
+        self.par = apply_plan(model, plan, self.mesh, ddp=ddp)
         self.params = [p for part in self.par.parts for p in part.parameters()]
         self.optimizers = [self._optimizer(part) for part in self.par.parts]
         self.scaler = DynamicLossScaler(plan.precision == "fp16")
@@ -155,16 +156,7 @@ class Trainer:
 
     # -- construction -------------------------------------------------------------
     def _optimizer(self, part: nn.Module):
-        cfg = self.plan.optimizer
-        decay = [p for p in part.parameters() if p.ndim >= 2]
-        no_decay = [p for p in part.parameters() if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": float(cfg.get("weight_decay", 0.0))},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        kwargs = dict(lr=float(cfg.get("lr", 3e-4)), betas=tuple(cfg.get("betas", (0.9, 0.95))),
-                      foreach=False if self.plan.ep > 1 else None)
-        if self.plan.zero_stage == 1 and self.plan.dp * self.plan.cp > 1:
-            return _zero1(groups, self.mesh, kwargs)
-        return torch.optim.AdamW(groups, **kwargs)
+        return make_optimizer(part, self.plan, self.mesh)
 
     def _schedule(self):
         plan = self.plan
@@ -347,6 +339,20 @@ def _say(text: str) -> None:
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor loss (loss_parallel) as a plain tensor."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def make_optimizer(part: nn.Module, plan: Plan, mesh: ParallelMesh):
+    """AdamW over one stage's parameters (decay on matrices only), ZeRO-1 sharded when asked."""
+    cfg = plan.optimizer
+    decay = [p for p in part.parameters() if p.ndim >= 2]
+    no_decay = [p for p in part.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": float(cfg.get("weight_decay", 0.0))},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=float(cfg.get("lr", 3e-4)), betas=tuple(cfg.get("betas", (0.9, 0.95))),
+                  foreach=False if plan.ep > 1 else None)
+    if plan.zero_stage == 1 and plan.dp * plan.cp > 1:
+        return _zero1(groups, mesh, kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def _zero1(groups, mesh: ParallelMesh, kwargs):

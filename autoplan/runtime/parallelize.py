@@ -100,11 +100,13 @@ def _blocks(plan: Plan) -> list[str]:
 
 
 def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
-               data_parallel: bool = True) -> Parallelized:
+               data_parallel: bool = True, ddp: bool = True) -> Parallelized:
     """Parallelise a materialised, initialised model in place for this rank.
 
     `data_parallel=False` stops before step 5: the plan-time capability probe runs on meta
-    tensors, which DDP/FSDP cannot wrap, and DP applies to any model."""
+    tensors, which DDP/FSDP cannot wrap, and DP applies to any model. `ddp=False` averages
+    ZeRO-0/1 gradients with the all-reduce after backward instead of DDP (whose C++ reducer
+    cannot hold the fake tensors of a dry run)."""
     # 1. Pipeline split: keep only this rank's (virtual) stages.
     if plan.pp > 1:
         ids = stage_indices(mesh.pp_rank, plan.pp, plan.vpp, plan.schedule)
@@ -142,7 +144,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
                 offload_params=plan.offload in ("params", "both") and not device_is_cpu,
                 ignored=ignored)
             result.fsdp = True
-        elif dp_cp > 1 and (plan.pp > 1 or (dp_mod.has_dtensor_params(part)
+        elif dp_cp > 1 and (plan.pp > 1 or not ddp or (dp_mod.has_dtensor_params(part)
                                             and not _only(part, ignored))):
             # DDP cannot wrap DTensor (TP) modules, and its bucket rebuild breaks when a
             # pipeline schedule runs several forwards before the first backward.

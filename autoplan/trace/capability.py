@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import time
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
+from autoplan.runtime.model_io import logits_of
+from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
@@ -121,14 +121,6 @@ def _balanced(routing: RoutingContext | None, plan: Plan):
     return BalancedRouting(replace(routing, tokens=routing.tokens // shards))
 
 
-def _logits(output) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if getattr(output, "logits", None) is not None:
-        return output.logits
-    return next(t for t in output if isinstance(t, torch.Tensor))
-
-
 def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
            routing: RoutingContext | None) -> None:
     """apply_plan on the fake process group, then (if `run`) one forward and backward, on
@@ -168,7 +160,7 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
                 return
             loss = sum(carried)
         else:
-            logits = _logits(out)
+            logits = logits_of(out)
             labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
             loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
         loss.backward()
@@ -182,22 +174,15 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
                        routing: RoutingContext | None, run: bool = True) -> str | None:
     """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
     not, naming the innermost module that was running when it failed."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     copy_ = copy.deepcopy(model)
     names = {id(m): path for path, m in copy_.named_modules()}
     running: list[str] = []
     enter = nn.modules.module.register_module_forward_pre_hook(
         lambda m, _args: running.append(names.get(id(m), "")))
     leave = nn.modules.module.register_module_forward_hook(lambda m, _args, _out: _pop(running))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level, fake_log.level = fake_log.level, logging.CRITICAL  # the failure is the reason, not a log
-    # The runtime's CP swaps F.scaled_dot_product_attention for the whole process, as a job
-    # wants; the planner process traces more models afterwards and must see the original.
-    sdpa = F.scaled_dot_product_attention
     try:
-        _apply(copy_, plan, args, kwargs, run, routing)
+        with fake_process_group(plan.world_size):
+            _apply(copy_, plan, args, kwargs, run, routing)
     except UserError as exc:
         return str(exc)
     except Exception as exc:  # the runtime's own failure is the fact to report
@@ -205,11 +190,8 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         return f"{where} fails under autoplan.runtime: {type(exc).__name__}: " \
                f"{(str(exc).splitlines() or [''])[0][:300]}"
     finally:
-        F.scaled_dot_product_attention = sdpa
-        fake_log.setLevel(level)
         enter.remove()
         leave.remove()
-        dist.destroy_process_group()
     return None
 
 

@@ -1,0 +1,135 @@
+"""`autoplan check`: dry-run a plan's own runtime at full size on fake tensors, no GPU.
+
+The ranks that differ (rank 0 of the first, a middle and the last pipeline stage) apply the
+plan with autoplan.runtime on torch's fake process group and run one training step on fake
+CPU tensors (autoplan.dryrun). Their peak memory by category and every collective with its
+bytes are set beside the cost model's estimate of the same plan, and the job is said to fit
+or not against the GPU's memory.
+
+How the dry-run total is formed: the step runs one micro-batch per stage, so the activations
+of the other micro-batches a pipeline schedule keeps in flight are added as (in-flight - 1) x
+the measured activations, in-flight being the schedule count the cost model uses; and the
+CUDA context and allocator overhead, which fake tensors cannot see, is the cost model's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from autoplan.commands import options as o
+from autoplan.errors import NoFeasiblePlan
+
+GIB = 2**30
+ROWS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries")
+
+
+def plan_path_of(target: str) -> str:
+    """A plan.json, or the plan.json of a generated job directory."""
+    path = Path(target)
+    return str(path / "plan.json") if path.is_dir() else target
+
+
+def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float) -> dict:
+    """One rank's dry-run beside the cost model's estimate of its pipeline stage (GiB)."""
+    from autoplan.dryrun.collectives import summarise
+
+    model = dict(stage_estimate.get("memory_breakdown_gib", {}))
+    in_flight = max(1.0, float(stage_estimate.get("in_flight", 1.0)))
+    dry = {name: run.category_max.get(name, 0) / GIB for name in ROWS}
+    extra_activations = (in_flight - 1.0) * run.at_peak.get("activations", 0)
+    dry["activations"] *= in_flight
+    overhead = float(model.get("overhead", 0.0))
+    total = (run.peak_bytes + extra_activations) / GIB + overhead
+    rows = [{"category": name, "dry_run_gib": dry[name], "model_gib": model.get(name),
+             "ratio": _ratio(dry[name], model.get(name))} for name in ROWS]
+    rows.append({"category": "overhead (model's)", "dry_run_gib": overhead, "model_gib": overhead,
+                 "ratio": 1.0 if overhead else None})
+    model_total = stage_estimate.get("memory_gib")
+    rows.append({"category": "total at peak", "dry_run_gib": total, "model_gib": model_total,
+                 "ratio": _ratio(total, model_total)})
+    return {"rank": run.rank, "pipeline_rank": run.pp_rank, "stages": run.stage_ids,
+            "in_flight_microbatches": in_flight, "seconds": seconds, "memory": rows,
+            "peak_gib": total, "spare_gib": gpu_bytes / GIB - total,
+            "collectives": [dict(r, gib=r["bytes"] / GIB) for r in summarise(run.collectives)]}
+
+
+def _ratio(dry: float, model) -> float | None:
+    return dry / model if model else None
+
+
+def check_plan(target: str, workers: int) -> dict:
+    from autoplan.dryrun.job import dry_run
+    from autoplan.hardware import resolve_cluster
+    from autoplan.planfile import load_checked_plan
+
+    start = time.perf_counter()
+    checked = load_checked_plan(plan_path_of(target))
+    plan, est = checked.plan, checked.plan.estimate
+    cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node,
+                              plan.memory_headroom_gib, plan.inter_node_bandwidth_gb_per_s)
+    gpu_bytes = cluster.gpu.memory_bytes
+    stages = est.get("per_stage") or [{"memory_gib": est.get("memory_gib_per_gpu"),
+                                       "memory_breakdown_gib": est.get("memory_breakdown_gib", {})}]
+    runs = dry_run(plan, workers)
+    ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], gpu_bytes)
+             for run, secs in runs]
+    worst = max(ranks, key=lambda r: r["peak_gib"])
+    return {"plan": plan_path_of(target), "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,
+            "world_size": plan.world_size, "device": "fake cpu tensors (no memory allocated)",
+            "fits": worst["spare_gib"] >= 0, "worst_rank": worst["rank"],
+            "spare_gib": worst["spare_gib"], "ranks": ranks,
+            "wall_s": time.perf_counter() - start}
+
+
+def render(report: dict, console) -> None:
+    from rich.table import Table
+
+    for rank in report["ranks"]:
+        table = Table(title=f"rank {rank['rank']} (pipeline rank {rank['pipeline_rank']}, stages "
+                            f"{rank['stages']}, {rank['in_flight_microbatches']:g} micro-batches "
+                            f"in flight): memory GiB, dry run vs cost model")
+        for column in ("category", "dry run", "cost model", "ratio"):
+            table.add_column(column, justify="left" if column == "category" else "right")
+        for row in rank["memory"]:
+            table.add_row(row["category"], f"{row['dry_run_gib']:.3f}", _gib(row["model_gib"]),
+                          "" if row["ratio"] is None else f"{row['ratio']:.2f}")
+        console.print(table)
+        comms = Table(title=f"rank {rank['rank']}: collectives in one step")
+        for column in ("kind", "dtype", "count", "GiB"):
+            comms.add_column(column, justify="left" if column in ("kind", "dtype") else "right")
+        for row in rank["collectives"]:
+            comms.add_row(row["kind"], row["dtype"], str(row["count"]), f"{row['gib']:.3f}")
+        console.print(comms)
+    verdict = (f"this job fits, with {report['spare_gib']:.1f} GiB to spare" if report["fits"]
+               else f"this job does not fit: {-report['spare_gib']:.1f} GiB over")
+    console.print(f"{verdict} on the worst rank ({report['worst_rank']}) of "
+                  f"{report['gpu_memory_gib']:.0f} GiB {report['gpu']} (dry run on "
+                  f"{report['device']}; {report['wall_s']:.0f} s)")
+
+
+def _gib(value) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+@click.command("check")
+@click.argument("target", metavar="PLAN")
+@click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Ranks dry-run side by side (one process each).")
+@o.json_option
+def command(target: str, workers: int, as_json: bool) -> None:
+    """Dry-run PLAN (a plan.json or a generated job directory) on autoplan's runtime at full
+    size with fake tensors: memory per rank by category and collectives, beside the cost model."""
+    report = check_plan(target, workers)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        from rich.console import Console
+
+        render(report, Console())
+    if not report["fits"]:
+        raise NoFeasiblePlan(f"the dry run does not fit: {-report['spare_gib']:.1f} GiB over the "
+                             f"{report['gpu_memory_gib']:.0f} GiB of a {report['gpu']}")

@@ -1,0 +1,37 @@
+"""Dry-run a whole plan: the ranks that differ, each in a fresh process.
+
+A fresh process per rank because torch keeps process-group names and mesh state across
+`destroy_process_group` (a second fake world in one process fails with "Could not resolve
+the process group registered under the name ..."), and so the caller's process keeps no
+fake group or patched DeviceMesh. Pipeline rank 0 runs first: what its first stage hands
+on is the input every later stage is fed. The other ranks then run side by side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from autoplan.dryrun.rank import Boundary, RankRun, representative_ranks, run_rank
+from autoplan.plan import Plan
+
+
+def _run_in_worker(plan_dict: dict, rank: int, boundary: Boundary) -> tuple[RankRun, float]:
+    from autoplan.models.sources import build_from_ref
+
+    start = time.perf_counter()
+    plan = Plan.from_dict(plan_dict)
+    build = lambda: build_from_ref(plan.model, seq_len=plan.seq_len, verify=False)  # noqa: E731
+    return run_rank(plan, build, build(), rank, boundary), time.perf_counter() - start
+
+
+def dry_run(plan: Plan, workers: int = 2) -> list[tuple[RankRun, float]]:
+    """(RankRun, seconds) for each representative rank, in rank order."""
+    ranks = representative_ranks(plan)
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(ranks))), mp_context=context) as pool:
+        first = pool.submit(_run_in_worker, plan.to_dict(), ranks[0], []).result()
+        rest = [pool.submit(_run_in_worker, plan.to_dict(), rank, first[0].boundary)
+                for rank in ranks[1:]]
+        return [first] + [future.result() for future in rest]
