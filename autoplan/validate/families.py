@@ -57,6 +57,15 @@ def layer_sac(run: dict[str, Any]) -> bool:
     return run_family(run) == "torchtitan" and "selective layer" in str(run.get("notes", "")).lower()
 
 
+def interleaved_default_vpp(run: dict[str, Any]) -> int | None:
+    """Stages per rank of a run whose notes name an interleaved schedule but whose `vpp` is
+    unstated: its family runtime's default (`interleaved_stages_per_rank`), else None."""
+    if run.get("parallel", {}).get("vpp") or "interleaved 1f1b" not in str(run.get("notes", "")).lower():
+        return None
+    default = _rules().get("runtime", {}).get(run_family(run), {}).get("interleaved_stages_per_rank")
+    return int(default) if default else None
+
+
 def run_family(run: dict[str, Any]) -> str:
     """The runtime family of one runs-file row, from its source and locator text."""
     text = f"{run.get('source', '')} {run.get('source_locator', '')}".lower()

@@ -150,8 +150,10 @@ def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[st
     seq = run["model"]["seq_len"]
     gb = int(p["global_batch_seqs"])
     dp = int(p["dp"])
+    from autoplan.validate.families import interleaved_default_vpp
+
     pp = int(p.get("pp") or 1)
-    vpp = int(p.get("vpp") or 1)
+    vpp = int(p.get("vpp") or interleaved_default_vpp(run) or 1)
     tp = int(p.get("tp") or 1)
     base = dict(global_batch=gb, seq_len=seq, dp=dp, tp=tp, pp=pp, cp=int(p.get("cp") or 1),
                 ep=int(p.get("ep") or 1), vpp=vpp, precision=run["precision_key"],
@@ -338,7 +340,7 @@ def validate_run(run: dict[str, Any]) -> RunResult:
     """Estimate one published run; the best value under the model for unstated settings."""
     from autoplan.cost import Runtime, estimate
 
-    from autoplan.validate.families import layer_sac, run_family, runtime_traits
+    from autoplan.validate.families import interleaved_default_vpp, layer_sac, run_family, runtime_traits
 
     truth = run.get("truth", {})
     result = RunResult(id=str(run.get("id", "?")), family=run_family(run))
@@ -373,6 +375,8 @@ def validate_run(run: dict[str, Any]) -> RunResult:
     _, est, assumed = best
     if run["parallel"].get("recompute") is None and recompute_implied_by_truth(run):
         assumed = {**assumed, "recompute": "full (implied by the source's FLOP accounting)"}
+    if default_vpp := interleaved_default_vpp(run):
+        assumed = {**assumed, "vpp": f"{default_vpp} (the runtime's default stages per rank)"}
     if not flash:
         assumed = {**assumed, "attention": "unfused (source predates FlashAttention)"}
     elif kernel != "flash2":
