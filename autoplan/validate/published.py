@@ -146,12 +146,12 @@ def recompute_implied_by_truth(run: dict[str, Any]) -> str | None:
 
 def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
     """The run's configuration, one per combination of values for its unstated settings."""
+    from autoplan.validate.families import interleaved_default_vpp
+
     p = run["parallel"]
     seq = run["model"]["seq_len"]
     gb = int(p["global_batch_seqs"])
     dp = int(p["dp"])
-    from autoplan.validate.families import interleaved_default_vpp
-
     pp = int(p.get("pp") or 1)
     vpp = int(p.get("vpp") or interleaved_default_vpp(run) or 1)
     tp = int(p.get("tp") or 1)
@@ -339,11 +339,11 @@ def _every_second_block_full(graph, config: ParallelConfig) -> ParallelConfig:
 def validate_run(run: dict[str, Any]) -> RunResult:
     """Estimate one published run; the best value under the model for unstated settings."""
     from autoplan.cost import Runtime, estimate
-
     from autoplan.validate.families import interleaved_default_vpp, layer_sac, run_family, runtime_traits
 
     truth = run.get("truth", {})
     result = RunResult(id=str(run.get("id", "?")), family=run_family(run))
+    # how the run's runtime keeps weights, recomputes and reports memory (families.runtime_traits)
     traits = runtime_traits(result.family)
     result.measured = {"tokens_per_s_per_gpu": truth.get("tokens_per_s_per_gpu"),
                        "memory_gib_per_gpu": truth.get("mem_gib_per_gpu")}
