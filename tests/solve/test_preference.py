@@ -3,7 +3,8 @@
 Llama 3.1 70B on 64 H100: the fastest plan (28.98 s) offloads to the CPU, runs the zero-bubble
 schedule and context parallelism, none validated against a published run; a TP4 PP4
 interleaved plan without any of them is predicted 3.3% slower, inside the model's median
-|error| of 7.4% (cost_models/validation/accuracy_summary.json).
+|error| over the published runs of autoplan's runtime family, torchtitan (FSDP2/DTensor):
+12.8% (cost_models/validation/accuracy_summary.json, by_family).
 """
 
 from __future__ import annotations
@@ -25,8 +26,15 @@ def jobs():
     return preferring, fastest_only
 
 
-def test_the_band_is_the_median_error_of_the_published_runs():
-    assert equivalence_band() == pytest.approx(0.0741, abs=5e-4)
+def test_the_band_is_the_median_error_of_autoplans_runtime_family():
+    import json
+
+    from autoplan.paths import cost_models_dir
+
+    data = json.loads((cost_models_dir() / "validation" / "accuracy_summary.json").read_text())
+    assert data["autoplan_runtime_family"] == "torchtitan"
+    family = data["by_family"]["torchtitan"]["median_abs_rel_error"]
+    assert equivalence_band() == family != data["median_abs_rel_error"]
 
 
 def test_within_the_band_the_plan_with_fewer_unvalidated_mechanisms_wins(jobs):
@@ -39,8 +47,8 @@ def test_within_the_band_the_plan_with_fewer_unvalidated_mechanisms_wins(jobs):
     assert len(mechanisms(r.best.config)) < len(mechanisms(r.fastest.config))
     assert r.fastest.step_time_s < r.best.step_time_s <= r.fastest.step_time_s * (1 + r.band)
     assert preferring.plan.offload == "none"
-    assert any(line.startswith("preferred to the fastest plan") and "7.4%" in line
-               for line in explain(preferring))
+    assert any(line.startswith("preferred to the fastest plan") and f"{equivalence_band():.1%}" in line
+               and "torchtitan runs" in line for line in explain(preferring))
 
 
 def test_runners_up_say_which_are_equivalent_and_are_not_duplicates(jobs):
