@@ -81,3 +81,19 @@ def test_layer_sac_only_for_torchtitan_notes():
     assert families.layer_sac(runs["torchtitan_a100_llama213b_64gpu_lbs2_selectivelayer"])
     assert not families.layer_sac(runs["torchtitan_a100_llama213b_64gpu_lbs2_selectiveop"])
     assert not families.layer_sac(json.loads(json.dumps(runs["korthikanti22_22b_8gpu_seqpar_selective"])))
+
+
+def test_terminal_prints_the_family_table(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    runs = {r["id"]: r for r in load_runs(RUNS)}
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": [runs["narayanan21_t1_gpt1.7b_32gpu"]]}))
+    out = subprocess.run([sys.executable, "-m", "autoplan", "validate", str(path)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
+    assert out.returncode == 0, out.stderr
+    assert "by runtime family" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("│ megatron "))
+    assert [c.strip() for c in row.split("│")[1:4]] == ["megatron", "1", "0"]
