@@ -3,7 +3,7 @@
 Reads the repo's copy cost_models/validation/published_runs.json (or a path given as the
 first argument) and prints predicted and measured tokens/s per GPU, the relative error,
 what was assumed for unstated settings, then the summary, one line per source (the README's
-"By source" table) and the wall time.
+"By source" table), one line per runtime family (validate.families) and the wall time.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from autoplan.validate.families import by_family
 from autoplan.validate.published import load_runs, summarize, validate_run
 
 DEFAULT = Path(__file__).resolve().parent.parent / "cost_models" / "validation" / "published_runs.json"
@@ -49,6 +50,14 @@ def main() -> None:
         absolute = [abs(e) for e in errors]
         print(f"{source[:24]:24s} {len(errors):4d} {statistics.median(absolute):12.1%} "
               f"{sum(e <= 0.25 for e in absolute):>5d}/{len(errors):<4d} {statistics.median(errors):+10.1%}")
+    print()
+    print(f"{'runtime family':24s} {'runs':>4s} {'median |err|':>12s} {'within 25%':>10s} {'OOM':>4s} "
+          f"{'median |mem err|':>16s}")
+    for family, f in by_family([r.to_dict() for r in results]).items():
+        mem = "-" if f["memory_median_abs_rel_error"] is None else \
+            f"{f['memory_median_abs_rel_error']:.1%} ({f['memory_compared']})"
+        print(f"{family:24s} {f['count']:4d} {f['median_abs_rel_error']:12.1%} {f['within_25pct_fraction']:10.0%} "
+              f"{f['predicted_infeasible']:4d} {mem:>16s}")
     print(f"wall time {time.perf_counter() - start:.1f} s")
 
 

@@ -109,7 +109,23 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
     console.print(
         f"{s['count']} runs, {s['skipped']} skipped, {s['predicted_infeasible']} predicted infeasible; "
         f"tokens/s/GPU error: median {_share(s['median_abs_rel_error'], '.1%')}, "
-        f"max {_share(s['max_abs_rel_error'], '.1%')}, {_share(s['within_25pct_fraction'], '.0%')} within 25%")
+        f"max {_share(s['max_abs_rel_error'], '.1%')}, {_share(s['within_25pct_fraction'], '.0%')} within 25%; "
+        f"memory error: median {_share(s['memory_median_abs_rel_error'], '.1%')} over {s['memory_compared']} runs")
+    console.print(_family_table(report["by_family"]))
+
+
+def _family_table(families: dict):
+    """Accuracy per runtime family (cost_models/validation/runtime_families.toml)."""
+    from rich.table import Table
+
+    table = Table(title="by runtime family", caption="error: |predicted / measured - 1|")
+    for name in ("family", "runs", "OOM", "t/s median", "within 25%", "GiB median", "GiB runs"):
+        table.add_column(name, justify="left" if name == "family" else "right", no_wrap=True)
+    for name, f in families.items():
+        table.add_row(name, str(f["count"]), str(f["predicted_infeasible"]),
+                      _share(f["median_abs_rel_error"], ".1%"), _share(f["within_25pct_fraction"], ".0%"),
+                      _share(f["memory_median_abs_rel_error"], ".1%"), str(f["memory_compared"]))
+    return table
 
 
 def _share(value, spec: str) -> str:

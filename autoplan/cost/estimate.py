@@ -146,22 +146,34 @@ def estimate_partition(graph: ModelGraph, config: ParallelConfig, cluster,
                          runtime=runtime)
               for i, layers in enumerate(stages_layers)]
     step = step_time_s(stages, config, cluster, graph, runtime)
-    return assemble(graph, config, cluster, stages, step)
+    return assemble(graph, config, cluster, stages, step,
+                    allocator_reserve_fraction=runtime.allocator_reserve_fraction)
 
 
-def rank_memory_bytes(stages: list[StageCost], pp: int) -> list[dict[str, float]]:
-    """Memory breakdown of each physical stage's ranks (virtual stages summed)."""
+def rank_memory_bytes(stages: list[StageCost], pp: int,
+                      allocator_reserve_fraction: float = 0.0) -> list[dict[str, float]]:
+    """Memory breakdown of each physical stage's ranks (virtual stages summed); with a
+    reserve fraction, the caching allocator's reserve over them as "allocator_reserve"."""
     ranks = [{k: 0.0 for k in MEMORY_KEYS} for _ in range(pp)]
     for s in stages:
         for k, v in s.memory_bytes.items():
             ranks[s.physical_stage][k] += v
     for r in ranks:
         r["overhead"] = memory.runtime_overhead_bytes()
+        if allocator_reserve_fraction:
+            r["allocator_reserve"] = allocator_reserved_extra_bytes(sum(r.values()), allocator_reserve_fraction)
     return ranks
 
 
+def allocator_reserved_extra_bytes(allocated_bytes: float, reserve_fraction: float) -> float:
+    """Bytes the CUDA caching allocator holds reserved beyond `allocated_bytes` of live tensors
+    at the peak: cached blocks that cannot be split or merged to serve the next request
+    (cost_models/allocator_reserve.toml gives the fraction and its source)."""
+    return allocated_bytes * reserve_fraction
+
+
 def assemble(graph: ModelGraph, config: ParallelConfig, cluster, stages: list[StageCost],
-             step: StepTime) -> Estimate:
+             step: StepTime, allocator_reserve_fraction: float = 0.0) -> Estimate:
     """Estimate from stage costs and the step time (shared with the solver)."""
     world = config.world_size
     tokens = config.global_batch * config.seq_len
@@ -173,7 +185,7 @@ def assemble(graph: ModelGraph, config: ParallelConfig, cluster, stages: list[St
     hw_flops = sum(s.hardware_flops for s in stages) * config.num_microbatches
     model_flops = sum(s.model_flops for s in stages) * config.num_microbatches
     hfu = mfu * (hw_flops / model_flops) if model_flops else mfu
-    ranks = rank_memory_bytes(stages, config.pp)
+    ranks = rank_memory_bytes(stages, config.pp, allocator_reserve_fraction)
     worst = max(range(config.pp), key=lambda r: sum(ranks[r].values()))
     total = sum(ranks[worst].values())
     capacity = hw.usable_memory_bytes(cluster)

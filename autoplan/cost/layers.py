@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, host, hw, memory, offload
+from autoplan.cost import comm, compute, host, hw, memory, offload, sac
 from autoplan.cost.profile import block_profile
 from autoplan.trace.graph import BlockInfo, ModelGraph
 
@@ -42,10 +42,14 @@ class Runtime:
     and the fp32 master in the optimizer (memory.model_state_bytes).
     flash_kernel: the FlashAttention kernel (compute.FLASH_KERNEL_SLOWDOWN): "flash2" (FA2 and
     later, cuDNN/TE, PyTorch SDPA) or "triton" (the 2022 Triton kernel, MosaicML's default).
-    selective_policy: what selective recomputation keeps (trace/activations.py): "op", the
-    matmul and attention outputs (torch's selective checkpoint, autoplan's runtime,
-    torchtitan), or "attention_core", everything but the attention core's s^2 tensors
-    (Megatron-LM --recompute-granularity selective, Korthikanti et al. 2022).
+    selective_policy: what selective recomputation keeps: "op", the matmul and attention
+    outputs (torch's selective checkpoint as autoplan's runtime applies it,
+    trace/activations.py); "attention_core", everything but the attention core's s^2 tensors
+    (Megatron-LM --recompute-granularity selective, Korthikanti et al. 2022); or sac.OP_SAC,
+    torchtitan's op-level SAC (matmul and SDPA outputs except every second matmul).
+    allocator_reserve_fraction: memory the CUDA caching allocator reserves beyond the tensors,
+    as a fraction of them (cost_models/allocator_reserve.toml); 0 reports allocated bytes.
+    Where it is set, memory and feasibility are the reserved figure.
     """
 
     tp_comm_overlap: bool = False
@@ -53,6 +57,7 @@ class Runtime:
     fp32_module_weights: bool = True
     flash_kernel: str = "flash2"
     selective_policy: str = "op"
+    allocator_reserve_fraction: float = 0.0
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -300,9 +305,17 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     profile = block_profile(graph, block)
     times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel)
     rc = recompute if block.kind not in ("pre", "post") else "none"
-    recompute_s = compute.recompute_time_s(times, rc, runtime.selective_policy)
-    rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc,
-                                       runtime.selective_policy)
+    op_sac = runtime.selective_policy == sac.OP_SAC
+    # torchtitan's op SAC is costed in sac.py; for "none" and "full" any policy keeps the same
+    policy = "op" if op_sac else runtime.selective_policy
+    op_sac = op_sac and rc == "selective"
+    recompute_s = compute.recompute_time_s(times, rc, policy)
+    rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc, policy)
+    if op_sac:
+        fraction = sac.op_sac_recompute_fraction(graph, block)
+        recompute_s = sac.op_sac_recompute_s(times.gemm_fwd_s, times.memory_fwd_s, fraction)
+        rc_flops = fraction * (times.fwd_flops - profile.attention_flops * config.micro_batch
+                               / graph.batch_size / config.cp / config.tp)
     params = block_params(block, graph, config)
     accumulate = grad_accumulation_s(params, config, gpu)
     if accumulate:
@@ -359,8 +372,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                       if runtime.fp32_module_weights else 0.0)
             dense_states["parameters"] = shards + unsharded * memory.weight_bytes_per_param(config.precision)
             expert_states["parameters"] = 0.0
-    activation = memory.block_activation_bytes(graph, block, config, rc, flash_attention,
-                                               runtime.selective_policy)
+    activation = (sac.op_sac_activation_bytes(graph, block, config) if op_sac
+                  else memory.block_activation_bytes(graph, block, config, rc, flash_attention, policy))
     return LayerCost(
         name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
         recompute_s=recompute_s,

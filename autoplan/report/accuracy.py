@@ -7,8 +7,9 @@ Regenerate it with `python -m autoplan.report.accuracy`; tests/report checks it 
 
 The error of a run is predicted / measured - 1 of tokens/s per GPU (autoplan.validate.published), so
 the true time of a predicted time T is T x (1 + error): the range is T x (1 -+ e) for the
-90th percentile e of |error|. An `ErrorBand` is the one place a report takes its error from;
-a calibration (issue 8) can supply another.
+90th percentile e of |error|, taken over the runs of the runtime family autoplan's own jobs
+belong to (validate.families: FSDP2/DTensor, the torchtitan family), not over every runtime.
+An `ErrorBand` is the one place a report takes its error from; a calibration can supply another.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from autoplan.paths import cost_models_dir
 
 SUMMARY_NAME = "accuracy_summary.json"
 RUNS_NAME = "published_runs.json"
+FAMILIES_NAME = "runtime_families.toml"
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class ErrorBand:
     runs: int  # how many runs it was measured on
     source: str  # one line: what was measured
     stale: bool = False  # the cost model changed since it was measured
+    family: str = ""  # runtime family of the runs it was measured on (validate.families)
 
     def range(self, value: float) -> tuple[float, float]:
         """(low, high) of a predicted time or cost."""
@@ -50,10 +53,13 @@ def _summary_path() -> Path:
 def dependency_files() -> list[Path]:
     """What the measured error depends on: runs file, cost code, validation code, GPU data."""
     import autoplan.cost
+    import autoplan.validate.families
     import autoplan.validate.published
 
     cost_dir = Path(autoplan.cost.__file__).parent
-    return ([cost_models_dir() / "validation" / RUNS_NAME, Path(autoplan.validate.published.__file__)]
+    return ([cost_models_dir() / "validation" / RUNS_NAME, Path(autoplan.validate.published.__file__),
+             Path(autoplan.validate.families.__file__), cost_models_dir() / "validation" / FAMILIES_NAME,
+             cost_models_dir() / "allocator_reserve.toml"]
             + sorted(cost_dir.glob("*.py")) + sorted((cost_models_dir() / "gpus").glob("*.toml")))
 
 
@@ -80,6 +86,8 @@ def build_summary(runs_path: Path | None = None) -> dict:
 
     runs_path = runs_path or cost_models_dir() / "validation" / RUNS_NAME
     report = validate_file(runs_path)
+    from autoplan.validate.families import autoplan_runtime_family
+
     errors = [abs(r["error"]["tokens_per_s_per_gpu"]) for r in report["runs"]
               if not r.get("skipped") and "tokens_per_s_per_gpu" in r["error"]]
     return {
@@ -91,24 +99,40 @@ def build_summary(runs_path: Path | None = None) -> dict:
         "median_abs_rel_error": statistics.median(errors),
         "p90_abs_rel_error": percentile(errors, 0.9),
         "max_abs_rel_error": max(errors),
+        "by_family": {name: _error_stats([abs(r["error"]["tokens_per_s_per_gpu"]) for r in report["runs"]
+                                          if r.get("family") == name and not r.get("skipped")
+                                          and "tokens_per_s_per_gpu" in r["error"]])
+                      for name in report["by_family"]},
+        "autoplan_runtime_family": autoplan_runtime_family(),
         "fingerprint": fingerprint(),
         "regenerate": "python -m autoplan.report.accuracy",
     }
 
 
+def _error_stats(errors: list[float]) -> dict:
+    """runs, median, 90th percentile and max of a list of |error|."""
+    return {"runs": len(errors), "median_abs_rel_error": statistics.median(errors),
+            "p90_abs_rel_error": percentile(errors, 0.9), "max_abs_rel_error": max(errors)}
+
+
 @functools.lru_cache(maxsize=1)
 def published_runs_error() -> ErrorBand | None:
-    """The stored measured error (None when no summary exists)."""
+    """The stored measured error of the runtime family autoplan's jobs run on (None when no
+    summary exists): a plan runs on autoplan's runtime, so the band is that family's, not the
+    whole set's."""
     path = _summary_path()
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
-    return ErrorBand(relative=data["p90_abs_rel_error"], median=data["median_abs_rel_error"],
-                     runs=data["runs"],
-                     source=f"cost model vs {data['runs']} published runs ({data['runs_file']}): "
-                            f"median |error| {data['median_abs_rel_error']:.0%}, "
-                            f"90th percentile {data['p90_abs_rel_error']:.0%} of tokens/s per GPU",
-                     stale=data.get("fingerprint") != fingerprint())
+    family = data["autoplan_runtime_family"]
+    stats = data["by_family"][family]
+    return ErrorBand(relative=stats["p90_abs_rel_error"], median=stats["median_abs_rel_error"],
+                     runs=stats["runs"],
+                     source=f"cost model vs {stats['runs']} published {family} runs, the runtime family of "
+                            f"autoplan's jobs (FSDP2/DTensor, {data['runs_file']}): "
+                            f"median |error| {stats['median_abs_rel_error']:.0%}, "
+                            f"90th percentile {stats['p90_abs_rel_error']:.0%} of tokens/s per GPU",
+                     stale=data.get("fingerprint") != fingerprint(), family=family)
 
 
 def main() -> None:
@@ -119,8 +143,11 @@ def main() -> None:
         print(text)
         return
     _summary_path().write_text(text)
+    family = summary["autoplan_runtime_family"]
     print(f"wrote {_summary_path()}: median {summary['median_abs_rel_error']:.1%}, "
-          f"p90 {summary['p90_abs_rel_error']:.1%} over {summary['runs']} runs")
+          f"p90 {summary['p90_abs_rel_error']:.1%} over {summary['runs']} runs; {family} (autoplan's "
+          f"runtime): median {summary['by_family'][family]['median_abs_rel_error']:.1%}, "
+          f"p90 {summary['by_family'][family]['p90_abs_rel_error']:.1%}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from autoplan.config import ParallelConfig, schedule_label
 from autoplan.hardware import GIB, with_num_gpus
 from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
-from autoplan.solve.preference import mechanisms, within_band
+from autoplan.solve.preference import equivalence_band_family, mechanisms, within_band
 from autoplan.solve.search import Candidate, estimate_candidate, partition_to_config
 from autoplan.solve.tables import block_runs, build_tables
 
@@ -138,7 +138,8 @@ def _preference(r) -> list[str]:
     left = [m for m in used if m not in mechanisms(best.config)]
     return [f"preferred to the fastest plan ({fastest.step_time_s:.3f} s, "
             f"{_pct(fastest.step_time_s, best.step_time_s)}, with {', '.join(used)}): within the cost "
-            f"model's error band of {r.band:.1%} (its median |error| over the published runs) the two "
+            f"model's error band of {r.band:.1%} (its median |error| over the published "
+            f"{equivalence_band_family() or 'validation'} runs, the runtime family of autoplan's jobs) the two "
             f"are equivalent, and this one does without "
             f"{', '.join(left)}, which the model has not been validated on"]
 

@@ -2,8 +2,10 @@
 
 Two predicted step times that differ by less than the model's error do not say which plan is
 faster. The band is the median |predicted / measured - 1| of tokens/s per GPU over the
-published runs (cost_models/validation/accuracy_summary.json, written by
-`python -m autoplan.report.accuracy`): half of the validated predictions are off by more.
+published runs of the runtime family the plan's job runs on, autoplan's own FSDP2/DTensor
+runtime: the torchtitan family (cost_models/validation/accuracy_summary.json, `by_family`,
+written by `python -m autoplan.report.accuracy`): half of its validated predictions are off by
+more.
 Within the band of the fastest plan the search prefers the plan with the fewest of
 `MECHANISMS`, then the faster one; the fastest plan's time stays proven and is reported.
 """
@@ -32,13 +34,24 @@ def mechanisms(config: ParallelConfig) -> tuple[str, ...]:
     return tuple(name for name, uses in MECHANISMS.items() if uses(config))
 
 
+def _summary() -> dict | None:
+    path = cost_models_dir() / "validation" / "accuracy_summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def equivalence_band_family() -> str:
+    """The runtime family whose measured error is the band ("" when no summary exists)."""
+    data = _summary()
+    return str(data["autoplan_runtime_family"]) if data else ""
+
+
 def equivalence_band() -> float:
     """Relative step-time difference the cost model does not resolve: its median |error| over
-    the published runs; 0 (no preference) when no summary exists."""
-    path = cost_models_dir() / "validation" / "accuracy_summary.json"
-    if not path.is_file():
+    the published runs of autoplan's runtime family; 0 (no preference) when no summary exists."""
+    data = _summary()
+    if data is None:
         return 0.0
-    return float(json.loads(path.read_text())["median_abs_rel_error"])
+    return float(data["by_family"][data["autoplan_runtime_family"]]["median_abs_rel_error"])
 
 
 def within_band(step_s: float, fastest_s: float, band: float) -> bool:

@@ -28,10 +28,11 @@ class RunResult:
     error: dict[str, Any] = field(default_factory=dict)
     assumed: dict[str, Any] = field(default_factory=dict)
     skipped: str = ""
+    family: str = ""  # runtime family (families.run_family)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"id": self.id, "predicted": self.predicted, "measured": self.measured,
-               "error": self.error, "assumed": self.assumed}
+        out = {"id": self.id, "family": self.family, "predicted": self.predicted,
+               "measured": self.measured, "error": self.error, "assumed": self.assumed}
         if self.skipped:
             out["skipped"] = self.skipped
         return out
@@ -145,12 +146,14 @@ def recompute_implied_by_truth(run: dict[str, Any]) -> str | None:
 
 def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
     """The run's configuration, one per combination of values for its unstated settings."""
+    from autoplan.validate.families import interleaved_default_vpp
+
     p = run["parallel"]
     seq = run["model"]["seq_len"]
     gb = int(p["global_batch_seqs"])
     dp = int(p["dp"])
     pp = int(p.get("pp") or 1)
-    vpp = int(p.get("vpp") or 1)
+    vpp = int(p.get("vpp") or interleaved_default_vpp(run) or 1)
     tp = int(p.get("tp") or 1)
     base = dict(global_batch=gb, seq_len=seq, dp=dp, tp=tp, pp=pp, cp=int(p.get("cp") or 1),
                 ep=int(p.get("ep") or 1), vpp=vpp, precision=run["precision_key"],
@@ -322,12 +325,26 @@ def _partial_recompute(graph, config: ParallelConfig, cluster, flash: bool, runt
     return trial, {**assumed, "recompute": f"full on {k} of {most} blocks per stage"}
 
 
+def _every_second_block_full(graph, config: ParallelConfig) -> ParallelConfig:
+    """Half of each stage's blocks (rounded down) recomputed fully, the rest not at all."""
+    from dataclasses import replace
+
+    from autoplan.cost.stages import num_virtual_stages, stage_layer_counts
+
+    counts = stage_layer_counts(graph.num_layers, config)
+    return replace(config, recompute="none",
+                   stage_recompute=tuple((n // 2, 0) for n in counts[:num_virtual_stages(config)]))
+
+
 def validate_run(run: dict[str, Any]) -> RunResult:
     """Estimate one published run; the best value under the model for unstated settings."""
     from autoplan.cost import Runtime, estimate
+    from autoplan.validate.families import interleaved_default_vpp, layer_sac, run_family, runtime_traits
 
     truth = run.get("truth", {})
-    result = RunResult(id=str(run.get("id", "?")))
+    result = RunResult(id=str(run.get("id", "?")), family=run_family(run))
+    # how the run's runtime keeps weights, recomputes and reports memory (families.runtime_traits)
+    traits = runtime_traits(result.family)
     result.measured = {"tokens_per_s_per_gpu": truth.get("tokens_per_s_per_gpu"),
                        "memory_gib_per_gpu": truth.get("mem_gib_per_gpu")}
     try:
@@ -340,10 +357,11 @@ def validate_run(run: dict[str, Any]) -> RunResult:
         kernel = flash_kernel(run)
         best = None
         for config, assumed in candidates:
+            if layer_sac(run):
+                config = _every_second_block_full(graph, config)
+                assumed = {**assumed, "recompute": "full on every second block (layer SAC)"}
             for overlap in overlaps:
-                # published runs are Megatron / DeepSpeed / FSDP: 16-bit module weights
-                runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat,
-                                  fp32_module_weights=False, flash_kernel=kernel, selective_policy="attention_core")
+                runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat, flash_kernel=kernel, **traits)
                 est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
                 if not est.feasible and assumed.get("recompute") == "none":
                     est, assumed = _partial_recompute(graph, config, cluster, flash, runtime, est,
@@ -357,6 +375,8 @@ def validate_run(run: dict[str, Any]) -> RunResult:
     _, est, assumed = best
     if run["parallel"].get("recompute") is None and recompute_implied_by_truth(run):
         assumed = {**assumed, "recompute": "full (implied by the source's FLOP accounting)"}
+    if default_vpp := interleaved_default_vpp(run):
+        assumed = {**assumed, "vpp": f"{default_vpp} (the runtime's default stages per rank)"}
     if not flash:
         assumed = {**assumed, "attention": "unfused (source predates FlashAttention)"}
     elif kernel != "flash2":
@@ -379,6 +399,8 @@ def summarize(results: Iterable[RunResult]) -> dict[str, Any]:
     results = list(results)
     errors = [abs(r.error["tokens_per_s_per_gpu"]) for r in results
               if not r.skipped and "tokens_per_s_per_gpu" in r.error]
+    memory = [abs(r.error["memory_gib_per_gpu"]) for r in results
+              if not r.skipped and "memory_gib_per_gpu" in r.error]
     return {
         "count": len(results),
         "compared": len(errors),
@@ -387,6 +409,8 @@ def summarize(results: Iterable[RunResult]) -> dict[str, Any]:
         "median_abs_rel_error": statistics.median(errors) if errors else None,
         "max_abs_rel_error": max(errors) if errors else None,
         "within_25pct_fraction": sum(e <= 0.25 for e in errors) / len(errors) if errors else None,
+        "memory_compared": len(memory),
+        "memory_median_abs_rel_error": statistics.median(memory) if memory else None,
     }
 
 
@@ -412,5 +436,8 @@ def validate_file(path: str | Path) -> dict[str, Any]:
         raise UserError(f"no run in {path} can be validated: {' | '.join(malformed[:3])}"
                         + (f" | and {len(malformed) - 3} more" if len(malformed) > 3 else "")
                         + ". Fix the fields named (format: cost_models/validation/published_runs.json)")
-    return {"runs": [r.to_dict() for r in results], "summary": summarize(results),
+    from autoplan.validate.families import by_family
+
+    runs = [r.to_dict() for r in results]
+    return {"runs": runs, "summary": summarize(results), "by_family": by_family(runs),
             "malformed": malformed}

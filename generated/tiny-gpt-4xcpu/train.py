@@ -90,10 +90,10 @@ PLAN = {
         'hfu': 0.01413572463927993,
         'tflops_per_gpu': 0.021486301451705495,
         'bubble_fraction': 0.0,
-        'memory_gib_per_gpu': 1.0018558502197266,
+        'memory_gib_per_gpu': 1.0023140907287598,
         'memory_breakdown_gib': {
             'parameters': 0.0003979206085205078, 'gradients': 0.0003979206085205078,
-            'optimizer': 0.0007958412170410156, 'activations': 0.00026416778564453125,
+            'optimizer': 0.0007958412170410156, 'activations': 0.0007224082946777344,
             'buffers': 0.0, 'overhead': 1.0,
         },
         'time_breakdown_s': {
@@ -109,10 +109,10 @@ PLAN = {
                 'stage': 0,
                 'blocks': 2,
                 'time_per_microbatch_s': 0.0027139957537238467,
-                'memory_gib': 1.0018558502197266,
+                'memory_gib': 1.0023140907287598,
                 'memory_breakdown_gib': {
                     'parameters': 0.0003979206085205078, 'gradients': 0.0003979206085205078,
-                    'optimizer': 0.0007958412170410156, 'activations': 0.00026416778564453125,
+                    'optimizer': 0.0007958412170410156, 'activations': 0.0007224082946777344,
                     'buffers': 0.0, 'overhead': 1.0,
                 },
                 'in_flight': 1.0,

@@ -175,9 +175,9 @@ def test_inter_node_bandwidth_from_the_command_line(run_cli, tmp_path):
     # issue 3: a cluster's inter-node bandwidth defaults to the GPU's typical system and is
     # overridable on the command line. A quarter of the NIC rate slows the cross-node gradient
     # sync of a dp-across-nodes layout, and a plan made with it keeps it for estimate --plan.
-    # --memory-headroom 0: this layout needs 77.9 GiB, and only its bandwidth is under test here
+    # --memory-headroom 0 and full recomputation: only this layout's bandwidth is under test
     config = ["llama3.1-8b", "--gpu", "h100", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
-              "--dp", "16", "--zero", "1", "--memory-headroom", "0", "--json"]
+              "--dp", "16", "--zero", "1", "--recompute", "full", "--memory-headroom", "0", "--json"]
     code, out, err = run_cli("estimate", *config)
     assert code == 0, err
     default = json.loads(out)
