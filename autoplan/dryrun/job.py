@@ -1,6 +1,7 @@
 """Dry-run a whole plan: the ranks that differ, each in a fresh process.
 
-A fresh process per rank because torch keeps process-group names and mesh state across
+A fresh process per rank (a pool worker runs one rank and exits: a reused worker would
+hold the previous rank's world) because torch keeps process-group names and mesh state across
 `destroy_process_group` (a second fake world in one process fails with "Could not resolve
 the process group registered under the name ..."), and so the caller's process keeps no
 fake group or patched DeviceMesh. Pipeline rank 0 runs first: what its first stage hands
@@ -30,7 +31,8 @@ def dry_run(plan: Plan, workers: int = 2) -> list[tuple[RankRun, float]]:
     """(RankRun, seconds) for each representative rank, in rank order."""
     ranks = representative_ranks(plan)
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(ranks))), mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(ranks))), mp_context=context,
+                             max_tasks_per_child=1) as pool:
         first = pool.submit(_run_in_worker, plan.to_dict(), ranks[0], []).result()
         rest = [pool.submit(_run_in_worker, plan.to_dict(), rank, first[0].boundary)
                 for rank in ranks[1:]]
