@@ -51,6 +51,6 @@ def _result(future: Future, plan: Plan, rank: int) -> tuple[RankRun, float]:
             cause = cause[:400] + " ..."
         raise UserError(
             f"the dry run of rank {rank} (pipeline rank {rank // (plan.world_size // plan.pp)} "
-            f"of {plan.pp}) failed: {type(exc).__name__}: {cause}. The plan's own runtime hit "
-            f"this on fake tensors, so a real run of this plan would likely fail the same way; "
-            f"run `autoplan --debug check ...` for the traceback.") from exc
+            f"of {plan.pp}) failed: {type(exc).__name__}: {cause}. It was raised while the "
+            f"plan's runtime ran one step on fake tensors (a bug of the plan, of the runtime or "
+            f"of the dry run itself); `autoplan --debug check PLAN` shows the traceback.") from exc
