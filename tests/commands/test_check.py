@@ -1,9 +1,11 @@
-"""`autoplan check` dry-runs a plan on the runtime with fake tensors (one process, fake group).
+"""`autoplan check` dry-runs a plan on the runtime with fake tensors (a process per rank, fake group).
 
 Collective bytes are checked against numbers computed by hand from the model's parameters:
 ZeRO-0 all-reduces every fp32 gradient once; ZeRO-3 (FSDP2) reduce-scatters every fp32
 gradient once and all-gathers every bf16 parameter in the forward and again the blocks'
-in the backward (the root module keeps its parameters gathered after the forward).
+in the backward (the root module keeps its parameters gathered after the forward); a pipeline
+stage hands on one micro-batch of fp32 hidden states (micro_batch x seq / tp x hidden x 4 bytes)
+and receives their gradient back.
 """
 
 from __future__ import annotations
