@@ -46,7 +46,7 @@ def _result(future: Future, plan: Plan, rank: int) -> tuple[RankRun, float]:
     try:
         return future.result()
     except Exception as exc:
-        cause = " ".join(str(exc).split()) or "its worker process ended without a result"
+        cause = " ".join(str(exc).split()).rstrip(".") or "its worker process ended without a result"
         if len(cause) > 400:
             cause = cause[:400] + " ..."
         raise UserError(
