@@ -1,6 +1,7 @@
 """Dry-run a whole plan: the ranks that differ, each in a fresh process.
 
-A fresh process per rank because torch keeps process-group names and mesh state across
+A fresh process per rank (a pool worker runs one rank and exits: a reused worker would
+hold the previous rank's world) because torch keeps process-group names and mesh state across
 `destroy_process_group` (a second fake world in one process fails with "Could not resolve
 the process group registered under the name ..."), and so the caller's process keeps no
 fake group or patched DeviceMesh. Pipeline rank 0 runs first: what its first stage hands
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 
 from autoplan.dryrun.rank import Boundary, RankRun, representative_ranks, run_rank
+from autoplan.errors import UserError
 from autoplan.plan import Plan
 
 
@@ -30,8 +32,25 @@ def dry_run(plan: Plan, workers: int = 2) -> list[tuple[RankRun, float]]:
     """(RankRun, seconds) for each representative rank, in rank order."""
     ranks = representative_ranks(plan)
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(ranks))), mp_context=context) as pool:
-        first = pool.submit(_run_in_worker, plan.to_dict(), ranks[0], []).result()
-        rest = [pool.submit(_run_in_worker, plan.to_dict(), rank, first[0].boundary)
-                for rank in ranks[1:]]
-        return [first] + [future.result() for future in rest]
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(ranks))), mp_context=context,
+                             max_tasks_per_child=1) as pool:
+        first = _result(pool.submit(_run_in_worker, plan.to_dict(), ranks[0], []), plan, ranks[0])
+        rest = {rank: pool.submit(_run_in_worker, plan.to_dict(), rank, first[0].boundary)
+                for rank in ranks[1:]}
+        return [first] + [_result(future, plan, rank) for rank, future in rest.items()]
+
+
+def _result(future: Future, plan: Plan, rank: int) -> tuple[RankRun, float]:
+    """The rank's run, or a UserError naming the rank and the cause (the worker's traceback
+    stays on the chain for --debug)."""
+    try:
+        return future.result()
+    except Exception as exc:
+        cause = " ".join(str(exc).split()).rstrip(".") or "its worker process ended without a result"
+        if len(cause) > 400:
+            cause = cause[:400] + " ..."
+        raise UserError(
+            f"the dry run of rank {rank} (pipeline rank {rank // (plan.world_size // plan.pp)} "
+            f"of {plan.pp}) failed: {type(exc).__name__}: {cause}. It was raised while the "
+            f"plan's runtime ran one step on fake tensors (a bug of the plan, of the runtime or "
+            f"of the dry run itself); `autoplan --debug check PLAN` shows the traceback.") from exc

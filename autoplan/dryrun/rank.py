@@ -26,7 +26,10 @@ from autoplan.dryrun.memory import StepMemoryTracker
 from autoplan.plan import Plan
 from autoplan.trace.fake_group import fake_process_group
 
-Boundary = list[tuple[tuple[int, ...], torch.dtype]]  # what a pipeline stage hands on
+# what a pipeline stage hands on: (shape, dtype, requires_grad) of each tensor it sends; the
+# next stage receives them with the same requires_grad (as PipelineStage does), so gradients
+# cross back only for those
+Boundary = list[tuple[tuple[int, ...], torch.dtype, bool]]
 
 @dataclass
 class RankRun:
@@ -73,12 +76,26 @@ def _mesh_tensors_outside_fake_mode():
 
 
 def _fake_inputs(boundary: Boundary) -> list[torch.Tensor]:
-    return [torch.zeros(shape, dtype=dtype).requires_grad_(dtype.is_floating_point)
-            for shape, dtype in boundary]
+    return [torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in boundary]
 
 
-def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary) -> Boundary:
-    """One micro-batch forward and backward through one stage; the stage's outputs as a boundary."""
+def _boundary_of(tensors: list[torch.Tensor]) -> Boundary:
+    return [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
+
+
+def _p2p(kind: str, boundary: Boundary, grads_only: bool = False) -> list[Collective]:
+    """The pipeline sends or receives of one micro-batch across one stage boundary: every
+    tensor forward, the gradients of those that require one backward. The step runs stages
+    directly rather than through PipelineStage, so these are recorded from the boundary."""
+    return [Collective(kind, torch.Size(shape).numel() * dtype.itemsize,
+                       str(dtype).removeprefix("torch."))
+            for shape, dtype, grad in boundary if grad or not grads_only]
+
+
+def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary,
+              log: CollectiveLog) -> Boundary:
+    """One micro-batch forward and backward through one stage, its pipeline sends and receives
+    added to `log`; the stage's outputs as a boundary."""
     from autoplan.runtime.loop import token_loss
     from autoplan.runtime.model_io import logits_of
 
@@ -93,13 +110,17 @@ def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary) -> Bo
                                                           zigzag=plan.cp > 1))
         else:  # a pipeline stage: token ids on stage 0, what the previous stage hands on after
             out = part(tokens) if first else part(*_fake_inputs(boundary))
+        if not first:
+            log.calls += _p2p("recv", boundary) + _p2p("send", boundary, grads_only=True)
         if last:
             token_loss(logits_of(out), tokens).backward()
             return []
         outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
         carried = [t for t in outs if t.requires_grad]
         torch.autograd.backward(carried, [torch.ones_like(t) for t in carried])
-        return [(tuple(t.shape), t.dtype) for t in outs]
+        handed_on = _boundary_of(outs)
+        log.calls += _p2p("send", handed_on) + _p2p("recv", handed_on, grads_only=True)
+        return handed_on
 
 
 def _warm_optimizers(trainer) -> None:
@@ -133,7 +154,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             tracker.track_external(*trainer.par.parts, *trainer.optimizers)
             with tracker, log:
                 for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
-                    handed_on = _run_part(trainer, part, stage_id, boundary)
+                    handed_on = _run_part(trainer, part, stage_id, boundary, log)
                     boundary = boundary or handed_on
                 trainer._finish_grads()
                 for opt in trainer.optimizers:

@@ -1,9 +1,11 @@
-"""`autoplan check` dry-runs a plan on the runtime with fake tensors (one process, fake group).
+"""`autoplan check` dry-runs a plan on the runtime with fake tensors (a process per rank, fake group).
 
 Collective bytes are checked against numbers computed by hand from the model's parameters:
 ZeRO-0 all-reduces every fp32 gradient once; ZeRO-3 (FSDP2) reduce-scatters every fp32
 gradient once and all-gathers every bf16 parameter in the forward and again the blocks'
-in the backward (the root module keeps its parameters gathered after the forward).
+in the backward (the root module keeps its parameters gathered after the forward); a pipeline
+stage hands on one micro-batch of fp32 hidden states (micro_batch x seq / tp x hidden x 4 bytes)
+and receives their gradient back.
 """
 
 from __future__ import annotations
@@ -77,3 +79,69 @@ def test_command_prints_the_comparison_and_json(tmp_path):
     assert {row["category"] for row in report["ranks"][0]["memory"]} >= {
         "parameters", "gradients", "optimizer", "activations", "total at peak"}
     assert all(row["model_gib"] is not None for row in report["ranks"][0]["memory"][:4])
+
+
+# A tiny plan split into two pipeline stages: ranks 0 and 2 are the first and last stage.
+_PIPELINE = {"pp": 2, "dp": 2, "stages": [["layers.0"], ["layers.1"]]}
+_TP_STYLES = {
+    "": {"embed_tokens": "vocab_embedding", "norm": "sequence_parallel", "lm_head": "vocab_head"},
+    "layers.*": {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                 "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+                 "self_attn": "prepare_input", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                 "mlp.down_proj": "rowwise", "mlp": "prepare_input",
+                 "input_layernorm": "sequence_parallel", "post_attention_layernorm": "sequence_parallel"}}
+
+
+def _boundary_bytes(tp: int) -> int:
+    """fp32 bytes of the hidden states one micro-batch hands from stage 0 to stage 1 on one rank
+    (sequence parallelism leaves each TP rank its 1/tp of the sequence)."""
+    plan = Plan.load(str(TINY))
+    hidden = build_from_ref(plan.model, verify=False).embed_tokens.weight.shape[1]
+    return plan.micro_batch * (plan.seq_len // tp) * hidden * 4
+
+
+def _check_pipeline(tmp_path, **changes) -> tuple[dict, dict]:
+    report = check_plan(_plan_file(tmp_path, **{**_PIPELINE, **changes}), workers=2)
+    assert [(r["rank"], r["pipeline_rank"], r["stages"]) for r in report["ranks"]] == \
+        [(0, 0, [0]), (2, 1, [1])]
+    for rank in report["ranks"]:
+        categories = {row["category"]: row["dry_run_gib"] for row in rank["memory"]}
+        assert all(categories[name] > 0 for name in ("parameters", "gradients", "optimizer",
+                                                     "activations")), (rank["rank"], categories)
+    return report["ranks"][0], report["ranks"][1]
+
+
+def _assert_boundary_crosses(first: dict, last: dict, activation: int) -> None:
+    # the hidden states' gradient is the one tensor that crosses back; forward, stage 0 also
+    # hands on what both stages use (the rotary tables), so its send is at least the activation
+    assert _bytes(first, "recv", "float32") == activation
+    assert _bytes(last, "send", "float32") == activation
+    assert _bytes(first, "send", "float32") == _bytes(last, "recv", "float32") >= activation
+
+
+def test_pipeline_stages_hand_on_one_micro_batch_of_hidden_states(tmp_path):
+    first, last = _check_pipeline(tmp_path)
+    _assert_boundary_crosses(first, last, _boundary_bytes(tp=1))
+    assert _bytes(first, "all_reduce", "float32") > 0  # dp 2 all-reduces each stage's gradients
+
+
+def test_pipeline_with_tensor_parallelism_checks_every_stage(tmp_path):
+    first, last = _check_pipeline(tmp_path, dp=1, tp=2, sequence_parallel=True,
+                                  tp_styles=_TP_STYLES)
+    _assert_boundary_crosses(first, last, _boundary_bytes(tp=2))
+    for rank in (first, last):  # sequence parallelism gathers the sequence before each block
+        assert _bytes(rank, "all_gather", "float32") + _bytes(rank, "all_gather", "bfloat16") > 0
+
+
+def test_a_failed_rank_is_one_user_error_naming_it():
+    from concurrent.futures import Future
+
+    from autoplan.dryrun.job import _result
+    from autoplan.errors import UserError
+
+    future = Future()
+    future.set_exception(RuntimeError("Could not resolve the process group\nregistered under 7"))
+    plan = Plan.from_dict(dict(json.loads(TINY.read_text()), **_PIPELINE))
+    with pytest.raises(UserError, match=r"rank 2 \(pipeline rank 1 of 2\) failed: RuntimeError: "
+                                        r"Could not resolve the process group registered under 7"):
+        _result(future, plan, 2)
