@@ -254,7 +254,7 @@ def fingerprint(module: nn.Module) -> str:
 
 
 def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = "",
-                example_kwargs: dict | None = None) -> ModelGraph:
+                example_kwargs: dict | None = None, probe_runtime: bool = True) -> ModelGraph:
     """Trace `module` (parameters on meta) called with `example_inputs` (positional inputs,
     or a dict of keyword inputs) and `example_kwargs` into a ModelGraph.
 
@@ -262,6 +262,8 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     arguments, output objects, shape arithmetic, data-dependent routing, code fx rejects) is
     traced by running its forward (`recorder.py`). Both count FLOPs with FlopCounterMode and
     saved bytes with saved-tensor hooks, on the first copy of each block group.
+    `probe_runtime=False` leaves out the capability probe (capability.py): for graphs that
+    only cost layouts other runtimes ran, never to choose what autoplan's runtime applies.
     """
     from autoplan.trace.capability import add_capability_facts
     from autoplan.trace.facts import add_parallelism_facts
@@ -298,7 +300,8 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
         fingerprint=fingerprint(module), model_name=name, image_size=image,
     )
     add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
-    add_capability_facts(model_graph, module, args, kwargs)
+    if probe_runtime:
+        add_capability_facts(model_graph, module, args, kwargs)
     return model_graph
 
 
@@ -453,11 +456,13 @@ def _outermost(fallbacks: list[str], block_of: dict[str, str], first_path: dict[
     return result
 
 
-_CONFIG_GRAPHS: dict[tuple[str, int, int], ModelGraph] = {}
+_CONFIG_GRAPHS: dict[tuple[str, int, int, bool], ModelGraph] = {}
 
 
-def graph_for_config(config: dict, batch_size: int = 1, seq_len: int = 2048) -> ModelGraph:
-    """Build the reference model of an HF-style config on meta and trace it (memoised).
+def graph_for_config(config: dict, batch_size: int = 1, seq_len: int = 2048, *,
+                     probe_runtime: bool = True) -> ModelGraph:
+    """Build the reference model of an HF-style config on meta and trace it (memoised;
+    `probe_runtime` as in trace_model).
 
     Position tables are sized to at least `seq_len` so a longer training sequence than the
     config's default still traces.
@@ -466,7 +471,7 @@ def graph_for_config(config: dict, batch_size: int = 1, seq_len: int = 2048) -> 
 
     from autoplan.models import ConfigError, build_model
 
-    key = (json.dumps(config, sort_keys=True, default=str), batch_size, seq_len)
+    key = (json.dumps(config, sort_keys=True, default=str), batch_size, seq_len, probe_runtime)
     if key not in _CONFIG_GRAPHS:
         config = dict(config)
         for field_name in ("max_position_embeddings", "n_positions"):
@@ -478,5 +483,6 @@ def graph_for_config(config: dict, batch_size: int = 1, seq_len: int = 2048) -> 
         except ConfigError as exc:
             raise UserError(str(exc)) from None
         tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-        _CONFIG_GRAPHS[key] = trace_model(module, (tokens,), name=str(config.get("name", "")))
+        _CONFIG_GRAPHS[key] = trace_model(module, (tokens,), name=str(config.get("name", "")),
+                                          probe_runtime=probe_runtime)
     return _CONFIG_GRAPHS[key]

@@ -191,7 +191,8 @@ def _graph_for_run(run: dict[str, Any]):
     from autoplan.trace.tracer import graph_for_config
 
     config = config_from_published(run["model"])
-    return graph_for_config(config, 1, int(run["model"]["seq_len"]))
+    # the published layout is given: nothing here chooses what autoplan's runtime applies
+    return graph_for_config(config, 1, int(run["model"]["seq_len"]), probe_runtime=False)
 
 
 def _cluster_for_run(run: dict[str, Any]):
