@@ -150,6 +150,8 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
     if plan.cp > 1:  # this rank's share of the sequence (dim 1 of token ids)
         cut = lambda x: x[:, : x.shape[1] // plan.cp] if isinstance(x, torch.Tensor) and x.dim() > 1 else x  # noqa: E731
         args, kwargs = tuple(map(cut, args)), {k: cut(v) for k, v in kwargs.items()}
+    if plan.pp == 1:
+        kwargs = {**_runtime_kwargs(part, plan, args, kwargs), **kwargs}
     vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
     with loss_parallel() if vocab_sharded else contextlib.nullcontext():
         out = part(*args, **kwargs)
@@ -164,6 +166,19 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
             labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
             loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
         loss.backward()
+
+
+def _runtime_kwargs(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> dict:
+    """The keyword inputs the runtime's training step passes with token ids (model_io:
+    position_ids, use_cache, decoder_input_ids): without them a Hugging Face model derives
+    positions from the local sequence shard and fails under SP or CP where the job does not."""
+    from autoplan.runtime.model_io import model_call
+
+    ids = args[0] if args else kwargs.get("input_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()):
+        return {}
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    return model_call(part).kwargs(ids, positions, zigzag=plan.cp > 1)
 
 
 def _pop(running: list[str]) -> None:

@@ -47,6 +47,8 @@ def test_the_examples_asked_for():
     assert shapes == {("tiny-gpt", 4, "cpu"), ("llama3.1-8b", 8, "h100-sxm-80gb"),
                       ("llama3.1-70b", 64, "h100-sxm-80gb"), ("mixtral-8x7b", 32, "h100-sxm-80gb")}
     (mixtral,) = [p for p in plans.values() if p["model"]["name"] == "mixtral-8x7b"]
+    # the example shows expert parallelism (examples.json fixes ep=8: within the error band the
+    # planner prefers a plan without it, which the cost model is least validated on)
     assert mixtral["ep"] > 1 and mixtral["ep_modules"], "the Mixtral example must use expert parallelism"
 
 

@@ -74,3 +74,18 @@ def test_probing_context_parallel_leaves_sdpa_as_it_was():
     graph = trace_model(loaded.module, loaded.example_inputs(1, 64), name="tiny-gpt")
     assert graph.context_parallel and "cp" not in graph.refused  # the CP probe did run
     assert F.scaled_dot_product_attention is original
+
+
+def test_hugging_face_llama_tensor_parallelism_passes_the_probe():
+    # the runtime trains it (tests/runtime/test_parity.py hf_llama_dp2_tp2_zero3): the probe
+    # must call it as the runtime does, with position_ids, or under SP the model derives
+    # positions from its local sequence shard and fails where the job would not
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    import hf_models
+
+    with torch.device("meta"):
+        model = hf_models.build("hf_llama")
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert graph.tensor_parallel and "tp" not in graph.refused, graph.refused
