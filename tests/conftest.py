@@ -44,3 +44,14 @@ def run_cli():
         main(ctx.args)
 
     return _run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Multi-process files first, the one with the most such tests first: under
+    `pytest -n 2 --dist loadfile` files are handed to workers in this order, so the long
+    torchrun files start at once instead of leaving one worker busy at the end."""
+    slow: dict = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))  # stable: file order kept otherwise
