@@ -87,7 +87,7 @@ def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, diviso
         offset += grad.numel()
 
 
-class Zero1:
+class Zero1(torch.optim.Optimizer):
     """ZeRO-1: AdamW states sharded by parameter (ZeroRedundancyOptimizer) over the ranks
     that hold the same values of those parameters.
 
@@ -99,6 +99,8 @@ class Zero1:
     axis, so their states are sharded over the ranks holding the same experts
     (`expert_group`, dp_replicate x ep_rest), or kept whole when there is only one such rank.
     Gradient sync and clipping still see the DTensor parameters (loop.py), before `step`.
+    It is an Optimizer (without Optimizer's own bookkeeping) so that tools tracking
+    optimizers, such as torch's MemTracker in the dry run, accept it and see `state`.
     """
 
     def __init__(self, groups: list[dict], group: dist.ProcessGroup, expert_ids: set[int],
@@ -138,6 +140,11 @@ class Zero1:
         self.pairs.append((param, local))
         self.param_of[id(local)] = param
         return local
+
+    @property
+    def state(self) -> dict:
+        """The states this rank holds (its ZeRO partitions), keyed by stepped tensor."""
+        return {k: v for inner, _ in self.owned() for k, v in inner.state.items()}
 
     @property
     def param_groups(self) -> list[dict]:
