@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -93,9 +94,9 @@ def _manifest_names(folder: Path) -> list[str]:
 
 
 def _is_zero1(opt) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from autoplan.runtime.data_parallel import Zero1
 
-    return isinstance(opt, ZeroRedundancyOptimizer)
+    return isinstance(opt, Zero1)
 
 
 def _state(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = frozenset()) -> dict:
@@ -119,21 +120,27 @@ def _fqns(part: nn.Module) -> dict[int, str]:
 
 
 def _zero1_state(part: nn.Module, opt) -> dict:
-    """ZeroRedundancyOptimizer in torch's flattened format ("state.<fqn>.<key>",
+    """ZeRO-1 states in torch's flattened format ("state.<fqn>.<key>",
     "param_groups.<fqn>.<key>"): each rank contributes the states of the parameters it
-    owns, so the checkpoint loads into any plan, and any plan's checkpoint into ZeRO-1."""
+    owns, as DTensors shaped like their (TP/EP) parameters, so the checkpoint loads into
+    any plan, and any plan's checkpoint into ZeRO-1."""
     names, out = _fqns(part), {}
-    local = opt.optim  # the AdamW over this rank's partition
-    for group in local.param_groups:
-        for param in group["params"]:
-            state = local.state.get(param) or {
-                "step": torch.zeros(()), "exp_avg": torch.zeros_like(param),
-                "exp_avg_sq": torch.zeros_like(param)}
-            local.state[param] = state  # the tensors DCP loads into, in place
+    for inner, stepped in opt.owned():
+        for local in stepped:
+            param = opt.param_of[id(local)]
+            state = inner.state.get(local) or {
+                "step": torch.zeros(()), "exp_avg": torch.zeros_like(local),
+                "exp_avg_sq": torch.zeros_like(local)}
+            inner.state[local] = state  # the tensors DCP loads into, in place
             for key, value in state.items():
+                if isinstance(param, DTensor) and value.shape == local.shape:
+                    value = DTensor.from_local(value, param.device_mesh, param.placements,
+                                               run_check=False, shape=param.shape,
+                                               stride=param.stride())
                 out[f"state.{names[id(param)]}.{key}"] = value
     for group in opt.param_groups:
-        for param in group["params"]:
+        for local in group["params"]:
+            param = opt.param_of[id(local)]
             for key, value in group.items():
                 if key != "params":
                     out[f"param_groups.{names[id(param)]}.{key}"] = value

@@ -10,7 +10,8 @@ tokens of the same sequences, so for the optimizer they are data-parallel ranks 
   HSDP:   FSDP on the 2-D (dp_replicate, dp_shard_cp) mesh: shard inside, replicate across.
 With TP (DTensor parameters) or PP (several forwards before a backward) DDP cannot wrap the
 module; ZeRO-0/1 then all-reduce the (local shards of the) gradients in one flat buffer
-after the last micro-batch's backward (`allreduce_grads`). ZeRO-1 with TP is refused.
+after the last micro-batch's backward (`allreduce_grads`). ZeRO-1 steps the local shards of
+DTensor (TP/EP) parameters (`Zero1`).
 """
 
 from __future__ import annotations
@@ -84,3 +85,93 @@ def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, diviso
     for grad in grads:
         grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
         offset += grad.numel()
+
+
+class Zero1(torch.optim.Optimizer):
+    """ZeRO-1: AdamW states sharded by parameter (ZeroRedundancyOptimizer) over the ranks
+    that hold the same values of those parameters.
+
+    ZeroRedundancyOptimizer broadcasts plain tensors, so DTensor (TP/EP) parameters are
+    handed to it as their local shards: a leaf tensor sharing the shard's storage, whose
+    `.grad` is pointed at the local shard of the DTensor gradient just before each step.
+    Ranks of one dp x cp group hold the same TP shard, so ZeRO over dp_cp on local shards
+    updates exactly what a plain AdamW on the DTensors would. Experts differ across the ep
+    axis, so their states are sharded over the ranks holding the same experts
+    (`expert_group`, dp_replicate x ep_rest), or kept whole when there is only one such rank.
+    Gradient sync and clipping still see the DTensor parameters (loop.py), before `step`.
+    It is an Optimizer (without Optimizer's own bookkeeping) so that tools tracking
+    optimizers, such as torch's MemTracker in the dry run, accept it and see `state`.
+    """
+
+    def __init__(self, groups: list[dict], group: dist.ProcessGroup, expert_ids: set[int],
+                 expert_group: dist.ProcessGroup | None, **kwargs) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (parameter, what is stepped)
+        self.param_of: dict[int, nn.Parameter] = {}  # id(stepped tensor) -> parameter
+        dense: list[dict] = []
+        experts: list[dict] = []
+        for spec in groups:
+            for target, wanted in ((dense, False), (experts, True)):
+                params = [self._local(p) for p in spec["params"] if (id(p) in expert_ids) == wanted]
+                if params:
+                    target.append({**spec, "params": params})
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for specs, pg in ((dense, group), (experts, expert_group)):
+            if not specs:
+                continue
+            if pg is None or dist.get_world_size(pg) == 1:
+                self.optimizers.append(torch.optim.AdamW(specs, **kwargs))
+                continue
+            # ZeroRedundancyOptimizer takes one group at construction; the rest are added.
+            first = {k: v for k, v in specs[0].items() if k != "params"}
+            opt = ZeroRedundancyOptimizer(specs[0]["params"], optimizer_class=torch.optim.AdamW,
+                                          process_group=pg, **first, **kwargs)
+            for spec in specs[1:]:
+                opt.add_param_group(spec)
+            self.optimizers.append(opt)
+
+    def _local(self, param: nn.Parameter) -> torch.Tensor:
+        if isinstance(param, DTensor):
+            with torch.no_grad():
+                local = param.to_local().detach().requires_grad_(param.requires_grad)
+        else:
+            local = param
+        self.pairs.append((param, local))
+        self.param_of[id(local)] = param
+        return local
+
+    @property
+    def state(self) -> dict:
+        """The states this rank holds (its ZeRO partitions), keyed by stepped tensor."""
+        return {k: v for inner, _ in self.owned() for k, v in inner.state.items()}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def owned(self):
+        """(local AdamW, this rank's stepped tensors) for each inner optimizer: the states
+        this rank holds."""
+        for opt in self.optimizers:
+            inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer's local AdamW
+            yield inner, [p for group in inner.param_groups for p in group["params"]]
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for param, local in self.pairs:
+                if local is param:
+                    continue
+                grad = param.grad
+                if grad is not None and tuple(grad.placements) != tuple(param.placements):
+                    # e.g. a replicated gradient of a sharded embedding: keep this rank's part
+                    grad = grad.redistribute(param.device_mesh, param.placements)
+                local.grad = None if grad is None else grad.to_local()
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients (set to None whatever `set_to_none` says)."""
+        for param, local in self.pairs:
+            param.grad = None
+            local.grad = None

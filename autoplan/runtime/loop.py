@@ -33,7 +33,7 @@ from autoplan.runtime.args import TrainArgs
 from autoplan.runtime.checkpoint import (load_checkpoint, non_persistent_buffers, save_checkpoint,
                                          verified_checkpoint)
 from autoplan.runtime.data import check_token_file, local_microbatches, make_source, zigzag_positions
-from autoplan.runtime.data_parallel import allreduce_grads
+from autoplan.runtime.data_parallel import Zero1, allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
 from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
@@ -156,7 +156,7 @@ class Trainer:
 
     # -- construction -------------------------------------------------------------
     def _optimizer(self, part: nn.Module):
-        return make_optimizer(part, self.plan, self.mesh)
+        return make_optimizer(part, self.plan, self.mesh, self.par.expert_params)
 
     def _schedule(self):
         plan = self.plan
@@ -341,32 +341,19 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def make_optimizer(part: nn.Module, plan: Plan, mesh: ParallelMesh):
+def make_optimizer(part: nn.Module, plan: Plan, mesh: ParallelMesh,
+                   expert_params: list[nn.Parameter] = ()):
     """AdamW over one stage's parameters (decay on matrices only), ZeRO-1 sharded when asked."""
     cfg = plan.optimizer
     decay = [p for p in part.parameters() if p.ndim >= 2]
     no_decay = [p for p in part.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": float(cfg.get("weight_decay", 0.0))},
               {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = dict(lr=float(cfg.get("lr", 3e-4)), betas=tuple(cfg.get("betas", (0.9, 0.95))),
-                  foreach=False if plan.ep > 1 else None)
+    kwargs = dict(lr=float(cfg.get("lr", 3e-4)), betas=tuple(cfg.get("betas", (0.9, 0.95))))
     if plan.zero_stage == 1 and plan.dp * plan.cp > 1:
-        return _zero1(groups, mesh, kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
-
-
-def _zero1(groups, mesh: ParallelMesh, kwargs):
-    """ZeroRedundancyOptimizer over all params (one group: ZeRO shards by parameter)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    kwargs = dict(kwargs)
-    kwargs.pop("foreach", None)
-    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                  process_group=mesh.group("dp_cp"),
-                                  weight_decay=groups[0]["weight_decay"], **kwargs)
-    if groups[1]["params"]:
-        opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
-    return opt
+        return Zero1([g for g in groups if g["params"]], mesh.group("dp_cp"),
+                     {id(p) for p in expert_params}, mesh.expert_replica_group(), **kwargs)
+    return torch.optim.AdamW(groups, foreach=False if plan.ep > 1 else None, **kwargs)
 
 
 def peak_memory_gib(device_type: str) -> float:

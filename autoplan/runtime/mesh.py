@@ -47,6 +47,11 @@ class ParallelMesh:
     def group(self, name: str) -> dist.ProcessGroup:
         return self.axis(name).get_group()
 
+    def expert_replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same experts (dp_replicate x ep_rest), where ZeRO-1 shards
+        the experts' optimizer states; None without EP or without ZeRO-1."""
+        return self.flat["ep_replica"].get_group() if "ep_replica" in self.flat else None
+
     def local_rank(self, name: str) -> int:
         return self.axis(name).get_local_rank()
 
@@ -77,4 +82,6 @@ def build_mesh(plan: Plan, device_type: str) -> ParallelMesh:
         ranks = torch.arange(plan.world_size).reshape(
             plan.pp, plan.dp_replicate, dp_shard_cp // plan.ep, plan.ep, plan.tp)
         ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=EP_AXES)
+        if plan.zero_stage == 1:
+            flat["ep_replica"] = ep_mesh[("dp_replicate", "ep_rest")]._flatten("ep_replica")
     return ParallelMesh(plan, world, ep_mesh, flat)

@@ -86,9 +86,6 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
         check_ep_modules(model, plan.ep_modules, plan.ep)
         if (plan.dp_shard * plan.cp) % plan.ep:
             raise UserError(f"ep={plan.ep} must divide dp_shard*cp = {plan.dp_shard * plan.cp}.")
-    if plan.zero_stage == 1 and plan.tp > 1:
-        raise UserError("ZeRO-1 with tensor parallelism is not supported by autoplan.runtime; "
-                        "use zero_stage 2 or 3 (FSDP2) with TP.")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage {plan.zero_stage} must be 0, 1, 2 or 3.")
 

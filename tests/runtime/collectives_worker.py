@@ -47,8 +47,9 @@ def _zero1_bf16_states() -> dict:
     for p in trainer.params:
         p.register_post_accumulate_grad_hook(lambda q: grads.__setitem__(id(q), nbytes(q.grad)))
     trainer.run()
-    # ZeroRedundancyOptimizer keeps this rank's states in its local optimizer (.optim)
-    optimizer = sum(nbytes(v) for opt in trainer.optimizers for state in getattr(opt, "optim", opt).state.values()
+    # ZeRO-1 keeps this rank's states in the local optimizers its owned() lists
+    optimizer = sum(nbytes(v) for opt in trainer.optimizers for inner, _ in opt.owned()
+                    for state in inner.state.values()
                     for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
     total = torch.tensor([float(optimizer)])
     dist.all_reduce(total)

@@ -58,6 +58,11 @@ CONFIGS = {
         "pp2_dp2_zero3": ("llama", P(pp=2, dp=2, zero_stage=3, schedule="1f1b")),
         "pp2_dp2_ddp": ("llama", P(pp=2, dp=2, schedule="gpipe")),
         "pp2_dp2_zero1": ("llama", P(pp=2, dp=2, zero_stage=1, schedule="1f1b")),
+        # ZeRO-1 steps the local shards of DTensor (TP, EP) parameters
+        "dp2_tp2_zero1": ("llama", P(dp=2, tp=2, zero_stage=1)),
+        "dp2_cp2_zero1": ("llama", P(dp=2, cp=2, zero_stage=1)),
+        "ep2_of_dp4_zero1": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=1)),
+        "moe_dp2_tp2_sp_ep2_zero1": ("mixtral", P("mixtral", dp=2, tp=2, ep=2, zero_stage=1)),
         "dp2_cp2": ("llama", P(dp=2, cp=2)),
         "cp4": ("llama", P(cp=4)),
         "pp4_gpipe": ("llama", P(pp=4, schedule="gpipe", micro_batch=2)),
