@@ -178,14 +178,20 @@ def infeasible_report(job) -> str:
     """Nothing fits: the numbers, the smallest GPU count that fits, and what would help."""
     r = job.result
     capacity = job.cluster.gpu.memory_bytes / GIB
-    lines = [
-        f"No plan fits: {r.configurations_considered} configurations searched on "
-        f"{job.cluster.num_gpus} x {job.cluster.gpu.key}.",
-        f"The least memory per GPU any configuration needs is at least {r.least_memory_gib:.1f} GiB; "
-        f"the GPU has {capacity:.1f} GiB"
-        + (f", less the {job.cluster.memory_headroom_bytes / GIB:g} GiB of --memory-headroom."
-           if job.cluster.memory_headroom_bytes else "."),
-    ]
+    headroom = job.cluster.memory_headroom_bytes / GIB
+    has = f"the GPU has {capacity:.1f} GiB" + (f", less the {headroom:g} GiB of --memory-headroom"
+                                               if headroom else "")
+    lines = [f"No plan fits: {r.configurations_considered} configurations searched on "
+             f"{job.cluster.num_gpus} x {job.cluster.gpu.key}."]
+    frugal = _most_frugal_estimate(job)
+    if frugal is not None and r.least_memory_gib <= capacity - headroom < frugal[1]:
+        # the search's bound is below the usable memory, yet no whole plan fits: say what the
+        # closest plan needs, not the bound
+        lines.append(f"The most memory-frugal configuration ({frugal[0]}, every block recomputed) "
+                     f"needs {frugal[1]:.1f} GiB per GPU; {has}.")
+    else:
+        lines.append(f"The least memory per GPU any configuration needs is at least "
+                     f"{r.least_memory_gib:.1f} GiB; {has}.")
     smallest = _smallest_fitting_count(job)
     if smallest:
         lines.append(f"The smallest count of {job.cluster.gpu.key} that fits is {smallest} GPUs.")
@@ -193,6 +199,29 @@ def infeasible_report(job) -> str:
                  "in CPU memory), --precision fp8 where the GPU has it, a shorter --seq-len, a smaller "
                  "global batch per GPU, or a GPU with more memory.")
     return "\n".join(lines)
+
+
+def _frugal_configs(job, request) -> list[ParallelConfig]:
+    """Micro-batch 1, the highest ZeRO stage and offload, the most model parallelism first."""
+    configs = [c for c in space.outer_configs(job.graph, request) if c.micro_batch == 1]
+    configs.sort(key=lambda c: (-c.zero_stage, c.offload != "both", -(c.tp * c.pp * c.cp)))
+    return configs
+
+
+def _most_frugal_estimate(job) -> tuple[str, float] | None:
+    """(layout, GiB per GPU) of the configuration needing the least memory among the most
+    frugal few, every block fully recomputed, blocks split evenly over the stages."""
+    from autoplan.cost.stages import stage_layer_counts
+
+    best = None
+    for config in _frugal_configs(job, job.request)[:12]:
+        full = replace(config, stage_layers=tuple(stage_layer_counts(job.graph.num_layers, config)),
+                       layer_recompute=("full",) * job.graph.num_layers)
+        gib = estimate_candidate(job.graph, full, job.cluster).memory_gib_per_gpu
+        if best is None or gib < best[1]:
+            best = (f"dp={config.dp} tp={config.tp} pp={config.pp} cp={config.cp} ep={config.ep}, "
+                    f"ZeRO-{config.zero_stage}, offload {config.offload}", gib)
+    return best
 
 
 def _smallest_fitting_count(job) -> int | None:
@@ -206,8 +235,7 @@ def _smallest_fitting_count(job) -> int | None:
         except Exception:
             return None
         request = replace(job.request, num_gpus=n, global_batch=max(job.request.global_batch, n))
-        configs = [c for c in space.outer_configs(job.graph, request) if c.micro_batch == 1]
-        configs.sort(key=lambda c: (-c.zero_stage, c.offload != "both", -(c.tp * c.pp * c.cp)))
+        configs = _frugal_configs(job, request)
         bigger = replace(job, cluster=cluster, request=request)
         for config in configs[:12]:
             if isinstance(solve_config(bigger, config), Candidate):
