@@ -59,6 +59,9 @@ def render(est, console) -> None:
                           f"of {est.peak_flops_per_gpu / 1e12:.0f} peak)"),
             ("pipeline bubble", f"{est.bubble_fraction:.1%} of the step"),
             ("memory per GPU", f"{est.memory_gib_per_gpu:.1f} GiB (worst stage {est.worst_rank_stage})")]
+    if est.host_memory_gib_per_gpu:
+        rows.append(("host memory (CPU offload)", f"{est.host_memory_gib_per_gpu:.1f} GiB per GPU, "
+                                                  f"{est.host_memory_gib_per_node:.1f} GiB per node"))
     for key, value in rows:
         summary.add_row(key, value)
     console.print(summary)
