@@ -39,7 +39,7 @@ _GPU_NUMBERS = (
     "intra_node_bandwidth_gb_per_s", "intra_node_latency_us", "collective_base_latency_us",
     "nic_bandwidth_gb_per_s", "inter_node_latency_us",
 )
-_GPU_OPTIONAL_NUMBERS = ("host_link_gb_per_s",)
+_GPU_OPTIONAL_NUMBERS = ("host_link_gb_per_s", "host_memory_gib", "host_cpu_cores")
 _GPU_KEYS = frozenset(_GPU_NUMBERS + _GPU_OPTIONAL_NUMBERS + ("key", "name", "aliases", "intra_node_topology", "peak_tflops",
                                       "efficiency", "sources", "measured_at", "method"))
 _EFF_REQUIRED = (
@@ -122,6 +122,10 @@ class GPU:
     """Source of each number, keyed like the data file ('peak_tflops.bf16')."""
     host_link_bytes_per_s: float | None = None
     """Achieved host<->device copy bandwidth per GPU (PCIe / NVLink-C2C), bytes/s; None if not in the file."""
+    host_memory_bytes: float | None = None
+    """Host (CPU) DRAM of the typical system, per node of `gpus_per_node` GPUs, bytes; None if not in the file."""
+    host_cpu_cores: int | None = None
+    """Host CPU cores of the typical system, per node; None if not in the file."""
 
     @property
     def memory_gib(self) -> float:
@@ -546,6 +550,9 @@ def _gpu_from_table(table: Mapping[str, Any], where: str) -> GPU:
         sources=MappingProxyType(sources),
         host_link_bytes_per_s=(_number(table, "host_link_gb_per_s", where) * GB
                                if "host_link_gb_per_s" in table else None),
+        host_memory_bytes=(_number(table, "host_memory_gib", where) * GIB
+                           if "host_memory_gib" in table else None),
+        host_cpu_cores=_integer(table, "host_cpu_cores", where) if "host_cpu_cores" in table else None,
     )
 
 
@@ -711,6 +718,8 @@ def _gpu_to_table(gpu: GPU) -> dict[str, Any]:
         "peak_tflops": {p: c(v / TFLOPS) for p, v in gpu.peak_flops_by_precision.items()},
         "efficiency": eff,
         **({"host_link_gb_per_s": c(gpu.host_link_bytes_per_s / GB)} if gpu.host_link_bytes_per_s else {}),
+        **({"host_memory_gib": c(gpu.host_memory_bytes / GIB)} if gpu.host_memory_bytes else {}),
+        **({"host_cpu_cores": gpu.host_cpu_cores} if gpu.host_cpu_cores else {}),
         "sources": dict(gpu.sources),
     }
 
@@ -785,6 +794,15 @@ def default_memory_headroom_fraction() -> float:
     sources there: the caching allocator's fragmentation, not counted by the estimate)."""
     with open(cost_models_dir() / "memory_headroom.toml", "rb") as f:
         return float(tomllib.load(f)["fraction_of_memory"])
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_adam_params_per_s_per_core() -> float:
+    """Parameters one host CPU core updates per second with torch's CPU AdamW (fp32),
+    measured with the AdamW torch builds by default, as the runtime does (cost_models/cpu_adam.toml:
+    command, machine and results there)."""
+    with open(cost_models_dir() / "cpu_adam.toml", "rb") as f:
+        return float(tomllib.load(f)["default_adamw_params_per_s_per_core"])
 
 
 def with_memory_headroom(cluster: Cluster, headroom_gib: float | None) -> Cluster:

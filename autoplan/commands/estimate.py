@@ -59,6 +59,9 @@ def render(est, console) -> None:
                           f"of {est.peak_flops_per_gpu / 1e12:.0f} peak)"),
             ("pipeline bubble", f"{est.bubble_fraction:.1%} of the step"),
             ("memory per GPU", f"{est.memory_gib_per_gpu:.1f} GiB (worst stage {est.worst_rank_stage})")]
+    if est.host_memory_gib_per_gpu:
+        rows.append(("host memory (CPU offload)", f"{est.host_memory_gib_per_gpu:.1f} GiB per GPU, "
+                                                  f"{est.host_memory_gib_per_node:.1f} GiB per node"))
     for key, value in rows:
         summary.add_row(key, value)
     console.print(summary)
@@ -96,8 +99,10 @@ def render(est, console) -> None:
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage.")
 @click.option("--offload", type=click.Choice(OFFLOAD), default="none", show_default=True,
               help="What is kept in host memory instead of the GPU's: the optimizer state (DeepSpeed "
-                   "ZeRO-Offload), the parameters, or both (with ZeRO-2/3: FSDP2's CPUOffloadPolicy, "
-                   "which moves parameters, gradients and the optimizer step together).")
+                   "ZeRO-Offload), the parameters, or both (FSDP2's CPUOffloadPolicy, which moves "
+                   "parameters, gradients and the optimizer step together; parameters and both need "
+                   "--zero 2 or 3). The estimate then reports host memory per GPU and per node and "
+                   "an 'offload' share of the step time.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--global-batch", type=int, default=None,
               help="Global batch in sequences per optimizer step (required unless --plan or an imported "

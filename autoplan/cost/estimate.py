@@ -43,6 +43,10 @@ class Estimate:
     worst_rank_stage: int
     per_stage: list[dict[str, Any]]
     config: dict[str, Any] = field(default_factory=dict)
+    # CPU offload: the model states kept in host memory by the fullest rank, and by one node's
+    # ranks (gpus_per_node x that rank: a bound when a node mixes pipeline stages)
+    host_memory_gib_per_gpu: float = 0.0
+    host_memory_gib_per_node: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of `autoplan estimate --json` (issue 3 keys)."""
@@ -68,6 +72,11 @@ def check_config(graph: ModelGraph, config: ParallelConfig, cluster) -> None:
         problems.append(f"offload {config.offload!r} is not one of {', '.join(OFFLOAD)}")
     if config.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {config.zero_stage} is not 0, 1, 2 or 3")
+    elif config.offload in ("params", "both") and config.zero_stage < 2:
+        # FSDP2's CPUOffloadPolicy (autoplan's runtime) needs ZeRO-2/3; DeepSpeed offloads
+        # parameters at stage 3 only (offload_param)
+        problems.append(f"offload {config.offload!r} needs ZeRO stage 2 or 3 (FSDP2's CPUOffloadPolicy "
+                        f"offloads sharded parameters), not {config.zero_stage}; add --zero 3")
     if min(config.dp, config.tp, config.pp, config.cp, config.ep, config.micro_batch, config.vpp) < 1:
         problems.append("every degree, --vpp and the micro-batch must be at least 1")
         raise UserError("Inconsistent parallel configuration: " + "; ".join(problems) + ".")
@@ -172,6 +181,39 @@ def allocator_reserved_extra_bytes(allocated_bytes: float, reserve_fraction: flo
     return allocated_bytes * reserve_fraction
 
 
+def host_memory_check(host_bytes_per_rank: float, cluster) -> tuple[float, str]:
+    """(host bytes per node, reason or "") for `host_bytes_per_rank` of offloaded model states
+    on every rank. The node's host memory is the GPU's typical system's (data file), scaled to
+    the cluster's node size; a GPU file without `host_memory_gib` is not checked."""
+    ranks = min(cluster.gpus_per_node, cluster.num_gpus)
+    per_node = host_bytes_per_rank * ranks
+    capacity = cluster.gpu.host_memory_bytes
+    if not per_node or not capacity:
+        return per_node, ""
+    capacity *= ranks / cluster.gpu.gpus_per_node
+    if per_node <= capacity:
+        return per_node, ""
+    return per_node, (f"CPU offload needs {per_node / GIB:.1f} GiB of host memory per node "
+                      f"({ranks} ranks x {host_bytes_per_rank / GIB:.1f} GiB) but a {cluster.gpu.key} "
+                      f"node has {capacity / GIB:.0f} GiB")
+
+
+def time_breakdown(step: StepTime, config: ParallelConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """(time parts, exposed communication by kind) of one step; the parts sum to the step.
+    With CPU offload, "offload" takes the exposed host<->device copies and the optimizer step
+    on the CPU (with the copies it waits on) out of "exposed_comm" and "compute"."""
+    comm = dict(step.comm_breakdown_s)
+    parts = {"compute": step.compute_s, "recompute": step.recompute_s,
+             "exposed_comm": step.exposed_comm_s, "bubble": step.bubble_s}
+    if config.offload == "none":
+        return parts, comm
+    copies = comm.pop("offload", 0.0)
+    parts["compute"] -= step.optimizer_s
+    parts["exposed_comm"] -= copies
+    parts["offload"] = copies + step.optimizer_s
+    return parts, comm
+
+
 def assemble(graph: ModelGraph, config: ParallelConfig, cluster, stages: list[StageCost],
              step: StepTime, allocator_reserve_fraction: float = 0.0) -> Estimate:
     """Estimate from stage costs and the step time (shared with the solver)."""
@@ -189,12 +231,16 @@ def assemble(graph: ModelGraph, config: ParallelConfig, cluster, stages: list[St
     worst = max(range(config.pp), key=lambda r: sum(ranks[r].values()))
     total = sum(ranks[worst].values())
     capacity = hw.usable_memory_bytes(cluster)
-    feasible = total <= capacity
     kept_free = (f" once {cluster.memory_headroom_bytes / GIB:g} GiB of headroom is kept free"
                  if cluster.memory_headroom_bytes else "")
-    reason = "" if feasible else (
+    reasons = [] if total <= capacity else [
         f"pipeline stage {worst} needs {total / GIB:.1f} GiB per GPU but {cluster.gpu.key} has "
-        f"{capacity / GIB:.1f} GiB{kept_free}")
+        f"{capacity / GIB:.1f} GiB{kept_free}"]
+    host_per_rank = max(sum(s.host_bytes for s in stages if s.physical_stage == r) for r in range(config.pp))
+    host_per_node, host_reason = host_memory_check(host_per_rank, cluster)
+    reasons += [host_reason] if host_reason else []
+    feasible, reason = not reasons, "; ".join(reasons)
+    times, comm = time_breakdown(step, config)
     per_stage = []
     for r in range(config.pp):
         per_stage.append({
@@ -211,11 +257,10 @@ def assemble(graph: ModelGraph, config: ParallelConfig, cluster, stages: list[St
         tokens_per_s_per_gpu=per_gpu, mfu=mfu, hfu=hfu, tflops_per_gpu=flops_per_token * per_gpu / 1e12,
         bubble_fraction=step.bubble_fraction, memory_gib_per_gpu=total / GIB,
         memory_breakdown_gib={k: v / GIB for k, v in ranks[worst].items()},
-        time_breakdown_s={"compute": step.compute_s, "recompute": step.recompute_s,
-                          "exposed_comm": step.exposed_comm_s, "bubble": step.bubble_s},
-        comm_breakdown_s=dict(step.comm_breakdown_s), model_flops_per_token=flops_per_token,
+        time_breakdown_s=times, comm_breakdown_s=comm, model_flops_per_token=flops_per_token,
         peak_flops_per_gpu=peak, worst_rank_stage=worst, per_stage=per_stage,
-        config=config_dict(config),
+        config=config_dict(config), host_memory_gib_per_gpu=host_per_rank / GIB,
+        host_memory_gib_per_node=host_per_node / GIB,
     )
 
 

@@ -83,6 +83,7 @@ class LayerCost:
     dense_params: float  # parameters on this rank (after TP) replicated over dp x cp
     expert_params: float  # routed-expert parameters on this rank (after EP)
     zero3_gather_params: float = 0.0  # parameters gathered per block under ZeRO-3
+    host_bytes: float = 0.0  # model states CPU offload keeps in host memory for this rank
 
     @property
     def time_s(self) -> float:
@@ -348,7 +349,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     # PR #130583 on low-contention copy-engine collectives) nor to EP/CP exchanges (unmeasured).
     exposed["zero3"] = comm.contended_exposed_s(total["zero3"], exposed["zero3"])
     total["offload"], exposed["offload"] = param_offload_comm_s(params, config, gpu, times.fwd_s + recompute_s,
-                                                                times.bwd_s)
+                                                                times.bwd_s, runtime.fp32_module_weights)
     if block.experts and block.kind not in ("pre", "post"):
         # dropless routing reads token counts back every MoE layer: host time is exposed (host.py)
         h_fwd, h_bwd, h_rc = host.moe_host_s(block.experts / (config.ep or 1), rc)
@@ -358,20 +359,25 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                             config.dp_shard * config.cp, config.offload,
                                             runtime.fp32_module_weights)
     # HSDP: states are sharded over dp_shard only, replicated over dp_replicate
-    expert_states = memory.model_state_bytes(
-        params.expert, config.precision, config.zero_stage,
-        max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate),
-        config.offload, runtime.fp32_module_weights)
+    expert_shard = max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate)
+    expert_states = memory.model_state_bytes(params.expert, config.precision, config.zero_stage, expert_shard,
+                                             config.offload, runtime.fp32_module_weights)
     if fsdp_pipeline_unsharded(config):
         unsharded = params.dense + params.expert
         dense_states["gradients"] += unsharded * memory.grad_reduce_bytes_per_param(config.precision)
-        if config.zero_stage >= 3 and config.offload not in ("params", "both"):
-            # the 16-bit gathered weights stay for the whole step; fp32 master shards stay too
-            # (a 16-bit shard is part of the gathered copy)
+        if config.zero_stage >= 3:
+            # the 16-bit gathered weights stay for the whole step, offloaded or not (FSDP2
+            # all-gathers into GPU tensors); fp32 master shards stay too unless offloaded
+            # (then model_state_bytes leaves none on the GPU; a 16-bit shard is part of the
+            # gathered copy)
             shards = (dense_states["parameters"] + expert_states["parameters"]
                       if runtime.fp32_module_weights else 0.0)
             dense_states["parameters"] = shards + unsharded * memory.weight_bytes_per_param(config.precision)
             expert_states["parameters"] = 0.0
+    host_bytes = (memory.host_state_bytes(params.dense, config.precision, config.zero_stage,
+                                          config.dp_shard * config.cp, config.offload, runtime.fp32_module_weights)
+                  + memory.host_state_bytes(params.expert, config.precision, config.zero_stage, expert_shard,
+                                            config.offload, runtime.fp32_module_weights))
     activation = (sac.op_sac_activation_bytes(graph, block, config) if op_sac
                   else memory.block_activation_bytes(graph, block, config, rc, flash_attention, policy))
     return LayerCost(
@@ -385,14 +391,17 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         optimizer_bytes=dense_states["optimizer"] + expert_states["optimizer"],
         activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
         zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
+        host_bytes=host_bytes,
     )
 
 
 def param_offload_comm_s(params: memory.BlockParams, config: ParallelConfig, gpu,
-                         fwd_s: float, bwd_s: float) -> tuple[float, float]:
+                         fwd_s: float, bwd_s: float, fp32_shards: bool = False) -> tuple[float, float]:
     """(total, exposed) host<->device copies per micro-batch of a block whose weights are
     offloaded (offload.param_offload_s); under ZeRO-2/3 each rank copies only its shard, then
-    all-gathers it (ZeRO-Infinity §5; FSDP2 CPUOffloadPolicy)."""
+    all-gathers it (ZeRO-Infinity §5; FSDP2 CPUOffloadPolicy). `fp32_shards`: the host keeps
+    fp32 weight shards and receives fp32 gradient shards (FSDP2 with fp32 module weights and
+    reduce_dtype float32, as autoplan's runtime), so 4 B/param cross the link each way."""
     if config.offload not in ("params", "both"):
         return 0.0, 0.0
     held = params.dense + params.expert
@@ -400,8 +409,8 @@ def param_offload_comm_s(params: memory.BlockParams, config: ParallelConfig, gpu
         expert_shard = max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
                            // config.dp_replicate)
         held = params.dense / (config.dp_shard * config.cp) + params.expert / expert_shard
-    return offload.param_offload_s(held, memory.weight_bytes_per_param(config.precision),
-                                   memory.weight_bytes_per_param(config.precision), fwd_s, bwd_s, gpu)
+    w = memory.FP32_BYTES if fp32_shards and config.zero_stage >= 2 else memory.weight_bytes_per_param(config.precision)
+    return offload.param_offload_s(held, w, w, fwd_s, bwd_s, gpu)
 
 
 def grad_accumulation_s(params: memory.BlockParams, config: ParallelConfig, gpu) -> float:

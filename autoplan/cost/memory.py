@@ -86,6 +86,20 @@ def model_state_bytes(params: float, precision: str, zero_stage: int, shard_degr
     return {"parameters": weights, "gradients": grads, "optimizer": optimizer}
 
 
+def host_state_bytes(params: float, precision: str, zero_stage: int, shard_degree: int,
+                     offload: str, fp32_module_weights: bool = False) -> float:
+    """Host (CPU) bytes one rank keeps for `params` parameters: the model states offload moves
+    off the GPU, i.e. the states without offload less those the GPU keeps with it
+    (model_state_bytes). Under FSDP2's CPUOffloadPolicy that is the rank's fp32 weight,
+    gradient and Adam-moment shards, 16 B/param / N_d; the 16-bit working copies the GPU
+    gathers are not on the host."""
+    if offload == "none":
+        return 0.0
+    on_gpu = model_state_bytes(params, precision, zero_stage, shard_degree, offload, fp32_module_weights)
+    without = model_state_bytes(params, precision, zero_stage, shard_degree, "none", fp32_module_weights)
+    return sum(without.values()) - sum(on_gpu.values())
+
+
 def _autocasts_fp32_weights(precision: str, zero_stage: int, fp32_module_weights: bool) -> bool:
     """Unsharded fp32 module weights under torch.autocast: mixed precision below ZeRO-2 on a
     runtime with fp32 module weights (model_state_bytes)."""

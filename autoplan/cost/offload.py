@@ -10,12 +10,16 @@
   backward of every micro-batch, and the gradients are copied out after it; prefetching
   hides the copies under the block's compute when compute is longer (as FSDP prefetches
   its all-gathers), so only the excess is exposed.
-- CPU Adam is memory-bound on host DRAM (DeepSpeed CPU-Adam is SIMD-vectorised, Ren et
-  al. 2021 §5.1): the same bytes per parameter as the GPU update (step.py), at the host
-  memory bandwidth each GPU's share of the host gets.
+- CPU Adam runs at the slower of two rates: torch's CPU AdamW measured per core
+  (cost_models/cpu_adam.toml) times the host cores each GPU's rank gets (the system's cores /
+  its GPUs: 112 / 8 = 14 on a DGX H100), and host DRAM bandwidth per GPU for the same bytes
+  per parameter as the GPU update (step.py): memory-bound once enough cores run it
+  (DeepSpeed CPU-Adam is SIMD-vectorised and memory-bound, Ren et al. 2021 §5.1).
 """
 
 from __future__ import annotations
+
+from autoplan import hardware
 
 # Host link for a GPU file without `host_link_gb_per_s`: PCIe Gen4 x16 as measured on A100
 # (nvbandwidth host-to-device 26.28 GB/s, hardware.md B.2 [AZ-A100]), the slowest host link
@@ -26,6 +30,9 @@ DEFAULT_HOST_LINK_BYTES_PER_S = 26.28e9
 # GPU peak; achieved taken as ~0.8 of peak, the STREAM/peak ratio of the GPUs' own memories
 # (hardware.md B.4: A100 0.79-0.83, H100 0.87) -- an assumption, no host STREAM measured here.
 HOST_MEMORY_BYTES_PER_S_PER_GPU = 60e9
+# Host cores per GPU for a GPU file without `host_cpu_cores`: the DGX H100's 112 / 8 (an
+# assumption for other systems, stated here; cost_models/gpus/h100-sxm-80gb.toml cites it).
+DEFAULT_HOST_CORES_PER_GPU = 14
 
 
 def host_link_bytes_per_s(gpu) -> float:
@@ -34,16 +41,30 @@ def host_link_bytes_per_s(gpu) -> float:
     return measured if measured else DEFAULT_HOST_LINK_BYTES_PER_S
 
 
+def host_cores_per_gpu(gpu) -> float:
+    """Host CPU cores per GPU of the GPU's typical system (data file, else DGX H100's)."""
+    cores = getattr(gpu, "host_cpu_cores", None)
+    return cores / gpu.gpus_per_node if cores else DEFAULT_HOST_CORES_PER_GPU
+
+
+def cpu_adam_s(params: float, adam_bytes_per_param: float, gpu) -> float:
+    """Seconds of the CPU AdamW step on `params` parameters of one rank: the measured per-core
+    rate times the rank's host cores, or host DRAM bandwidth, whichever is slower."""
+    compute_s = params / (hardware.cpu_adam_params_per_s_per_core() * host_cores_per_gpu(gpu))
+    memory_s = params * adam_bytes_per_param / HOST_MEMORY_BYTES_PER_S_PER_GPU
+    return max(compute_s, memory_s)
+
+
 def optimizer_offload_s(params: float, grad_bytes_per_param: float, weight_bytes_per_param: float,
                         adam_bytes_per_param: float, backward_window_s: float, gpu) -> float:
     """Exposed seconds per step of ZeRO-Offload for `params` parameters this rank updates.
 
     Gradients to host (hidden under `backward_window_s` of backward where it is long enough),
-    CPU Adam at host DRAM bandwidth, updated weights back to the GPU.
+    CPU Adam (cpu_adam_s), updated weights back to the GPU.
     """
     link = host_link_bytes_per_s(gpu)
     to_host = params * grad_bytes_per_param / link
-    cpu_step = params * adam_bytes_per_param / HOST_MEMORY_BYTES_PER_S_PER_GPU
+    cpu_step = cpu_adam_s(params, adam_bytes_per_param, gpu)
     to_device = params * weight_bytes_per_param / link
     return max(0.0, to_host - backward_window_s) + cpu_step + to_device
 

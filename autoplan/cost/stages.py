@@ -31,6 +31,7 @@ class StageCost:
     dense_params: float
     expert_params: float
     largest_block_params: float
+    host_bytes: float = 0.0  # host memory of CPU-offloaded model states, this stage's share of its rank
 
     @property
     def time_s(self) -> float:
@@ -132,6 +133,7 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
         dense_params=sum(c.dense_params for c in costs),
         expert_params=sum(c.expert_params for c in costs),
         largest_block_params=max((c.dense_params + c.expert_params for c in costs), default=0.0),
+        host_bytes=sum(c.host_bytes for c in costs),
     )
 
 

@@ -99,6 +99,11 @@ def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) ->
         expert /= max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
                       // config.dp_replicate)
     per_param = ADAM_UPDATE_BYTES_FP32 if config.precision == "fp32" else ADAM_UPDATE_BYTES_MIXED
+    if config.offload == "both" and config.zero_stage >= 2:
+        # FSDP2's CPUOffloadPolicy: the gradient shards reach the host and the updated weight
+        # shards the GPU with the per-block copies of every micro-batch (layers.param_offload_comm_s);
+        # the step itself is the CPU AdamW
+        return offload.cpu_adam_s(dense + expert, per_param, cluster.gpu)
     if config.offload in ("optimizer", "both"):
         w = memory.weight_bytes_per_param(config.precision)
         return offload.optimizer_offload_s(dense + expert, w, w, per_param,

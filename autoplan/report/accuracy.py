@@ -59,7 +59,7 @@ def dependency_files() -> list[Path]:
     cost_dir = Path(autoplan.cost.__file__).parent
     return ([cost_models_dir() / "validation" / RUNS_NAME, Path(autoplan.validate.published.__file__),
              Path(autoplan.validate.families.__file__), cost_models_dir() / "validation" / FAMILIES_NAME,
-             cost_models_dir() / "allocator_reserve.toml"]
+             cost_models_dir() / "allocator_reserve.toml", cost_models_dir() / "cpu_adam.toml"]
             + sorted(cost_dir.glob("*.py")) + sorted((cost_models_dir() / "gpus").glob("*.toml")))
 
 

@@ -115,11 +115,14 @@ def memory_svg(estimate: dict, capacity_gib: float, title: str) -> str:
 
 
 def step_components(estimate: dict) -> list[tuple[str, float]]:
-    """(part, seconds) of one step: compute, recompute, exposed comm by kind, bubble, other."""
+    """(part, seconds) of one step: compute, recompute, exposed comm by kind, bubble, CPU
+    offload, other."""
     t = estimate["time_breakdown_s"]
     parts = [("compute", t["compute"]), ("recompute", t["recompute"])]
     parts += [(f"comm {kind}", s) for kind, s in sorted(estimate["comm_breakdown_s"].items())]
     parts.append(("bubble", t["bubble"]))
+    if t.get("offload"):
+        parts.append(("offload", t["offload"]))
     rest = estimate["step_time_s"] - sum(s for _, s in parts)
     if rest > 1e-6 * estimate["step_time_s"]:  # the optimizer update and what else the step adds
         parts.append(("other", rest))

@@ -251,7 +251,10 @@ def candidate_json(cand: Candidate, best: Candidate | None = None) -> dict[str, 
            "stage_layers": list(c.stage_layers or []),
            "recompute": {m: sum(1 for x in (c.layer_recompute or ()) if x == m) for m in ("none", "selective", "full")},
            "step_time_s": cand.step_time_s, "mfu": cand.estimate.mfu,
-           "memory_gib_per_gpu": cand.estimate.memory_gib_per_gpu, "solver_status": cand.status}
+           "memory_gib_per_gpu": cand.estimate.memory_gib_per_gpu, "solver_status": cand.status,
+           "time_breakdown_s": dict(cand.estimate.time_breakdown_s)}
+    if c.offload != "none":
+        out["host_memory_gib_per_gpu"] = cand.estimate.host_memory_gib_per_gpu
     if best is not None:
         out["slower_than_best"] = cand.step_time_s / best.step_time_s - 1
     return out

@@ -6,8 +6,9 @@ published runs of the runtime family the plan's job runs on, autoplan's own FSDP
 runtime: the torchtitan family (cost_models/validation/accuracy_summary.json, `by_family`,
 written by `python -m autoplan.report.accuracy`): half of its validated predictions are off by
 more.
-Within the band of the fastest plan the search prefers the plan with the fewest of
-`MECHANISMS`, then the faster one; the fastest plan's time stays proven and is reported.
+Within the band of the fastest plan the search prefers a plan without CPU offload, then the
+one with the fewest of `MECHANISMS`, then the faster one; the fastest plan's time stays proven
+and is reported.
 """
 
 from __future__ import annotations
@@ -59,5 +60,8 @@ def within_band(step_s: float, fastest_s: float, band: float) -> bool:
 
 
 def preference_key(step_s: float, config: ParallelConfig) -> tuple:
-    """Order inside the band: fewer mechanisms first, then the faster plan."""
-    return (len(mechanisms(config)), step_s)
+    """Order inside the band: no CPU offload first, then fewer mechanisms, then the faster plan.
+    Offload goes first because it also holds a node's host memory and CPUs and its cost rests on
+    the least measured numbers (cost/offload.py: an assumed host DRAM share, CPU AdamW measured
+    on another machine), so a plan without it is taken whenever one is within the band."""
+    return (config.offload != "none", len(mechanisms(config)), step_s)

@@ -248,6 +248,8 @@ def _solve_fitting(graph: ModelGraph, tables, config: ParallelConfig, cluster, r
             exact = part.status == "OPTIMAL" and tables.tail_ns is not None and not lowered
             return Candidate(cand_config, est, "OPTIMAL" if exact else "FEASIBLE"), exact, lowered
         excess_kib = max(s["memory_gib"] for s in est.per_stage) * GIB_KIB - usable_kib
+        if excess_kib <= 0:  # the GPUs fit; what does not (host memory under offload) a partition cannot fix
+            return None, not lowered, lowered
         tables = replace(tables, capacity_kib=tables.capacity_kib - max(1, math.ceil(excess_kib)))
         lowered = True
     return None, False, True

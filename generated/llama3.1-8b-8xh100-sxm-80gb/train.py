@@ -162,6 +162,8 @@ PLAN = {
                 'none', 'none', 'none', 'none', 'none', 'none', 'none', 'none', 'none', 'none',
             ],
         },
+        'host_memory_gib_per_gpu': 0.0,
+        'host_memory_gib_per_node': 0.0,
     },
     'format_version': 2,
 }

@@ -174,6 +174,8 @@ PLAN = {
                 'selective', 'selective',
             ],
         },
+        'host_memory_gib_per_gpu': 0.0,
+        'host_memory_gib_per_node': 0.0,
     },
     'format_version': 2,
 }

@@ -139,6 +139,8 @@ PLAN = {
             'stage_recompute': None,
             'layer_recompute': ['none', 'none'],
         },
+        'host_memory_gib_per_gpu': 0.0,
+        'host_memory_gib_per_node': 0.0,
     },
     'format_version': 2,
 }

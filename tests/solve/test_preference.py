@@ -61,3 +61,36 @@ def test_runners_up_say_which_are_equivalent_and_are_not_duplicates(jobs):
     assert flags and flags[0] is True  # the fastest plan itself, a few percent faster
     ties = [(round(a["step_time_s"], 6), round(a["memory_gib_per_gpu"], 1)) for a in data["alternatives"]]
     assert len(ties) == len(set(ties))
+
+
+def test_the_70b_plan_offloads_only_if_no_plan_without_offload_is_within_the_band(jobs):
+    preferring, _ = jobs
+    r = preferring.result
+    assert r.fastest.config.offload != "none"
+    assert r.best.config.offload == "none"
+    assert r.best.step_time_s <= r.fastest.step_time_s * (1 + r.band)
+    # the fastest plan's CPU offload is costed: host memory and an offload share of the step
+    fastest = r.fastest.estimate
+    assert fastest.time_breakdown_s["offload"] > 0 and fastest.host_memory_gib_per_gpu > 0
+
+
+def test_a_plan_without_offload_in_the_band_beats_an_offloading_one_with_fewer_mechanisms():
+    from types import SimpleNamespace
+
+    from autoplan.config import ParallelConfig
+    from autoplan.solve.search import Candidate, choose
+
+    base = dict(global_batch=256, seq_len=8192, micro_batch=1)
+    offloading = ParallelConfig(**base, dp=64, zero_stage=3, offload="both")  # 1 mechanism
+    plain = ParallelConfig(**base, dp=16, cp=4, schedule="zero-bubble")  # 2 mechanisms, no offload
+    assert len(mechanisms(offloading)) < len(mechanisms(plain))
+
+    def cand(config, step_s, memory_gib):
+        return Candidate(config, SimpleNamespace(step_time_s=step_s, memory_gib_per_gpu=memory_gib), "OPTIMAL")
+
+    fast, slow = cand(offloading, 10.0, 40.0), cand(plain, 10.5, 60.0)
+    fastest, best, _ = choose([fast, slow], band=0.10, top=3)
+    assert fastest is fast and best is slow
+    # outside the band the offloading plan is taken
+    _, best, _ = choose([fast, slow], band=0.01, top=3)
+    assert best is fast
