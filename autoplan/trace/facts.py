@@ -268,8 +268,7 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
             styles[moe[0]] = "prepare_input"
         for scope in block_scopes(model, block.paths):
             table[scope] = dict(styles)
-        attention_modules = sorted({op.module for op in block_ops if op.kind == "attention"
-                                    and op.target == "scaled_dot_product_attention"})
+        attention_modules = sorted({op.module for op in block_ops if _attends_over_the_sequence(op, mg)})
         for copy in block.paths:
             mg.context_parallel += [copy + a[len(first):] for a in attention_modules]
             if moe is not None:
@@ -280,6 +279,15 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
     if mg.tensor_parallel:
         mg.tp_styles = {"": _pre_post_styles(mg, model, ops, first_path), **table}
     mg.cp_buffers = _sliced_buffers(gm) if mg.context_parallel else {}
+
+
+def _attends_over_the_sequence(op: OpInfo, mg: ModelGraph) -> bool:
+    """An SDPA over the model's token sequence (batch, heads, seq, dim), which ring attention
+    can split: not attention within windows (Swin: windows folded into the batch) nor over
+    the patches of one image (the sequence of an image model is one sample)."""
+    shape = op.output_shape or ()
+    return (op.kind == "attention" and op.target == "scaled_dot_product_attention" and len(shape) >= 3
+            and shape[0] == mg.batch_size and shape[-2] == mg.seq_len > 1)
 
 
 def _moe_module(block: nn.Module) -> tuple[str, int, int] | None:

@@ -19,6 +19,8 @@ import corpus
 pytest.importorskip("transformers")
 
 NAMES = sorted(corpus.ENTRIES)
+# text models whose attention is not an SDPA call ring attention can replace
+NO_SDPA = {"transformer_encoder"}  # nn.MultiheadAttention
 _FULL: dict[str, tuple] = {}
 
 
@@ -82,6 +84,11 @@ def _check_facts(entry: corpus.Entry, model, graph, reference, size: str) -> Non
     if entry.inputs == "image":
         side = entry.image_size if size == "full" else entry.tiny_image_size
         assert (graph.image_size, graph.seq_len) == (side, 1)
+        # a sample is one image: no token sequence for ring attention to split (Swin's
+        # attention is within windows, ViT's over one image's patches)
+        assert graph.context_parallel == []
+    elif entry.attention and entry.name not in NO_SDPA:
+        assert graph.context_parallel, "attention over the token sequence is context-parallel"
 
 
 @pytest.mark.parametrize("name", NAMES)
