@@ -98,8 +98,15 @@ def _frozen(d: dict) -> Mapping[str, float]:
     return MappingProxyType(dict(d))
 
 
-def _tokens_per_rank(graph: ModelGraph, config: ParallelConfig) -> float:
-    return config.micro_batch * graph.seq_len / config.cp
+def _tokens_per_rank(graph: ModelGraph, config: ParallelConfig, block: BlockInfo | None = None) -> float:
+    """Tokens of one micro-batch on a rank. A sample of an image model is one image, whose
+    blocks run on its patches (ViT) or window tokens (Swin): read off the block's input
+    (batch, tokens..., hidden) as traced."""
+    tokens = graph.seq_len
+    if graph.image_size and block is not None and block.kind not in ("pre", "post") \
+            and block.hidden and block.input_bytes:
+        tokens = block.input_bytes / (graph.dtype_bytes * graph.batch_size * block.hidden)
+    return config.micro_batch * tokens / config.cp
 
 
 def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
@@ -114,7 +121,7 @@ def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
     if config.tp <= 1:
         return 0.0
     act = compute.activation_dtype_bytes(config.precision)
-    payload = _tokens_per_rank(graph, config) * block.hidden * act
+    payload = _tokens_per_rank(graph, config, block) * block.hidden * act
     if config.sequence_parallel:
         one = 2 * comm.allgather_time_s(payload, groups.tp, fabric)
     else:
