@@ -56,7 +56,7 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     from autoplan.cost import estimate_partition
     from autoplan.hardware import resolve_cluster
     from autoplan.models.sources import load_model
-    from autoplan.solve.plan_build import plan_to_config
+    from autoplan.solve.plan_build import plan_to_config, stored_estimate
     from autoplan.trace.tracer import trace_model
 
     plan = read_plan(path)
@@ -75,7 +75,7 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
                         "was it made for another model?")
     layers = [[(by_path[b], plan.recompute.get(b, "none")) for b in stage] for stage in stages]
     est = estimate_partition(graph, config, cluster, layers)
-    return CheckedPlan(replace(plan, estimate=est.to_dict()), loaded, est, graph)
+    return CheckedPlan(replace(plan, estimate=stored_estimate(est)), loaded, est, graph)
 
 
 def does_not_fit(est, plan_file: str) -> str:

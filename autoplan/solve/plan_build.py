@@ -32,8 +32,14 @@ def to_plan(candidate: Candidate, graph: ModelGraph, model: ModelRef, cluster,
         cp_modules=list(graph.context_parallel) if c.cp > 1 else [],
         cp_buffers=dict(graph.cp_buffers) if c.cp > 1 else {},
         ep_modules=[e["module"] for e in graph.expert_parallel] if c.ep > 1 else [],
-        estimate=candidate.estimate.to_dict(), **extra,
+        estimate=stored_estimate(candidate.estimate), **extra,
     )
+
+
+def stored_estimate(estimate) -> dict:
+    """The predictions a plan file keeps: the estimate without its configuration, which the
+    plan's own fields already state."""
+    return {k: v for k, v in estimate.to_dict().items() if k != "config"}
 
 
 def plan_to_config(plan: Plan):
