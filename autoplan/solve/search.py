@@ -25,7 +25,7 @@ from autoplan.trace.graph import ModelGraph
 from autoplan.solve.cpsat import Partition, solve_partition
 from autoplan.solve.preference import mechanisms, preference_key, within_band
 from autoplan.solve.space import Request, outer_configs
-from autoplan.solve.tables import (LayerCostCache, build_tables, lower_bound_ns, memory_lower_bound_kib,
+from autoplan.solve.tables import (build_tables, lower_bound_ns, memory_lower_bound_kib,
                                    pipeline_slots, time_lower_bound_ns)
 
 GIB_KIB = 2**20
@@ -119,7 +119,6 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
     for c in configs:
         families[_family(c)].append(c)
     fixed_rc = request.fixed.get("recompute")
-    cache = LayerCostCache()
     skipped_memory: list[tuple[float, int]] = []
     bounds = []
     for key, members in families.items():
@@ -129,14 +128,14 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
         # out only if every variant is, and its time bound is the least over variants
         variants = [replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1)
                     for z, o in sorted({(m.zero_stage, m.offload) for m in members})]
-        least = [memory_lower_bound_kib(build_tables(graph, v, cluster, fixed_rc, cache=cache,
+        least = [memory_lower_bound_kib(build_tables(graph, v, cluster, fixed_rc,
                                                      tail_table=False)) for v in variants]
         fitting = [v for v, kib in zip(variants, least) if kib <= capacity_kib(cluster)]
         if not fitting:
             skipped_memory.append((min(least) / GIB_KIB, len(members)))
             continue
         slots = pipeline_slots(variants[0])
-        per_slot = min(time_lower_bound_ns(graph, v, cluster, cache=cache) / slots for v in fitting)
+        per_slot = min(time_lower_bound_ns(graph, v, cluster) / slots for v in fitting)
         bound = min(pipeline_slots(m) for m in members) * per_slot * 1e-9
         most_slots = max(pipeline_slots(m) for m in members) * max(m.vpp for m in members)
         slack = rounding_s(most_slots, graph.num_layers)
@@ -163,7 +162,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             done += 1
             if not _worth_solving(bound, config, threshold, band, preferred):
                 continue
-            tables = build_tables(graph, config, cluster, fixed_rc, cache=cache)
+            tables = build_tables(graph, config, cluster, fixed_rc)
             mem_lb = memory_lower_bound_kib(tables)
             least_mem = min(least_mem, mem_lb / GIB_KIB)
             if mem_lb > tables.capacity_kib:

@@ -52,21 +52,13 @@ def allowed_modes(config: ParallelConfig, fixed_recompute: str | None) -> tuple[
     return (fixed_recompute,) if fixed_recompute else MODES
 
 
-class LayerCostCache:
-    """Kept for callers; layer_cost memoises on the graph itself."""
-
-    def get(self, block, graph: ModelGraph, config: ParallelConfig, cluster, mode: str):
-        return layer_cost(block, graph, config, cluster, mode)
-
-
-def _group_tables(graph: ModelGraph, config: ParallelConfig, cluster,
-                  cache: LayerCostCache) -> tuple[list[GroupTable], float]:
+def _group_tables(graph: ModelGraph, config: ParallelConfig, cluster) -> tuple[list[GroupTable], float]:
     """Per group of identical blocks: its table, and the largest ZeRO-3 gather of any block."""
     groups = []
     largest_gather = 0.0
     for lo, hi, name in block_runs(graph):
         block = graph.segment(name)
-        costs = {mode: cache.get(block, graph, config, cluster, mode) for mode in MODES}
+        costs = {mode: layer_cost(block, graph, config, cluster, mode) for mode in MODES}
         largest_gather = max(largest_gather, costs["none"].zero3_gather_params)
         groups.append(GroupTable(
             name=name, lo=lo, hi=hi,
@@ -88,15 +80,14 @@ def _fixed_time_s(graph: ModelGraph, config: ParallelConfig, cluster, pre, post)
 
 def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
                  fixed_recompute: str | None = None, with_tail: bool = False,
-                 cache: LayerCostCache | None = None, tail_table: bool = True) -> Tables:
+                 tail_table: bool = True) -> Tables:
     """The tables of one configuration. `with_tail`: the even partition's step-end time as a
     fixed term (a fixed partition's report); else, with `tail_table`, the step-end time per
     rank and block count (`rank_tail_ns`) that the search minimises with the step."""
-    cache = cache or LayerCostCache()
     modes = allowed_modes(config, fixed_recompute)
-    groups, largest_gather = _group_tables(graph, config, cluster, cache)
-    pre = cache.get(graph.pre, graph, config, cluster, "none")
-    post = cache.get(graph.post, graph, config, cluster, "none")
+    groups, largest_gather = _group_tables(graph, config, cluster)
+    pre = layer_cost(graph.pre, graph, config, cluster, "none")
+    post = layer_cost(graph.post, graph, config, cluster, "none")
     chunks = num_virtual_stages(config)
     fixed_time = _fixed_time_s(graph, config, cluster, pre, post)
     buffers = (cost_memory.pipeline_buffer_bytes(graph, config)
@@ -121,12 +112,12 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
         fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
         fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
         modes=modes,
-        tail_ns=None if with_tail or not tail_table else rank_tail_ns(graph, config, cluster, pre, post, cache),
+        tail_ns=None if with_tail or not tail_table else rank_tail_ns(graph, config, cluster, pre, post),
     )
 
 
-def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre, post,
-                 cache: LayerCostCache) -> tuple[RankTails, ...] | None:
+def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre,
+                 post) -> tuple[RankTails, ...] | None:
     """Per rank and block count n = 0..L: the step-end time (exposed DP sync + optimizer,
     `cost.step`) of the rank holding n blocks, for a model of one group of identical blocks.
     These read only the rank's parameter counts and backward time, which recomputation
@@ -135,7 +126,7 @@ def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre, post,
     if len(runs) != 1:
         return None
     block = graph.segment(runs[0][2])
-    costs = [cache.get(block, graph, config, cluster, mode) for mode in MODES]
+    costs = [layer_cost(block, graph, config, cluster, mode) for mode in MODES]
     if len({(c.bwd_s, c.dense_params, c.expert_params) for c in costs}) != 1:
         return None
     chunks = num_virtual_stages(config)
@@ -182,14 +173,12 @@ def pipeline_slots(config: ParallelConfig) -> float:
     return config.num_microbatches + cost_pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp)
 
 
-def time_lower_bound_ns(graph: ModelGraph, config: ParallelConfig, cluster,
-                        cache: LayerCostCache | None = None) -> float:
+def time_lower_bound_ns(graph: ModelGraph, config: ParallelConfig, cluster) -> float:
     """`lower_bound_ns(build_tables(graph, config, cluster), memory_aware=False)`, the same
     number, without the memory terms it does not read (the search bounds every family by it)."""
-    cache = cache or LayerCostCache()
-    groups, _ = _group_tables(graph, config, cluster, cache)
-    pre = cache.get(graph.pre, graph, config, cluster, "none")
-    post = cache.get(graph.post, graph, config, cluster, "none")
+    groups, _ = _group_tables(graph, config, cluster)
+    pre = layer_cost(graph.pre, graph, config, cluster, "none")
+    post = layer_cost(graph.post, graph, config, cluster, "none")
     fixed_time_ns = [_ns(t) for t in _fixed_time_s(graph, config, cluster, pre, post)]
     return _balanced_ns(pipeline_slots(config), config.pp, groups, fixed_time_ns, 0.0, [_ns(0.0)] * config.pp)
 
