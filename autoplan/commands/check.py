@@ -8,8 +8,11 @@ or not against the GPU's memory.
 
 How the dry-run total is formed: the step runs one micro-batch per stage, so the activations
 of the other micro-batches a pipeline schedule keeps in flight are added as (in-flight - 1) x
-the measured activations, in-flight being the schedule count the cost model uses; and the
-CUDA context and allocator overhead, which fake tensors cannot see, is the cost model's.
+the activations one micro-batch keeps for its backward (those held when the stage's last
+block returns), in-flight being the schedule count the cost model uses. What the stage
+allocates after its blocks (the last stage's logits and loss) is held for the running
+micro-batch only and is not multiplied. The CUDA context and allocator overhead, which fake
+tensors cannot see, is the cost model's.
 """
 
 from __future__ import annotations
@@ -40,19 +43,22 @@ def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float) -> 
     model = dict(stage_estimate.get("memory_breakdown_gib", {}))
     in_flight = max(1.0, float(stage_estimate.get("in_flight", 1.0)))
     dry = {name: run.category_max.get(name, 0) / GIB for name in ROWS}
-    extra_activations = (in_flight - 1.0) * run.at_peak.get("activations", 0)
-    dry["activations"] *= in_flight
+    held = min(run.held_activations, run.category_max.get("activations", 0))
+    extra_activations = (in_flight - 1.0) * held
+    dry["activations"] += extra_activations / GIB
     overhead = float(model.get("overhead", 0.0))
     total = (run.peak_bytes + extra_activations) / GIB + overhead
     rows = [{"category": name, "dry_run_gib": dry[name], "model_gib": model.get(name),
-             "ratio": _ratio(dry[name], model.get(name))} for name in ROWS]
+             "ratio": _ratio(dry[name], model.get(name)),
+             "at_peak_gib": run.at_peak.get(name, 0) / GIB} for name in ROWS]
     rows.append({"category": "overhead (model's)", "dry_run_gib": overhead, "model_gib": overhead,
                  "ratio": 1.0 if overhead else None})
     model_total = stage_estimate.get("memory_gib")
     rows.append({"category": "total at peak", "dry_run_gib": total, "model_gib": model_total,
                  "ratio": _ratio(total, model_total)})
     return {"rank": run.rank, "pipeline_rank": run.pp_rank, "stages": run.stage_ids,
-            "in_flight_microbatches": in_flight, "seconds": seconds, "memory": rows,
+            "in_flight_microbatches": in_flight,
+            "held_activations_gib": held / GIB, "seconds": seconds, "memory": rows,
             "peak_gib": total, "spare_gib": gpu_bytes / GIB - total,
             "collectives": [dict(r, gib=r["bytes"] / GIB) for r in summarise(run.collectives)]}
 

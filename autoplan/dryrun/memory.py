@@ -41,6 +41,11 @@ class StepMemoryTracker(MemTracker):
             for name, size in by_category(snap).items():
                 self.category_max[name] = max(self.category_max.get(name, 0), size)
 
+    def current(self, name: str) -> int:
+        """Bytes of one autoplan category held now."""
+        snap = next(iter(self._curr_mem_snap.values()), {})
+        return by_category(snap).get(name, 0)
+
     def peak(self) -> tuple[int, dict[str, int]]:
         """(peak bytes, categories at that moment) of the one device the step ran on."""
         snap = next(iter(self._peak_mem_snap.values()), {})

@@ -145,3 +145,35 @@ def test_a_failed_rank_is_one_user_error_naming_it():
     with pytest.raises(UserError, match=r"rank 2 \(pipeline rank 1 of 2\) failed: RuntimeError: "
                                         r"Could not resolve the process group registered under 7"):
         _result(future, plan, 2)
+
+
+def _stage_param_counts(plan: Plan) -> list[tuple[int, int]]:
+    """(parameters, parameters of its largest FSDP group) of each pipeline stage of the tiny
+    model: stage 0 holds the embedding, the last the final norm and head; each block is its
+    own FSDP group, the rest of the stage the root group."""
+    named = dict(build_from_ref(plan.model, verify=False).named_parameters())
+    counts = []
+    for index, blocks in enumerate(plan.stages):
+        roots = ("embed_tokens.",) if index == 0 else ("norm.", "lm_head.")
+        groups = [sum(p.numel() for name, p in named.items() if name.startswith(block + "."))
+                  for block in blocks]
+        groups.append(sum(p.numel() for name, p in named.items() if name.startswith(roots)))
+        counts.append((sum(groups), max(groups)))
+    return counts
+
+
+def test_pipelined_zero2_holds_unsharded_fp32_gradients_and_gathered_parameters(tmp_path):
+    # torch.distributed.pipelining runs every micro-batch's backward with FSDP's gradient sync
+    # and reshard-after-backward off, so a stage holds its gradients unsharded in fp32 (4
+    # bytes a parameter) and its bf16 parameters gathered (2 bytes) beside the fp32 shard
+    # (4 / dp) until the step's reduction. At the peak the gradients are the fp32 sum plus at
+    # most the bf16 gradients of the one FSDP group whose backward is folding into it.
+    path = _plan_file(tmp_path, zero_stage=2, **_PIPELINE)
+    plan = Plan.load(path)
+    assert plan.num_microbatches >= 2
+    report = check_plan(path, workers=2)
+    for rank, (params, largest_group) in zip(report["ranks"], _stage_param_counts(plan)):
+        rows = {row["category"]: row for row in rank["memory"]}
+        assert rows["parameters"]["dry_run_gib"] * 2**30 == 4 * params // plan.dp + 2 * params
+        gradients = rows["gradients"]["at_peak_gib"] * 2**30
+        assert 4 * params <= gradients <= 4 * params + 2 * largest_group, rank["rank"]
