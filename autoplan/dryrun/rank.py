@@ -5,7 +5,10 @@ training step, memory tracked by category (torch's MemTracker) and collectives l
 What one step is here: each pipeline stage this rank holds runs one micro-batch forward and
 backward (the schedule's order and the other micro-batches are not replayed; the activations
 of the micro-batches a schedule keeps in flight are the caller's multiplication), then the
-runtime's gradient synchronisation and the optimizer step. Optimizer state is created by a
+runtime's gradient synchronisation and the optimizer step. A pipelined FSDP stage runs as
+torch.distributed.pipelining runs it: every micro-batch's backward without gradient sync or
+resharding, one untracked micro-batch first so that the measured one starts with the fp32
+gradients accumulated and the parameters gathered, then the stage's end-of-step reduction. Optimizer state is created by a
 step outside the tracked one, so the tracked step sees it resident, as every step after the
 first does. Tensors are fake CPU tensors: the runtime builds its mesh on the fake group with
 device "cpu"; no memory is allocated.
@@ -22,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.dryrun.collectives import Collective, CollectiveLog
-from autoplan.dryrun.memory import StepMemoryTracker
+from autoplan.dryrun.memory import StepMemoryTracker, Window
 from autoplan.plan import Plan
 from autoplan.trace.fake_group import fake_process_group
 
@@ -41,10 +44,12 @@ class RankRun:
     category_max: dict[str, int]  # category -> its own maximum over the step
     collectives: list[Collective] = field(default_factory=list)
     boundary: Boundary = field(default_factory=list)
-    # activations a micro-batch keeps for its backward (held when the stage's last block
-    # returns), the largest over this rank's stages; what the stage allocates after that (the
-    # head's logits and loss on the last stage) lives only while its own micro-batch runs
-    held_activations: int = 0
+    # per stage this rank holds: the activations its micro-batch keeps for the backward
+    # (held when the stage's last block returns, above what was held before the stage ran)
+    # and the memory window of that micro-batch; what the stage allocates after its blocks
+    # (the head's logits and loss on the last stage) lives only while its micro-batch runs
+    microbatches: list[tuple[int, Window]] = field(default_factory=list)
+    reduction: Window = field(default_factory=Window)  # gradient sync and optimizer step
 
 
 def representative_ranks(plan: Plan) -> list[int]:
@@ -139,11 +144,11 @@ def _held_after_blocks(part: nn.Module, last_block: str, tracker: StepMemoryTrac
         block = part.get_submodule(last_block)
     except AttributeError:
         block = part
-    seen = len(held)
+    seen, before = len(held), tracker.current("activations")
 
     def record(*_) -> None:  # the forward's call only, not a recomputation in the backward
         if len(held) == seen:
-            held.append(tracker.current("activations"))
+            held.append(tracker.current("activations") - before)
 
     handle = block.register_forward_hook(record)
     try:
@@ -261,8 +266,10 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             held: list[int] = []
             with tracker, log:
                 for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
+                    tracker.open(f"stage {stage_id}")
                     handed_on = _run_part(trainer, part, stage_id, boundary, log, tracker, held)
                     boundary = boundary or handed_on
+                tracker.open("reduction")
                 if pipelined_fsdp(plan):
                     for part in trainer.par.parts:
                         _reduce_grads(part)
@@ -272,4 +279,14 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
                     opt.zero_grad(set_to_none=True)
         peak, at_peak = tracker.peak()
         return RankRun(rank, mesh.pp_rank, list(trainer.par.stage_ids), peak, at_peak,
-                       dict(tracker.category_max), log.calls, boundary, max(held, default=0))
+                       dict(tracker.category_max), log.calls, boundary,
+                       _microbatch_windows(tracker, trainer.par.stage_ids, held),
+                       tracker.windows["reduction"])
+
+
+def _microbatch_windows(tracker: StepMemoryTracker, stage_ids: list[int],
+                        held: list[int]) -> list[tuple[int, Window]]:
+    if len(held) != len(stage_ids):
+        raise RuntimeError(f"the activations after the last block were seen for {len(held)} "
+                           f"of this rank's {len(stage_ids)} stages")
+    return [(h, tracker.windows[f"stage {s}"]) for h, s in zip(held, stage_ids)]
