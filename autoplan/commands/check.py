@@ -61,11 +61,22 @@ def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float) -> 
                  "ratio": _ratio(total, model_total), "at_peak_gib": total})
     return {"rank": run.rank, "pipeline_rank": run.pp_rank, "stages": run.stage_ids,
             "in_flight_microbatches": in_flight, "held_activations_gib": held / GIB,
-            "held_activations_gib_by_stage": {str(stage): h / GIB for stage, (h, _) in
-                                              zip(run.stage_ids, run.microbatches)},
+            "activations_by_stage": _activations_by_stage(run),
             "seconds": seconds, "memory": rows, "peak_gib": total,
             "spare_gib": gpu_bytes / GIB - total,
             "collectives": [dict(r, gib=r["bytes"] / GIB) for r in summarise(run.collectives)]}
+
+
+def _activations_by_stage(run) -> dict[str, dict[str, float]]:
+    """Per stage (GiB): activations held when it started (left by what ran before), those its
+    micro-batch keeps for the backward, and the most it held beyond both after its blocks."""
+    report = {}
+    for stage, (held, window) in zip(run.stage_ids, run.microbatches):
+        before = window.at_start.get("activations", 0)
+        after = window.category_max.get("activations", 0) - before - held
+        report[str(stage)] = {"before": before / GIB, "kept_for_backward": held / GIB,
+                              "after_blocks": after / GIB}
+    return report
 
 
 def _worst_moment(run, in_flight_held: float) -> tuple[float, dict]:

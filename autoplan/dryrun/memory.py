@@ -35,6 +35,7 @@ class Window:
     peak: int = 0
     at_peak: dict[str, int] = field(default_factory=dict)
     category_max: dict[str, int] = field(default_factory=dict)
+    at_start: dict[str, int] = field(default_factory=dict)
 
     def update(self, total: int, folded: dict[str, int]) -> None:
         if total > self.peak:
@@ -55,8 +56,8 @@ class StepMemoryTracker(MemTracker):
 
     def open(self, name: str) -> None:
         """Start a window: later allocations count towards it until the next one opens."""
-        self._window = self.windows[name] = Window()
         snap = next(iter(self._curr_mem_snap.values()), {})
+        self._window = self.windows[name] = Window(at_start=by_category(snap))
         self._window.update(int(snap.get(TOTAL_KEY, 0)), by_category(snap))
 
     def _update_peak_stats(self, peak_state) -> None:
