@@ -177,3 +177,26 @@ def test_pipelined_zero2_holds_unsharded_fp32_gradients_and_gathered_parameters(
         assert rows["parameters"]["dry_run_gib"] * 2**30 == 4 * params // plan.dp + 2 * params
         gradients = rows["gradients"]["at_peak_gib"] * 2**30
         assert 4 * params <= gradients <= 4 * params + 2 * largest_group, rank["rank"]
+
+
+def test_only_what_a_micro_batch_keeps_is_multiplied_by_those_in_flight():
+    # Two stages on one rank (interleaved): the other micro-batches in flight keep both
+    # stages' activations (in-flight counts whole-stage micro-batches, as the cost model
+    # does); what the last stage allocates after its blocks (logits, loss: 700 - 300 = 400
+    # bytes here) is held for the running micro-batch only.
+    from autoplan.commands.check import GIB, rank_report
+    from autoplan.dryrun.memory import Window
+    from autoplan.dryrun.rank import RankRun
+
+    first = Window(peak=1000, at_peak={"activations": 150}, category_max={"activations": 200})
+    last = Window(peak=2000, at_peak={"activations": 700}, category_max={"activations": 700})
+    drained = Window(peak=2500, at_peak={"gradients": 2500}, category_max={"gradients": 2500})
+    run = RankRun(rank=0, pp_rank=0, stage_ids=[3, 7], peak_bytes=2500, at_peak={},
+                  category_max={"activations": 700}, microbatches=[(200, first), (300, last)],
+                  reduction=drained)
+    report = rank_report(run, 0.0, {"in_flight": 2.5, "memory_breakdown_gib": {}}, 80 * GIB)
+    rows = {row["category"]: row for row in report["memory"]}
+    held = 2.5 * (200 + 300)
+    assert rows["activations"]["dry_run_gib"] * GIB == 700 + held - 300
+    assert rows["total at peak"]["dry_run_gib"] * GIB == 2000 + held - 300  # > the drained 2500
+    assert rows["activations"]["at_peak_gib"] * GIB == 700 + held - 300
