@@ -84,6 +84,31 @@ def _mesh_tensors_outside_fake_mode():
         DeviceMesh.__init__, DeviceMesh.mesh = init, mesh
 
 
+@contextlib.contextmanager
+def _sharding_propagation_in_its_own_fake_mode():
+    """DTensor derives an op's global output shape by running it on fake global-shape tensors
+    (ShardingPropagator._propagate_tensor_meta_non_cached) in `detect_fake_mode() or
+    FakeTensorMode()`: on a GPU a fresh fake mode, allocating nothing. Inside the dry run it
+    would find the step's own fake mode, and MemTracker, which skips only ops of another fake
+    mode than the one it was entered in, would count those global tensors as memory (under
+    loss_parallel: fp32 logits of the full vocabulary). With the step's mode set aside the
+    propagation gets its fresh mode, as on a GPU."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def own_mode(self, op_schema):
+        with unset_fake_temporarily():
+            return propagate(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = own_mode
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
 def _fake_inputs(boundary: Boundary) -> list[torch.Tensor]:
     return [torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in boundary]
 
@@ -251,7 +276,8 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
     from autoplan.runtime.loop import Trainer
     from autoplan.runtime.mesh import build_mesh
 
-    with fake_process_group(plan.world_size, rank), _mesh_tensors_outside_fake_mode():
+    with fake_process_group(plan.world_size, rank), _mesh_tensors_outside_fake_mode(), \
+            _sharding_propagation_in_its_own_fake_mode():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
         with FakeTensorMode(allow_non_fake_inputs=True):
