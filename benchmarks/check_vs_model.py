@@ -1,5 +1,7 @@
-"""Dry-run (`autoplan check`) vs cost-model memory per rank, for the example plans and small
-variants of the tiny one: the ratio per category and the wall time of each check.
+"""Dry-run (`autoplan check`) vs cost-model memory per rank, for small variants of the tiny
+plan (one a two-stage pipeline with ZeRO-2 over two micro-batches) and the 8B and 70B example
+plans: each category's dry-run maximum, the cost model's, their ratio, the category at the
+rank's worst moment, and the wall time of each check (the 70B one takes minutes).
 
     python benchmarks/check_vs_model.py [PLAN ...]
 """
@@ -15,14 +17,17 @@ from autoplan.commands.check import check_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "generated" / "tiny-gpt-4xcpu" / "plan.json"
-VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
+VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
+            "pp2 zero2": {"zero_stage": 2, "pp": 2, "dp": 2,
+                          "stages": [["layers.0"], ["layers.1"]]}}
+EXAMPLES = ["llama3.1-8b-8xh100-sxm-80gb", "llama3.1-70b-64xh100-sxm-80gb"]
 
 
 def variant_files(directory: Path) -> list[tuple[str, str]]:
     data = json.loads(TINY.read_text())
     files = []
     for name, changes in VARIANTS.items():
-        path = directory / f"tiny-{name}.json"
+        path = directory / f"tiny-{name.replace(' ', '-')}.json"
         path.write_text(json.dumps({**data, **changes}))
         files.append((f"tiny-gpt {name}", str(path)))
     return files
@@ -30,16 +35,24 @@ def variant_files(directory: Path) -> list[tuple[str, str]]:
 
 def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [(p, p) for p in argv] or variant_files(Path(tmp))
-        print(f"{'case':28} {'rank':>4} {'category':14} {'dry GiB':>9} {'model GiB':>9} {'ratio':>6}  wall s")
+        cases = [(p, p) for p in argv] or variant_files(Path(tmp)) + [
+            (name, str(ROOT / "generated" / name)) for name in EXAMPLES]
+        print(f"{'case':30} {'rank':>4} {'in flight':>9} {'category':18} {'dry GiB':>9} "
+              f"{'model GiB':>9} {'ratio':>6} {'at peak':>9}  wall s")
         for name, path in cases:
             report = check_plan(path, workers=2)
             for rank in report["ranks"]:
                 for row in rank["memory"]:
-                    model = "" if row["model_gib"] is None else f"{row['model_gib']:.4f}"
-                    ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
-                    print(f"{name:28} {rank['rank']:>4} {row['category']:14} {row['dry_run_gib']:9.4f} "
-                          f"{model:>9} {ratio:>6}  {report['wall_s']:.0f}")
+                    print(_line(name, rank, row, report["wall_s"]))
+            sys.stdout.flush()
+
+
+def _line(name: str, rank: dict, row: dict, wall_s: float) -> str:
+    model = "" if row["model_gib"] is None else f"{row['model_gib']:.4f}"
+    ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
+    return (f"{name:30} {rank['rank']:>4} {rank['in_flight_microbatches']:9g} {row['category']:18} "
+            f"{row['dry_run_gib']:9.4f} {model:>9} {ratio:>6} {row['at_peak_gib']:9.4f}  "
+            f"{wall_s:.0f}")
 
 
 if __name__ == "__main__":

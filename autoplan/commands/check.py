@@ -7,9 +7,14 @@ bytes are set beside the cost model's estimate of the same plan, and the job is 
 or not against the GPU's memory.
 
 How the dry-run total is formed: the step runs one micro-batch per stage, so the activations
-of the other micro-batches a pipeline schedule keeps in flight are added as (in-flight - 1) x
-the measured activations, in-flight being the schedule count the cost model uses; and the
-CUDA context and allocator overhead, which fake tensors cannot see, is the cost model's.
+of the other micro-batches a pipeline schedule keeps in flight are added: in-flight x what one
+micro-batch keeps for its backward on this rank (summed over its stages, each measured when
+the stage's last block returns), less the running stage's own, in-flight being the schedule
+count the cost model uses (whole-stage micro-batches, as interleaved schedules count them).
+What a stage allocates after its blocks (the last stage's logits and loss) is held for the
+running micro-batch only and is not multiplied. The gradient reduction and optimizer step,
+after the schedule has drained, are a moment of their own. The CUDA context and allocator
+overhead, which fake tensors cannot see, is the cost model's.
 """
 
 from __future__ import annotations
@@ -39,22 +44,52 @@ def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float) -> 
 
     model = dict(stage_estimate.get("memory_breakdown_gib", {}))
     in_flight = max(1.0, float(stage_estimate.get("in_flight", 1.0)))
+    held = sum(h for h, _ in run.microbatches)
     dry = {name: run.category_max.get(name, 0) / GIB for name in ROWS}
-    extra_activations = (in_flight - 1.0) * run.at_peak.get("activations", 0)
-    dry["activations"] *= in_flight
+    dry["activations"] = max(window.category_max.get("activations", 0) + in_flight * held - h
+                             for h, window in run.microbatches) / GIB
+    peak, at_peak = _worst_moment(run, in_flight * held)
     overhead = float(model.get("overhead", 0.0))
-    total = (run.peak_bytes + extra_activations) / GIB + overhead
+    total = peak / GIB + overhead
     rows = [{"category": name, "dry_run_gib": dry[name], "model_gib": model.get(name),
-             "ratio": _ratio(dry[name], model.get(name))} for name in ROWS]
+             "ratio": _ratio(dry[name], model.get(name)),
+             "at_peak_gib": at_peak.get(name, 0) / GIB} for name in ROWS]
     rows.append({"category": "overhead (model's)", "dry_run_gib": overhead, "model_gib": overhead,
-                 "ratio": 1.0 if overhead else None})
+                 "ratio": 1.0 if overhead else None, "at_peak_gib": overhead})
     model_total = stage_estimate.get("memory_gib")
     rows.append({"category": "total at peak", "dry_run_gib": total, "model_gib": model_total,
-                 "ratio": _ratio(total, model_total)})
+                 "ratio": _ratio(total, model_total), "at_peak_gib": total})
     return {"rank": run.rank, "pipeline_rank": run.pp_rank, "stages": run.stage_ids,
-            "in_flight_microbatches": in_flight, "seconds": seconds, "memory": rows,
-            "peak_gib": total, "spare_gib": gpu_bytes / GIB - total,
+            "in_flight_microbatches": in_flight, "held_activations_gib": held / GIB,
+            "activations_by_stage": _activations_by_stage(run),
+            "seconds": seconds, "memory": rows, "peak_gib": total,
+            "spare_gib": gpu_bytes / GIB - total,
             "collectives": [dict(r, gib=r["bytes"] / GIB) for r in summarise(run.collectives)]}
+
+
+def _activations_by_stage(run) -> dict[str, dict[str, float]]:
+    """Per stage (GiB): activations held when it started (left by what ran before), those its
+    micro-batch keeps for the backward, and the most it held beyond both after its blocks."""
+    report = {}
+    for stage, (held, window) in zip(run.stage_ids, run.microbatches):
+        before = window.at_start.get("activations", 0)
+        after = window.category_max.get("activations", 0) - before - held
+        report[str(stage)] = {"before": before / GIB, "kept_for_backward": held / GIB,
+                              "after_blocks": after / GIB}
+    return report
+
+
+def _worst_moment(run, in_flight_held: float) -> tuple[float, dict]:
+    """(bytes, categories) of the step's worst moment: while a stage's micro-batch runs, the
+    other micro-batches in flight add what they keep (in-flight x the rank's per-micro-batch
+    activations, less the running stage's own, which its window already counts); by the
+    reduction and optimizer step the schedule has drained them."""
+    moments = [(window.peak + in_flight_held - h,
+                dict(window.at_peak, activations=window.at_peak.get("activations", 0)
+                     + in_flight_held - h))
+               for h, window in run.microbatches]
+    moments.append((run.reduction.peak, run.reduction.at_peak))
+    return max(moments, key=lambda m: m[0])
 
 
 def _ratio(dry: float, model) -> float | None:

@@ -5,7 +5,10 @@ training step, memory tracked by category (torch's MemTracker) and collectives l
 What one step is here: each pipeline stage this rank holds runs one micro-batch forward and
 backward (the schedule's order and the other micro-batches are not replayed; the activations
 of the micro-batches a schedule keeps in flight are the caller's multiplication), then the
-runtime's gradient synchronisation and the optimizer step. Optimizer state is created by a
+runtime's gradient synchronisation and the optimizer step. A pipelined FSDP stage runs as
+torch.distributed.pipelining runs it: every micro-batch's backward without gradient sync or
+resharding, one untracked micro-batch first so that the measured one starts with the fp32
+gradients accumulated and the parameters gathered, then the stage's end-of-step reduction. Optimizer state is created by a
 step outside the tracked one, so the tracked step sees it resident, as every step after the
 first does. Tensors are fake CPU tensors: the runtime builds its mesh on the fake group with
 device "cpu"; no memory is allocated.
@@ -22,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.dryrun.collectives import Collective, CollectiveLog
-from autoplan.dryrun.memory import StepMemoryTracker
+from autoplan.dryrun.memory import StepMemoryTracker, Window
 from autoplan.plan import Plan
 from autoplan.trace.fake_group import fake_process_group
 
@@ -41,6 +44,12 @@ class RankRun:
     category_max: dict[str, int]  # category -> its own maximum over the step
     collectives: list[Collective] = field(default_factory=list)
     boundary: Boundary = field(default_factory=list)
+    # per stage this rank holds: the activations its micro-batch keeps for the backward
+    # (held when the stage's last block returns, above what was held before the stage ran)
+    # and the memory window of that micro-batch; what the stage allocates after its blocks
+    # (the head's logits and loss on the last stage) lives only while its micro-batch runs
+    microbatches: list[tuple[int, Window]] = field(default_factory=list)
+    reduction: Window = field(default_factory=Window)  # gradient sync and optimizer step
 
 
 def representative_ranks(plan: Plan) -> list[int]:
@@ -75,6 +84,31 @@ def _mesh_tensors_outside_fake_mode():
         DeviceMesh.__init__, DeviceMesh.mesh = init, mesh
 
 
+@contextlib.contextmanager
+def _sharding_propagation_in_its_own_fake_mode():
+    """DTensor derives an op's global output shape by running it on fake global-shape tensors
+    (ShardingPropagator._propagate_tensor_meta_non_cached) in `detect_fake_mode() or
+    FakeTensorMode()`: on a GPU a fresh fake mode, allocating nothing. Inside the dry run it
+    would find the step's own fake mode, and MemTracker, which skips only ops of another fake
+    mode than the one it was entered in, would count those global tensors as memory (under
+    loss_parallel: fp32 logits of the full vocabulary). With the step's mode set aside the
+    propagation gets its fresh mode, as on a GPU."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def own_mode(self, op_schema):
+        with unset_fake_temporarily():
+            return propagate(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = own_mode
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
 def _fake_inputs(boundary: Boundary) -> list[torch.Tensor]:
     return [torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in boundary]
 
@@ -92,19 +126,81 @@ def _p2p(kind: str, boundary: Boundary, grads_only: bool = False) -> list[Collec
             for shape, dtype, grad in boundary if grad or not grads_only]
 
 
+def pipelined_fsdp(plan: Plan) -> bool:
+    """Whether the step runs FSDP stages through torch.distributed.pipelining, which keeps
+    every micro-batch's gradients unsharded and its parameters gathered until the step ends."""
+    return plan.pp > 1 and plan.zero_stage >= 2
+
+
+def _accumulate_without_sync(part: nn.Module) -> None:
+    """The FSDP flags a pipeline stage sets before every micro-batch's backward
+    (torch/distributed/pipelining/stage.py, _PipelineStageBase.backward_maybe_with_nosync,
+    FSDPModule branch, in this order): not the last backward, no reshard after backward, no
+    gradient sync. Gradients then accumulate unsharded in the reduce dtype (fp32; FSDPParam
+    .to_accumulated_grad_if_needed) and gathered parameters stay for the next micro-batch."""
+    part.set_is_last_backward(False)
+    part.set_reshard_after_backward(False)
+    part.set_requires_gradient_sync(False)
+
+
+def _reduce_grads(part: nn.Module) -> None:
+    """The stage's end-of-step gradient reduction, torch's own code: PipelineStage's
+    perform_reduce_grad (the schedule's REDUCE_GRAD after the last backward) sets the three
+    flags back to True, runs every FSDP parameter group's post_backward (reduce-scatter,
+    reshard) and the root's final callback. It only reads `submod`; grad_scale_factor 1 skips
+    the in-place division by the micro-batch count, which moves no memory."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=part), 1)
+
+
+@contextlib.contextmanager
+def _held_after_blocks(part: nn.Module, last_block: str, tracker: StepMemoryTracker | None,
+                       held: list[int]):
+    """Append to `held` the activations the tracker holds when `last_block` (the stage's last
+    block) returns from its forward: what a pipeline schedule keeps per micro-batch in flight.
+    Without the block (a part that renames it) the whole forward's activations are taken."""
+    if tracker is None:
+        yield
+        return
+    try:
+        block = part.get_submodule(last_block)
+    except AttributeError:
+        block = part
+    seen, before = len(held), tracker.current("activations")
+
+    def record(*_) -> None:  # the forward's call only, not a recomputation in the backward
+        if len(held) == seen:
+            held.append(tracker.current("activations") - before)
+
+    handle = block.register_forward_hook(record)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary,
-              log: CollectiveLog) -> Boundary:
+              log: CollectiveLog, tracker: StepMemoryTracker | None = None,
+              held: list[int] | None = None) -> Boundary:
     """One micro-batch forward and backward through one stage, its pipeline sends and receives
-    added to `log`; the stage's outputs as a boundary."""
+    added to `log`; the stage's outputs as a boundary. With a tracker, the activations held
+    after the stage's blocks are appended to `held`."""
     from autoplan.runtime.loop import token_loss
     from autoplan.runtime.model_io import logits_of
 
     plan = trainer.plan
     first, last = stage_id == 0, stage_id == plan.pp * plan.vpp - 1
     tokens = torch.zeros(plan.micro_batch, plan.seq_len // plan.cp, dtype=torch.long)
-    if trainer.par.fsdp:
+    if pipelined_fsdp(plan):
+        _accumulate_without_sync(part)
+    elif trainer.par.fsdp:
         trainer._fsdp_microbatch(part, True)
-    with trainer._context():
+    last_block = plan.stages[stage_id][-1] if plan.stages else ""
+    with trainer._context(), _held_after_blocks(part, last_block, tracker,
+                                                held if held is not None else []):
         if first and plan.pp == 1:
             out = part(tokens, **trainer.model_call.kwargs(tokens, trainer.token_positions,
                                                           zigzag=plan.cp > 1))
@@ -133,6 +229,43 @@ def _warm_optimizers(trainer) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def _earlier_microbatch(trainer, boundary: Boundary) -> None:
+    """One untracked micro-batch through every stage before the measured one, so that the
+    measured micro-batch starts where a later one of a pipelined step does: the fp32
+    gradients accumulated and the parameters gathered by the micro-batches before it."""
+    scratch = CollectiveLog()  # never entered: its p2p records are dropped
+    for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
+        handed_on = _run_part(trainer, part, stage_id, boundary, scratch)
+        boundary = boundary or handed_on
+
+
+def _track_fsdp_state(tracker: StepMemoryTracker, parts: list[nn.Module]) -> None:
+    """Mark what FSDP holds outside module.parameters() before the tracked step: sharded
+    parameters while the unsharded ones are registered (parameters), gathered parameters
+    and fp32 gradients accumulated across micro-batches (gradients). Untracked, the
+    accumulated gradients would show up as temporaries when first touched."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        for module in part.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    _track_fsdp_param(tracker, fsdp_param, _MemRefType)
+
+
+def _track_fsdp_param(tracker: StepMemoryTracker, fsdp_param, ref) -> None:
+    tracker._update_and_maybe_create_winfos(fsdp_param._sharded_param_data, ref.PARAM)
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if unsharded is not None and unsharded.untyped_storage().size() > 0:
+        tracker._update_and_maybe_create_winfos(unsharded, ref.PARAM)
+    if fsdp_param.unsharded_accumulated_grad is not None:
+        tracker._update_and_maybe_create_winfos(fsdp_param.unsharded_accumulated_grad, ref.GRAD)
+
+
 def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, rank: int,
              boundary: Boundary) -> RankRun:
     """Dry-run one step of `plan` as global rank `rank`; `boundary`: stage 0's outputs (empty
@@ -143,23 +276,43 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
     from autoplan.runtime.loop import Trainer
     from autoplan.runtime.mesh import build_mesh
 
-    with fake_process_group(plan.world_size, rank), _mesh_tensors_outside_fake_mode():
+    with fake_process_group(plan.world_size, rank), _mesh_tensors_outside_fake_mode(), \
+            _sharding_propagation_in_its_own_fake_mode():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
         with FakeTensorMode(allow_non_fake_inputs=True):
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
                               ddp=False)
             _warm_optimizers(trainer)
+            if pipelined_fsdp(plan) and plan.num_microbatches > 1:
+                _earlier_microbatch(trainer, boundary)
             tracker, log = StepMemoryTracker(), CollectiveLog()
             tracker.track_external(*trainer.par.parts, *trainer.optimizers)
+            _track_fsdp_state(tracker, trainer.par.parts)
+            held: list[int] = []
             with tracker, log:
                 for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
-                    handed_on = _run_part(trainer, part, stage_id, boundary, log)
+                    tracker.open(f"stage {stage_id}")
+                    handed_on = _run_part(trainer, part, stage_id, boundary, log, tracker, held)
                     boundary = boundary or handed_on
+                tracker.open("reduction")
+                if pipelined_fsdp(plan):
+                    for part in trainer.par.parts:
+                        _reduce_grads(part)
                 trainer._finish_grads()
                 for opt in trainer.optimizers:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
         peak, at_peak = tracker.peak()
         return RankRun(rank, mesh.pp_rank, list(trainer.par.stage_ids), peak, at_peak,
-                       dict(tracker.category_max), log.calls, boundary)
+                       dict(tracker.category_max), log.calls, boundary,
+                       _microbatch_windows(tracker, trainer.par.stage_ids, held),
+                       tracker.windows["reduction"])
+
+
+def _microbatch_windows(tracker: StepMemoryTracker, stage_ids: list[int],
+                        held: list[int]) -> list[tuple[int, Window]]:
+    if len(held) != len(stage_ids):
+        raise RuntimeError(f"the activations after the last block were seen for {len(held)} "
+                           f"of this rank's {len(stage_ids)} stages")
+    return [(h, tracker.windows[f"stage {s}"]) for h, s in zip(held, stage_ids)]

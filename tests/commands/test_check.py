@@ -145,3 +145,58 @@ def test_a_failed_rank_is_one_user_error_naming_it():
     with pytest.raises(UserError, match=r"rank 2 \(pipeline rank 1 of 2\) failed: RuntimeError: "
                                         r"Could not resolve the process group registered under 7"):
         _result(future, plan, 2)
+
+
+def _stage_param_counts(plan: Plan) -> list[tuple[int, int]]:
+    """(parameters, parameters of its largest FSDP group) of each pipeline stage of the tiny
+    model: stage 0 holds the embedding, the last the final norm and head; each block is its
+    own FSDP group, the rest of the stage the root group."""
+    named = dict(build_from_ref(plan.model, verify=False).named_parameters())
+    counts = []
+    for index, blocks in enumerate(plan.stages):
+        roots = ("embed_tokens.",) if index == 0 else ("norm.", "lm_head.")
+        groups = [sum(p.numel() for name, p in named.items() if name.startswith(block + "."))
+                  for block in blocks]
+        groups.append(sum(p.numel() for name, p in named.items() if name.startswith(roots)))
+        counts.append((sum(groups), max(groups)))
+    return counts
+
+
+def test_pipelined_zero2_holds_unsharded_fp32_gradients_and_gathered_parameters(tmp_path):
+    # torch.distributed.pipelining runs every micro-batch's backward with FSDP's gradient sync
+    # and reshard-after-backward off, so a stage holds its gradients unsharded in fp32 (4
+    # bytes a parameter) and its bf16 parameters gathered (2 bytes) beside the fp32 shard
+    # (4 / dp) until the step's reduction. At the peak the gradients are the fp32 sum plus at
+    # most the bf16 gradients of the one FSDP group whose backward is folding into it.
+    path = _plan_file(tmp_path, zero_stage=2, **_PIPELINE)
+    plan = Plan.load(path)
+    assert plan.num_microbatches >= 2
+    report = check_plan(path, workers=2)
+    for rank, (params, largest_group) in zip(report["ranks"], _stage_param_counts(plan)):
+        rows = {row["category"]: row for row in rank["memory"]}
+        assert rows["parameters"]["dry_run_gib"] * 2**30 == 4 * params // plan.dp + 2 * params
+        gradients = rows["gradients"]["at_peak_gib"] * 2**30
+        assert 4 * params <= gradients <= 4 * params + 2 * largest_group, rank["rank"]
+
+
+def test_only_what_a_micro_batch_keeps_is_multiplied_by_those_in_flight():
+    # Two stages on one rank (interleaved): the other micro-batches in flight keep both
+    # stages' activations (in-flight counts whole-stage micro-batches, as the cost model
+    # does); what the last stage allocates after its blocks (logits, loss: 700 - 300 = 400
+    # bytes here) is held for the running micro-batch only.
+    from autoplan.commands.check import GIB, rank_report
+    from autoplan.dryrun.memory import Window
+    from autoplan.dryrun.rank import RankRun
+
+    first = Window(peak=1000, at_peak={"activations": 150}, category_max={"activations": 200})
+    last = Window(peak=2000, at_peak={"activations": 700}, category_max={"activations": 700})
+    drained = Window(peak=2500, at_peak={"gradients": 2500}, category_max={"gradients": 2500})
+    run = RankRun(rank=0, pp_rank=0, stage_ids=[3, 7], peak_bytes=2500, at_peak={},
+                  category_max={"activations": 700}, microbatches=[(200, first), (300, last)],
+                  reduction=drained)
+    report = rank_report(run, 0.0, {"in_flight": 2.5, "memory_breakdown_gib": {}}, 80 * GIB)
+    rows = {row["category"]: row for row in report["memory"]}
+    held = 2.5 * (200 + 300)
+    assert rows["activations"]["dry_run_gib"] * GIB == 700 + held - 300
+    assert rows["total at peak"]["dry_run_gib"] * GIB == 2000 + held - 300  # > the drained 2500
+    assert rows["activations"]["at_peak_gib"] * GIB == 700 + held - 300
