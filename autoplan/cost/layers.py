@@ -50,6 +50,9 @@ class Runtime:
     allocator_reserve_fraction: memory the CUDA caching allocator reserves beyond the tensors,
     as a fraction of them (cost_models/allocator_reserve.toml); 0 reports allocated bytes.
     Where it is set, memory and feasibility are the reserved figure.
+    sp_saves_gathered_inputs: sequence-parallel column linears keep their all-gathered input
+    for backward (DTensor: autoplan's runtime, torchtitan) rather than the 1/tp shard
+    (Megatron-LM); memory.block_activation_bytes.
     """
 
     tp_comm_overlap: bool = False
@@ -58,6 +61,7 @@ class Runtime:
     flash_kernel: str = "flash2"
     selective_policy: str = "op"
     allocator_reserve_fraction: float = 0.0
+    sp_saves_gathered_inputs: bool = True
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -371,7 +375,11 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                              config.offload, runtime.fp32_module_weights)
     if fsdp_pipeline_unsharded(config):
         unsharded = params.dense + params.expert
-        dense_states["gradients"] += unsharded * memory.grad_reduce_bytes_per_param(config.precision)
+        # the unsharded fp32 sums accumulate over the micro-batches; the end-of-step
+        # reduce-scatter frees each group's sum as it makes its shard, so the peak is the sums
+        # (measured by `autoplan check`: 4 bytes per parameter, not 4 + 4/dp)
+        dense_states["gradients"] = unsharded * memory.grad_reduce_bytes_per_param(config.precision)
+        expert_states["gradients"] = 0.0
         if config.zero_stage >= 3:
             # the 16-bit gathered weights stay for the whole step, offloaded or not (FSDP2
             # all-gathers into GPU tensors); fp32 master shards stay too unless offloaded
@@ -386,7 +394,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                   + memory.host_state_bytes(params.expert, config.precision, config.zero_stage, expert_shard,
                                             config.offload, runtime.fp32_module_weights))
     activation = (sac.op_sac_activation_bytes(graph, block, config) if op_sac
-                  else memory.block_activation_bytes(graph, block, config, rc, flash_attention, policy))
+                  else memory.block_activation_bytes(graph, block, config, rc, flash_attention, policy,
+                                                     runtime.sp_saves_gathered_inputs))
     return LayerCost(
         name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
         recompute_s=recompute_s,

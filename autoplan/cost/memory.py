@@ -168,9 +168,13 @@ def replicated_saved_bytes(graph: ModelGraph, block: BlockInfo) -> float:
 
 def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
                            recompute: str, flash_attention: bool = True,
-                           selective_policy: str = "op") -> float:
+                           selective_policy: str = "op", sp_saves_gathered_inputs: bool = False) -> float:
     """Activation bytes one block copy keeps per micro-batch in flight on one rank: the
-    traced bytes of `recompute` (trace/activations.py) rescaled, TP/SP-divided."""
+    traced bytes of `recompute` (trace/activations.py) rescaled, TP/SP-divided.
+    `sp_saves_gathered_inputs`: under sequence parallelism the runtime's column-parallel
+    linears keep their all-gathered full-sequence input for backward (DTensor
+    parallelize_module, as autoplan's runtime and torchtitan run; measured by `autoplan
+    check`), where Megatron keeps the 1/tp shard and gathers it again in backward."""
     scale = _scale(graph, config)
     tp = config.tp
     saved = saved_bytes_by_mode(graph, block, selective_policy=selective_policy,
@@ -180,13 +184,23 @@ def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: Parallel
     if tp == 1:
         return saved * scale
     if config.sequence_parallel:
-        return saved * scale / tp
+        gathered = sp_gathered_input_bytes(graph, block) * scale * (1 - 1 / tp) \
+            if sp_saves_gathered_inputs else 0.0
+        return saved * scale / tp + gathered
     if recompute == "selective" and selective_policy == "op":
         replicated = sac_saved_bytes(graph, block)[1]
     else:
         replicated = replicated_saved_bytes(graph, block)
     replicated = min(replicated, saved)
     return (replicated + (saved - replicated) / tp) * scale
+
+
+def sp_gathered_input_bytes(graph: ModelGraph, block: BlockInfo) -> float:
+    """The full-sequence inputs of a block's column-parallel linears as traced: one block
+    input per tensor-parallel pair (q/k/v share one, gate/up another), two where the block
+    has no pairs on record (attention and MLP)."""
+    pairs = sum(1 for pair in graph.tensor_parallel if pair["block"] == block.name)
+    return (pairs or 2) * float(block.input_bytes)
 
 
 def fused_norm_excess_bytes(graph: ModelGraph, block: BlockInfo) -> float:

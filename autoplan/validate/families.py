@@ -40,6 +40,8 @@ def runtime_traits(family: str) -> dict[str, Any]:
     out: dict[str, Any] = {"fp32_module_weights": bool(traits.get("fp32_module_weights", False))}
     # Megatron's selective recomputation unless the family's rule says otherwise
     out["selective_policy"] = str(traits.get("selective_policy", "attention_core"))
+    # Megatron keeps sequence-parallel linear inputs sharded unless the family runs DTensor
+    out["sp_saves_gathered_inputs"] = bool(traits.get("sp_saves_gathered_inputs", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

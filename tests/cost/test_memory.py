@@ -114,3 +114,23 @@ def test_fsdp2_cpu_offload_leaves_only_the_gathered_weights_on_the_gpu():
     assert z3 == {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
     paper = memory.model_state_bytes(1e9, "bf16", 3, 8, "both")
     assert paper["gradients"] == pytest.approx(2e9 / 8)
+
+
+def test_dtensor_sequence_parallelism_keeps_the_gathered_linear_inputs():
+    # autoplan's runtime (DTensor) saves each column-parallel linear group's all-gathered
+    # input for backward, Megatron its 1/tp shard: the difference is one block input per
+    # tensor-parallel pair, times (1 - 1/tp)
+    from autoplan.cost.memory import block_activation_bytes, sp_gathered_input_bytes
+    from autoplan.trace.tracer import graph_for_config
+
+    graph = graph_for_config(dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                  vocab_size=256), 1, 32)
+    block = graph.blocks[0]
+    config = ParallelConfig(global_batch=4, seq_len=32, dp=1, tp=4, micro_batch=1, sequence_parallel=True)
+    dtensor = block_activation_bytes(graph, block, config, "none", sp_saves_gathered_inputs=True)
+    megatron = block_activation_bytes(graph, block, config, "none", sp_saves_gathered_inputs=False)
+    pairs = sum(1 for pair in graph.tensor_parallel if pair["block"] == block.name)
+    assert pairs == 2  # attention (q/k/v -> o) and MLP (gate/up -> down)
+    assert sp_gathered_input_bytes(graph, block) == 2 * block.input_bytes
+    assert dtensor - megatron == pytest.approx(2 * block.input_bytes * (1 - 1 / 4))

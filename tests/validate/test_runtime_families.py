@@ -62,9 +62,11 @@ def test_torchtitan_runtime_traits():
     traits = families.runtime_traits("torchtitan")
     assert traits["fp32_module_weights"] is True  # FSDP2 MixedPrecisionPolicy: fp32 shards
     assert traits["selective_policy"] == "op-every-other-mm"
+    assert traits["sp_saves_gathered_inputs"] is True  # DTensor sequence parallelism
     assert traits["allocator_reserve_fraction"] == families.allocator_reserve_fraction() > 0
     assert families.runtime_traits("megatron") == {"fp32_module_weights": False,
-                                                   "selective_policy": "attention_core"}
+                                                   "selective_policy": "attention_core",
+                                                   "sp_saves_gathered_inputs": False}
 
 
 def test_interleaved_torchtitan_run_takes_two_stages_per_rank():
