@@ -1,8 +1,8 @@
 """Plans the cost model cannot tell apart: the simpler one is preferred, the fastest reported.
 
-Llama 3.1 70B on 64 H100: the fastest plan offloads to the CPU (and may use the zero-bubble
-schedule or context parallelism), none validated against a published run; a plan without
-any of them is predicted a few percent slower, inside the model's median
+Llama 3.1 70B on 64 H100: the fastest plan uses mechanisms no published run validates (the
+zero-bubble schedule, CPU offload or context parallelism); a plan without them is predicted
+a few percent slower, inside the model's median
 |error| over the published runs of autoplan's runtime family, torchtitan (FSDP2/DTensor):
 12.8% (cost_models/validation/accuracy_summary.json, by_family).
 """
@@ -44,7 +44,6 @@ def test_within_the_band_the_plan_with_fewer_unvalidated_mechanisms_wins(jobs):
     assert r.status == "OPTIMAL"
     # the fastest plan is still proven and reported: the same as the search without preference
     assert r.fastest.step_time_s == pytest.approx(fastest_only.result.best.step_time_s, rel=1e-12)
-    assert "CPU offload" in mechanisms(r.fastest.config)
     assert len(mechanisms(r.best.config)) < len(mechanisms(r.fastest.config))
     assert r.fastest.step_time_s < r.best.step_time_s <= r.fastest.step_time_s * (1 + r.band)
     assert preferring.plan.offload == "none"
@@ -65,13 +64,17 @@ def test_runners_up_say_which_are_equivalent_and_are_not_duplicates(jobs):
 
 def test_the_70b_plan_offloads_only_if_no_plan_without_offload_is_within_the_band(jobs):
     preferring, _ = jobs
+    graph, ref, seq = load_graph("llama3.1-70b", None)
+    cluster = resolve_cluster("h100", None, 64, None)
+    offloading = plan_job(graph, ref, cluster, global_batch=256, seq_len=seq,
+                          fixed={"offload": "both", "zero": 3}).result.best
     r = preferring.result
-    assert r.fastest.config.offload != "none"
+    # a plan without offload within the band of the best offloading plan (or faster) is chosen
     assert r.best.config.offload == "none"
-    assert r.best.step_time_s <= r.fastest.step_time_s * (1 + r.band)
-    # the fastest plan's CPU offload is costed: host memory and an offload share of the step
-    fastest = r.fastest.estimate
-    assert fastest.time_breakdown_s["offload"] > 0 and fastest.host_memory_gib_per_gpu > 0
+    assert r.best.step_time_s <= offloading.step_time_s * (1 + r.band)
+    # the offloading plan's CPU offload is costed: host memory and an offload share of the step
+    assert offloading.estimate.time_breakdown_s["offload"] > 0
+    assert offloading.estimate.host_memory_gib_per_gpu > 0
 
 
 def test_a_plan_without_offload_in_the_band_beats_an_offloading_one_with_fewer_mechanisms():
