@@ -199,6 +199,12 @@ def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: com
     return total, exposed
 
 
+def expert_shard_degree(config: ParallelConfig) -> int:
+    """Ranks a routed expert's model states are sharded over under ZeRO: its replicas
+    (comm.expert_dp_degree), less HSDP's replication, which keeps a full set per replica."""
+    return max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate)
+
+
 def fsdp_pipeline_unsharded(config: ParallelConfig) -> bool:
     """torch.distributed.pipelining runs every backward but the last of a step with FSDP's
     gradient sync and reshard-after-backward off (stage.py backward_maybe_with_nosync, torch
@@ -317,10 +323,10 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     profile = block_profile(graph, block)
     times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel)
     rc = recompute if block.kind not in ("pre", "post") else "none"
-    op_sac = runtime.selective_policy == sac.OP_SAC
     # torchtitan's op SAC is costed in sac.py; for "none" and "full" any policy keeps the same
-    policy = "op" if op_sac else runtime.selective_policy
-    op_sac = op_sac and rc == "selective"
+    torchtitan_sac = runtime.selective_policy == sac.OP_SAC
+    policy = "op" if torchtitan_sac else runtime.selective_policy
+    op_sac = torchtitan_sac and rc == "selective"
     recompute_s = compute.recompute_time_s(times, rc, policy)
     rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc, policy)
     if op_sac:
@@ -370,7 +376,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                             config.dp_shard * config.cp, config.offload,
                                             runtime.fp32_module_weights)
     # HSDP: states are sharded over dp_shard only, replicated over dp_replicate
-    expert_shard = max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate)
+    expert_shard = expert_shard_degree(config)
     expert_states = memory.model_state_bytes(params.expert, config.precision, config.zero_stage, expert_shard,
                                              config.offload, runtime.fp32_module_weights)
     if fsdp_pipeline_unsharded(config):
@@ -422,9 +428,7 @@ def param_offload_comm_s(params: memory.BlockParams, config: ParallelConfig, gpu
         return 0.0, 0.0
     held = params.dense + params.expert
     if config.zero_stage >= 2:
-        expert_shard = max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
-                           // config.dp_replicate)
-        held = params.dense / (config.dp_shard * config.cp) + params.expert / expert_shard
+        held = params.dense / (config.dp_shard * config.cp) + params.expert / expert_shard_degree(config)
     w = memory.FP32_BYTES if fp32_shards and config.zero_stage >= 2 else memory.weight_bytes_per_param(config.precision)
     return offload.param_offload_s(held, w, w, fwd_s, bwd_s, gpu)
 

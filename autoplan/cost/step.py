@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, hw, memory, offload, pipeline
-from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime, fsdp_pipeline_unsharded
+from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime, expert_shard_degree, fsdp_pipeline_unsharded
 from autoplan.cost.stages import StageCost
 from autoplan.trace.graph import ModelGraph
 
@@ -96,8 +96,7 @@ def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) ->
     expert = sum(s.expert_params for s in stages)
     if config.zero_stage >= 1:
         dense /= config.dp_shard * config.cp
-        expert /= max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep)
-                      // config.dp_replicate)
+        expert /= expert_shard_degree(config)
     per_param = ADAM_UPDATE_BYTES_FP32 if config.precision == "fp32" else ADAM_UPDATE_BYTES_MIXED
     if config.offload == "both" and config.zero_stage >= 2:
         # FSDP2's CPUOffloadPolicy: the gradient shards reach the host and the updated weight

@@ -20,9 +20,9 @@ from typing import Callable
 
 from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
-from autoplan.cost import Estimate
+from autoplan.cost import Estimate, hw
 from autoplan.trace.graph import ModelGraph
-from autoplan.solve.cpsat import Partition, solve_partition
+from autoplan.solve.cpsat import MEMORY_UNIT_B, Partition, solve_partition
 from autoplan.solve.preference import mechanisms, preference_key, within_band
 from autoplan.solve.space import Request, outer_configs
 from autoplan.solve.tables import (build_tables, lower_bound_ns, memory_lower_bound_kib,
@@ -40,9 +40,6 @@ def rounding_s(slots: float, layers: int) -> float:
 
 
 def capacity_kib(cluster) -> int:
-    from autoplan.cost import hw
-    from autoplan.solve.cpsat import MEMORY_UNIT_B
-
     return round(hw.usable_memory_bytes(cluster) / MEMORY_UNIT_B)
 
 
@@ -233,9 +230,7 @@ def _solve_fitting(graph: ModelGraph, tables, config: ParallelConfig, cluster, r
     also needs the tables to carry the step-end tail the estimate adds. Returns the
     candidate (None when nothing fits), whether that outcome is proven, and whether the
     capacity was lowered."""
-    from autoplan.cost import hw
-
-    usable_kib = hw.usable_memory_bytes(cluster) / 1024
+    usable_kib = hw.usable_memory_bytes(cluster) / MEMORY_UNIT_B
     lowered = False
     for _ in range(EDGE_RETRIES + 1):
         part = solve_partition(tables, time_limit_s=time_limit_s)

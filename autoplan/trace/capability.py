@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
-from autoplan.runtime.model_io import logits_of
+from autoplan.runtime.model_io import logits_of, model_call
 from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
@@ -172,8 +172,6 @@ def _runtime_kwargs(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> d
     """The keyword inputs the runtime's training step passes with token ids (model_io:
     position_ids, use_cache, decoder_input_ids): without them a Hugging Face model derives
     positions from the local sequence shard and fails under SP or CP where the job does not."""
-    from autoplan.runtime.model_io import model_call
-
     ids = args[0] if args else kwargs.get("input_ids")
     if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()):
         return {}
