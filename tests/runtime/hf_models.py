@@ -55,23 +55,6 @@ def blocks(kind: str) -> list[str]:
     return [f"{BLOCK_LISTS[kind]}.{i}" for i in range(LAYERS)]
 
 
-def tp_styles(kind: str) -> dict[str, str]:
-    """Megatron pairs of the Llama-style decoder (q/k/v/gate/up column, o/down row) with SP."""
-    styles = {"model.embed_tokens": "vocab_embedding", "model.norm": "sequence_parallel",
-              "lm_head": "vocab_head"}
-    for block in blocks(kind):
-        styles.update({f"{block}.input_layernorm": "sequence_parallel",
-                       f"{block}.self_attn": "prepare_input",
-                       f"{block}.self_attn.q_proj": "colwise", f"{block}.self_attn.k_proj": "colwise",
-                       f"{block}.self_attn.v_proj": "colwise", f"{block}.self_attn.o_proj": "rowwise",
-                       f"{block}.post_attention_layernorm": "sequence_parallel",
-                       f"{block}.mlp": "prepare_input"})
-        if kind == "hf_llama":
-            styles.update({f"{block}.mlp.gate_proj": "colwise", f"{block}.mlp.up_proj": "colwise",
-                           f"{block}.mlp.down_proj": "rowwise"})
-    return styles
-
-
 def attention_modules(kind: str) -> list[str]:
     name = {"hf_gpt2": "attn", "hf_bert": "attention.self"}.get(kind, "self_attn")
     return [f"{block}.{name}" for block in blocks(kind)]

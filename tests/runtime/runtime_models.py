@@ -123,11 +123,13 @@ def builder(kind: str):
     raise ValueError(kind)
 
 
-def llama_tp_styles(layers: int = 4, moe: bool = False) -> dict[str, str]:
-    styles = {"embed_tokens": "vocab_embedding", "norm": "sequence_parallel",
+def llama_tp_styles(layers: int = 4, moe: bool = False, prefix: str = "") -> dict[str, str]:
+    """Megatron pairs of the Llama-style decoder (q/k/v/gate/up column, o/down row) with SP;
+    `prefix`: where the decoder sits ("model." in a Hugging Face *ForCausalLM)."""
+    styles = {f"{prefix}embed_tokens": "vocab_embedding", f"{prefix}norm": "sequence_parallel",
               "lm_head": "vocab_head"}
     for i in range(layers):
-        p = f"layers.{i}"
+        p = f"{prefix}layers.{i}"
         styles.update({f"{p}.input_layernorm": "sequence_parallel",
                        f"{p}.self_attn": "prepare_input",
                        f"{p}.self_attn.q_proj": "colwise", f"{p}.self_attn.k_proj": "colwise",
@@ -180,7 +182,7 @@ def _hf_plan_dict(kind: str, **over) -> dict:
                        for i in range(stages_n)] if stages_n > 1 else [])
     plan["stages"] = list(plan["stages"])
     if over.get("tp", 1) > 1:
-        plan["tp_styles"] = hf_models.tp_styles(kind)
+        plan["tp_styles"] = llama_tp_styles(hf_models.LAYERS, moe=kind != "hf_llama", prefix="model.")
     if over.get("cp", 1) > 1:
         plan["cp_modules"] = hf_models.attention_modules(kind)
     if over.get("ep", 1) > 1:

@@ -91,46 +91,38 @@ def test_killed_rank_resumes_from_last_complete_checkpoint(torchrun, tmp_path):
     assert _rel(losses[-1], ref_losses[-1]) <= 1e-6
 
 
-@pytest.mark.slow
-def test_zero1_checkpoint_resumes_as_zero1_and_as_fsdp(torchrun, tmp_path):
-    """ZeRO-1 keeps each optimizer state on one rank; the checkpoint must still hold all."""
+def _save_then_resume(torchrun, tmp_path, world: int, plan, others: list[tuple[str, object]]) -> None:
+    """Train 5 steps under `plan` with a checkpoint at step 5, then resume steps 5..9 under
+    the same plan and under each of `others`; every resumed run matches the reference
+    within 1e-5 (as in test_parity: fp32 summation order only)."""
     ref_losses, _ = reference_run("llama", steps=STEPS)
-    zero1 = _write(tmp_path, "zero1.json", plan_dict(dp=2, zero_stage=1))
     ckpt = tmp_path / "ckpt"
-    first = torchrun("ckpt_worker.py", 2, zero1, tmp_path / "first.json", "--steps", "5",
+    first = torchrun("ckpt_worker.py", world, plan, tmp_path / "first.json", "--steps", "5",
                      "--seed", "1234", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
                      "--run-dir", tmp_path / "run")
     assert first.returncode == 0, first.stderr[-4000:]
-    for name, plan in [("again", zero1),
-                       ("fsdp", _write(tmp_path, "zero2.json", plan_dict(dp=2, zero_stage=2)))]:
-        proc = torchrun("ckpt_worker.py", 2, plan, tmp_path / f"{name}.json", "--steps", "10",
+    for name, resumed in [("again", plan), *others]:
+        proc = torchrun("ckpt_worker.py", world, resumed, tmp_path / f"{name}.json", "--steps", "10",
                         "--seed", "1234", "--checkpoint-dir", ckpt, "--resume",
                         "--run-dir", tmp_path / "run")
         assert proc.returncode == 0, proc.stderr[-4000:]
         losses = json.loads((tmp_path / f"{name}.json").read_text())
         assert max(_rel(a, b) for a, b in zip(losses, ref_losses[5:])) <= 1e-5, name
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_resumes_as_zero1_and_as_fsdp(torchrun, tmp_path):
+    """ZeRO-1 keeps each optimizer state on one rank; the checkpoint must still hold all."""
+    _save_then_resume(torchrun, tmp_path, 2, _write(tmp_path, "zero1.json", plan_dict(dp=2, zero_stage=1)),
+                      [("fsdp", _write(tmp_path, "zero2.json", plan_dict(dp=2, zero_stage=2)))])
 
 
 @pytest.mark.slow
 def test_zero1_tp_checkpoint_resumes_as_zero1_tp_and_as_zero1(torchrun, tmp_path):
     """ZeRO-1 under TP saves its states as DTensors shaped like the parameters, so they
-    load into the same plan and into a plan without TP (1e-5: as in test_parity, fp32
-    summation order only)."""
-    ref_losses, _ = reference_run("llama", steps=STEPS)
-    tp_zero1 = _write(tmp_path, "tp_zero1.json", plan_dict(dp=2, tp=2, zero_stage=1))
-    ckpt = tmp_path / "ckpt"
-    first = torchrun("ckpt_worker.py", 4, tp_zero1, tmp_path / "first.json", "--steps", "5",
-                     "--seed", "1234", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
-                     "--run-dir", tmp_path / "run")
-    assert first.returncode == 0, first.stderr[-4000:]
-    for name, plan in [("again", tp_zero1),
-                       ("dp4", _write(tmp_path, "dp4_zero1.json", plan_dict(dp=4, zero_stage=1)))]:
-        proc = torchrun("ckpt_worker.py", 4, plan, tmp_path / f"{name}.json", "--steps", "10",
-                        "--seed", "1234", "--checkpoint-dir", ckpt, "--resume",
-                        "--run-dir", tmp_path / "run")
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        losses = json.loads((tmp_path / f"{name}.json").read_text())
-        assert max(_rel(a, b) for a, b in zip(losses, ref_losses[5:])) <= 1e-5, name
+    load into the same plan and into a plan without TP."""
+    _save_then_resume(torchrun, tmp_path, 4, _write(tmp_path, "tp_zero1.json", plan_dict(dp=2, tp=2, zero_stage=1)),
+                      [("dp4", _write(tmp_path, "dp4_zero1.json", plan_dict(dp=4, zero_stage=1)))])
 
 
 def _fake_checkpoint(root, step: int, payload: bytes):
