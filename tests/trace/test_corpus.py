@@ -162,3 +162,18 @@ def test_moe_model_given_positional_ids_traces_exactly(name):
     reference = corpus.reference_flops(model, inputs)
     graph = trace_model(model, (inputs["input_ids"].to("meta"),), name=name)
     _check_facts(entry, model, graph, reference, "tiny")
+
+
+def test_full_mixtral_config_plans_with_tp_fixed(run_cli, tmp_path):
+    # the command-line path: a config.json built with its transformers class traces with
+    # positional token ids; --fix tp=2 exited 2 ("no column/row linear pairs") before
+    import json
+
+    model_cls, _, fields, _ = corpus.HF_MODELS["mixtral"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="mixtral", architectures=[model_cls], **fields)))
+    code, stdout, stderr = run_cli("plan", f"hf:{path}", "--gpu", "h100", "--gpus", "64",
+                                   "--global-batch", "256", "--fix", "tp=2", "--time-limit", "20",
+                                   "--json")
+    assert code == 0, stdout + stderr
+    assert json.loads(stdout)["plan"]["tp"] == 2
