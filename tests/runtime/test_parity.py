@@ -89,6 +89,8 @@ CONFIGS = {
             traced_plan_dict, "hf_qwen2moe", dp=2, tp=2)),
         "hf_mixtral_dp2_tp2_sp_traced": ("hf_mixtral", functools.partial(
             traced_plan_dict, "hf_mixtral", dp=2, tp=2)),
+        "hf_qwen2moe_dp2_tp2_sp_ep2_traced": ("hf_qwen2moe", functools.partial(
+            traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, ep=2)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
