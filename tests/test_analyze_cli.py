@@ -64,3 +64,16 @@ def test_bad_inputs_exit_2_without_traceback(run_cli, tmp_path):
         code, out, err = run_cli("analyze", *args)
         assert code == 2, (args, out, err)
         assert "Traceback" not in err and err.startswith("error:"), (args, err)
+
+
+def test_moe_layer_left_whole_by_tensor_parallelism_is_said(run_cli):
+    code, out, _ = run_cli("analyze", "tiny-moe", "--seq-len", "32", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert [p["row"] for p in data["tensor_parallel"]] == ["self_attn.o_proj"]
+    assert [(m["block"], m["module"]) for m in data["tp_whole_moe"]] == [("layers", "mlp")]
+    assert "replicated over the TP ranks" in data["tp_whole_moe"][0]["reason"]
+    code, text, _ = run_cli("analyze", "tiny-moe", "--seq-len", "32")
+    assert "not sharded: layers.mlp: a MoE layer" in " ".join(text.split())
+    code, out, _ = run_cli("analyze", "tiny-gpt", "--seq-len", "32", "--json")
+    assert json.loads(out)["tp_whole_moe"] == []  # no MoE layer

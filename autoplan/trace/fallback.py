@@ -56,7 +56,18 @@ def moe_facts(module: nn.Module) -> tuple[int, int]:
 
 
 def routes_tokens(module: nn.Module) -> bool:
-    """A module that states a routing attribute (expert count or top-k) and has experts."""
+    """A module that states a routing attribute (expert count or top-k) and has experts, and
+    is not the model around its MoE layers: Hugging Face's MixtralForCausalLM states the
+    expert count (for its load-balancing loss), and its stack of identical decoder layers
+    would pass for a list of experts."""
     if _attr(module, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is None:
         return False
-    return moe_facts(module)[0] > 0
+    return moe_facts(module)[0] > 0 and not _holds_moe_layers(module)
+
+
+def _holds_moe_layers(module: nn.Module) -> bool:
+    """Whether a list (ModuleList, Sequential) inside `module` has an item holding a module
+    that routes tokens: a stack of transformer layers with MoE layers, not a list of experts."""
+    return any(isinstance(sub, (nn.ModuleList, nn.Sequential)) and
+               any(routes_tokens(inner) for item in sub for inner in item.modules())
+               for sub in module.modules())

@@ -68,7 +68,7 @@ class ModuleStack:
     def push(self, module: nn.Module, args) -> None:
         path = self.paths.get(id(module), self.current())
         saved = None
-        if id(module) in self.paths and not self.routing.module and self._routes(module):
+        if id(module) in self.paths and not self.routing.experts and self._routes(module):
             experts, top_k = moe_facts(module)
             first = tensors_in(args)
             if first:

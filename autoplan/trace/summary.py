@@ -54,6 +54,7 @@ def summarize(graph: ModelGraph) -> dict[str, Any]:
         "head": {"parameters": graph.post.parameters, "forward_flops": graph.post.forward_flops},
         "tensor_parallel": graph.tensor_parallel,
         "tp_unsplit": graph.tp_unsplit,
+        "tp_whole_moe": tp_whole_moe(graph),
         "refused_by_runtime": graph.refused,
         "capability_probe_s": round(graph.capability_probe_s, 3),
         "context_parallel": graph.context_parallel,
@@ -63,6 +64,24 @@ def summarize(graph: ModelGraph) -> dict[str, Any]:
         "image_size": graph.image_size,
         "ops": graph.graph.number_of_nodes(),
     }
+
+
+_MOE_WHOLE = ("a MoE layer (router, routed experts, any shared expert) is not split by TP: it runs "
+              "whole on each rank's sequence shard, its weights replicated over the TP ranks; "
+              "expert parallelism shards the routed experts")
+
+
+def tp_whole_moe(graph: ModelGraph) -> list[dict[str, str]]:
+    """{block, module, reason} for each MoE layer of a tensor-parallel block class: the
+    runtime runs it token-wise on sequence shards (runtime/tensor_parallel.py)."""
+    if not graph.tensor_parallel:
+        return []
+    found = []
+    for block in graph.blocks:
+        prefix = block.paths[0] + "."
+        found += [{"block": block.name, "module": e["module"][len(prefix):], "reason": _MOE_WHOLE}
+                  for e in graph.expert_parallel if e["module"].startswith(prefix)]
+    return found
 
 
 def _fmt(n: float, unit: str = "") -> str:
@@ -113,6 +132,8 @@ def render(summary: dict[str, Any], console) -> None:
     for item in summary["tp_unsplit"][:4]:
         console.print(f"  not sharded: {item['block']}" + (f".{item['module']}" if item["module"] else "")
                       + f": {item['reason']}")
+    for item in summary["tp_whole_moe"]:
+        console.print(f"  not sharded: {item['block']}.{item['module']}: {item['reason']}")
     for axis, reason in summary["refused_by_runtime"].items():
         console.print(f"[yellow]Refused by autoplan.runtime ({axis}):[/] {reason}")
     cp = summary["context_parallel"]

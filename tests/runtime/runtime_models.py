@@ -191,6 +191,26 @@ def _hf_plan_dict(kind: str, **over) -> dict:
     return plan
 
 
+def traced_plan_dict(kind: str, **over) -> dict:
+    """`plan_dict` with what a generated job gets from the planner: the TP styles (and EP
+    modules) derived from the traced model (token ids given positionally, as `autoplan plan
+    hf:config.json` traces), not written by hand. No TP pair found is an error: a plan without
+    styles would train replicated and match the reference without testing TP."""
+    from autoplan.trace.tracer import trace_model
+
+    plan = plan_dict(kind, **over)
+    with torch.device("meta"):
+        model = builder(kind)()
+    graph = trace_model(model, (torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"),), name=kind)
+    if not graph.tensor_parallel or "tp" in graph.refused:
+        raise AssertionError(f"{kind}: no tensor parallelism offered: {graph.tp_unsplit} {graph.refused}")
+    plan["tp_styles"] = {scope: dict(styles) for scope, styles in graph.tp_styles.items()}
+    plan["format_version"] = 2  # styles per block class
+    if over.get("ep", 1) > 1:
+        plan["ep_modules"] = [e["module"] for e in graph.expert_parallel]
+    return plan
+
+
 def _lr(step: int) -> float:
     peak, warmup, max_steps = OPTIMIZER["lr"], OPTIMIZER["warmup_steps"], OPTIMIZER["max_steps"]
     if step < warmup:

@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from runtime_models import plan_dict as P, reference_run, write_token_file
+from runtime_models import plan_dict as P, reference_run, traced_plan_dict, write_token_file
 
 FP32_RTOL = 1e-5
 LOW_PRECISION_RTOL = 5e-4
@@ -84,6 +84,13 @@ CONFIGS = {
         "hf_mixtral_dp2_tp2_sp_ep2": ("hf_mixtral", P("hf_mixtral", dp=2, tp=2, ep=2)),
         "hf_mixtral_pp2_dp2_ep2": ("hf_mixtral", P("hf_mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         "hf_qwen2moe_ep2_of_dp4": ("hf_qwen2moe", P("hf_qwen2moe", dp=4, ep=2, zero_stage=2)),
+        # TP styles as the planner derives them from the traced model (a generated job's)
+        "hf_qwen2moe_dp2_tp2_sp_traced": ("hf_qwen2moe", functools.partial(
+            traced_plan_dict, "hf_qwen2moe", dp=2, tp=2)),
+        "hf_mixtral_dp2_tp2_sp_traced": ("hf_mixtral", functools.partial(
+            traced_plan_dict, "hf_mixtral", dp=2, tp=2)),
+        "hf_qwen2moe_dp2_tp2_sp_ep2_traced": ("hf_qwen2moe", functools.partial(
+            traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, ep=2)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
@@ -101,6 +108,14 @@ CONFIGS = {
 TOKEN_FILE_CONFIGS = {"token_file_zero3"}  # trained on a learnable token file, not random ids
 
 
+@functools.lru_cache(maxsize=None)
+def case(world: int, name: str) -> tuple[str, dict]:
+    """(model kind, plan dict) of a case; a plan given as a function (traced styles) is built
+    once, when a selected case needs it."""
+    kind, plan = CONFIGS[world][name]
+    return kind, plan() if callable(plan) else plan
+
+
 @pytest.fixture(scope="module")
 def token_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "tokens.bin"
@@ -113,9 +128,10 @@ def reference(kind: str, data_path=None) -> tuple[list[float], list[float]]:
     return reference_run(kind, data_path=data_path)
 
 
-def _run_world(torchrun, tmp_path_factory, world: int, token_file) -> dict:
+def _run_world(torchrun, tmp_path_factory, world: int, token_file, names: set[str]) -> dict:
     tmp = tmp_path_factory.mktemp(f"parity{world}")
-    configs = [{"name": name, "kind": kind, "plan": plan} for name, (kind, plan) in CONFIGS[world].items()]
+    configs = [{"name": name, "kind": case(world, name)[0], "plan": case(world, name)[1]}
+               for name in CONFIGS[world] if name in names]
     for config in configs:
         if config["name"] in TOKEN_FILE_CONFIGS:
             config["data"] = str(token_file)
@@ -129,12 +145,17 @@ def _run_world(torchrun, tmp_path_factory, world: int, token_file) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(torchrun, tmp_path_factory, token_file):
+def results(request, torchrun, tmp_path_factory, token_file):
+    """world -> results of the cases of that world this session runs (one launch each)."""
     cache: dict[int, dict] = {}
+    selected = {(item.callspec.params["world"], item.callspec.params["name"])
+                for item in request.session.items
+                if getattr(item, "originalname", "") == "test_loss_parity"}
 
     def get(world: int) -> dict:
         if world not in cache:
-            cache[world] = _run_world(torchrun, tmp_path_factory, world, token_file)
+            names = {name for w, name in selected if w == world}
+            cache[world] = _run_world(torchrun, tmp_path_factory, world, token_file, names)
         return cache[world]
 
     return get
@@ -149,7 +170,7 @@ def _rel(a: float, b: float) -> float:
 def test_loss_parity(results, token_file, world, name):
     got = results(world)
     assert name in got, f"{name} did not finish:\n{got.get('__failure__', '')}"
-    kind, plan = CONFIGS[world][name]
+    kind, plan = case(world, name)
     ref_losses, ref_norms = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None)
     if name in TOKEN_FILE_CONFIGS:  # learnable data: the run must actually learn
         assert got[name]["losses"][-1] < got[name]["losses"][0] - 0.1

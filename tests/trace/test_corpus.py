@@ -149,3 +149,31 @@ def test_value_branch_outside_routing_is_a_user_error_naming_the_module():
         model = Net()
     with pytest.raises(UserError, match=r"forward of gate fails .*outside a routing"):
         trace_model(model, (torch.empty(2, 8, device="meta"),), example_kwargs={"scale": 3.0})
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_model_given_positional_ids_traces_exactly(name):
+    # token ids as a positional argument, as `autoplan plan hf:config.json` traces: the
+    # CausalLM root states the expert count for its aux loss but is no MoE layer (folded
+    # as one, Mixtral-8x7B's forward FLOPs came out 6.8x too low)
+    entry = corpus.ENTRIES[name]
+    model = entry.build("tiny")
+    inputs = entry.example_inputs("tiny", batch=2, seq=16, device="cpu")
+    reference = corpus.reference_flops(model, inputs)
+    graph = trace_model(model, (inputs["input_ids"].to("meta"),), name=name)
+    _check_facts(entry, model, graph, reference, "tiny")
+
+
+def test_full_mixtral_config_plans_with_tp_fixed(run_cli, tmp_path):
+    # the command-line path: a config.json built with its transformers class traces with
+    # positional token ids; --fix tp=2 exited 2 ("no column/row linear pairs") before
+    import json
+
+    model_cls, _, fields, _ = corpus.HF_MODELS["mixtral"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="mixtral", architectures=[model_cls], **fields)))
+    code, stdout, stderr = run_cli("plan", f"hf:{path}", "--gpu", "h100", "--gpus", "64",
+                                   "--global-batch", "256", "--fix", "tp=2", "--time-limit", "20",
+                                   "--json")
+    assert code == 0, stdout + stderr
+    assert json.loads(stdout)["plan"]["tp"] == 2

@@ -260,3 +260,49 @@ def test_corpus_models_have_exactly_the_expected_pairs(name):
     pairs, unsplit = CORPUS_PAIRS[name]
     assert {(p["kind"], tuple(p["column"]), p["row"]) for p in graph.tensor_parallel} == pairs
     assert {u["module"] for u in graph.tp_unsplit} == unsplit
+
+
+# tiny corpus MoE models: (heads, kv_heads) their attention pair must divide
+MOE_HEADS = {"mixtral": (4, 2), "qwen2_moe": (4, 4)}
+MOE_BLOCK_STYLES = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "self_attn": "prepare_input",
+    "input_layernorm": "sequence_parallel", "post_attention_layernorm": "sequence_parallel",
+    "mlp": "prepare_input"}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_HEADS))
+def test_moe_models_given_positional_ids_get_the_attention_pair(name):
+    # `autoplan plan hf:config.json` traces with the token ids as a positional argument. The
+    # *ForCausalLM root states the expert count (for its load-balancing loss); taken for the
+    # MoE layer, its decoder layers passed for experts and no linear was left to pair.
+    from autoplan.trace.capability import probe_plans
+    from tests import corpus
+
+    with torch.device("meta"):
+        model = corpus.ENTRIES[name].build("tiny")
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    heads, kv_heads = MOE_HEADS[name]
+    assert [(p["kind"], tuple(p["column"]), p["row"], p["divides"]) for p in graph.tensor_parallel] \
+        == [(*ATTN, {"heads": heads, "kv_heads": kv_heads})]
+    assert graph.tp_styles["model.layers.*"] == MOE_BLOCK_STYLES
+    assert graph.tp_unsplit == []
+    linears = [d["op"] for _, d in graph.graph.nodes(data=True) if ".self_attn." in d["op"].name
+               and d["op"].target == "Linear"]
+    assert linears and all(op.kind == "linear" for op in linears)
+    # the runtime applied those styles at tp=2 on the fake process group
+    assert "tp" in probe_plans(graph, 32, {"model.layers.0", "model.layers.1"}) and graph.refused == {}
+
+
+def test_the_shared_expert_mlp_of_qwen2_moe_is_no_pair():
+    # Its gate/up -> down data flow looks like a SwiGLU pair; inside the MoE layer, which the
+    # runtime runs whole on each rank's sequence shard, a colwise gate would meet a
+    # sequence-sharded input: the pair must not be offered.
+    from tests import corpus
+
+    with torch.device("meta"):
+        model = corpus.ENTRIES["qwen2_moe"].build("tiny")
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    modules = {m for p in graph.tensor_parallel for m in (*p["column"], p["row"])}
+    assert modules and not any(m.startswith("mlp.") for m in modules)
+    assert not any(path.startswith("mlp.") for path in graph.tp_styles["model.layers.*"])
