@@ -1,10 +1,19 @@
-"""ParallelConfig: one point of the search space, the input of every cost function."""
+"""ParallelConfig: one point of the search space, the input of every cost function, and the
+parallel part of every Plan; with the shared vocabulary of its choice fields.
+
+Standard library only: a plan embeds its ParallelConfig, and plans are read on training nodes.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autoplan.plan import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES  # noqa: F401  (re-exported)
+# Allowed values of the choice fields: the one definition, which plan files, the planner and
+# the runtime read.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+OFFLOAD = ("none", "optimizer", "params", "both")
 
 
 def schedule_label(pp: int, schedule: str, vpp: int = 1) -> str:
@@ -25,25 +34,26 @@ class ParallelConfig:
     order for interleaved); None means as even as possible. `stage_recompute` gives per
     stage (blocks recomputed fully, blocks recomputed selectively); None means `recompute`
     applies to every block. `layer_recompute` (one mode per block, execution order) is what
-    the solver writes and a plan file stores; it takes precedence over both.
+    the solver writes and a plan holds; it takes precedence over both. The fields before
+    `recompute` are a plan file's flat keys, in the file's order (`PER_BLOCK` names the rest).
     """
 
     global_batch: int
     seq_len: int
     dp: int = 1
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate * dp_shard
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
     zero_stage: int = 0
-    offload: str = "none"
+    offload: str = "none"  # none | optimizer | params | both
+    precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8
     micro_batch: int = 1
-    recompute: str = "none"
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
     vpp: int = 1
-    precision: str = "bf16"
     sequence_parallel: bool = True
-    dp_replicate: int = 1  # HSDP: dp = dp_replicate * dp_shard
+    recompute: str = "none"
     stage_layers: tuple[int, ...] | None = None
     stage_recompute: tuple[tuple[int, int], ...] | None = field(default=None)
     layer_recompute: tuple[str, ...] | None = None  # per block in execution order; wins over the above
@@ -62,3 +72,7 @@ class ParallelConfig:
 
     def with_(self, **changes) -> "ParallelConfig":
         return replace(self, **changes)
+
+
+# Fields that say how blocks are split and recomputed, rather than one number for the step.
+PER_BLOCK = ("recompute", "stage_layers", "stage_recompute", "layer_recompute")

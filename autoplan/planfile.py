@@ -56,7 +56,7 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     from autoplan.cost import estimate_partition
     from autoplan.hardware import resolve_cluster
     from autoplan.models.sources import load_model
-    from autoplan.solve.plan_build import plan_to_config, stored_estimate
+    from autoplan.solve.plan_build import stored_estimate
     from autoplan.trace.tracer import trace_model
 
     plan = read_plan(path)
@@ -66,7 +66,6 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     cluster = resolve_cluster(gpu or plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, None if gpu else plan.inter_node_bandwidth_gb_per_s)
     graph = trace_model(loaded.module, loaded.example_inputs(1, plan.seq_len), name=loaded.ref.name)
-    config = plan_to_config(plan)
     by_path = {block: graph.segment(name) for block, name in graph.layer_order}
     stages = plan.stages or [[block for block, _ in graph.layer_order]]
     unknown = [block for stage in stages for block in stage if block not in by_path]
@@ -74,7 +73,7 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
         raise UserError(f"plan {path} names blocks the model does not have ({', '.join(unknown[:3])}); "
                         "was it made for another model?")
     layers = [[(by_path[b], plan.recompute.get(b, "none")) for b in stage] for stage in stages]
-    est = estimate_partition(graph, config, cluster, layers)
+    est = estimate_partition(graph, plan.parallel, cluster, layers)
     return CheckedPlan(replace(plan, estimate=stored_estimate(est)), loaded, est, graph)
 
 

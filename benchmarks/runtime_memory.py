@@ -74,7 +74,6 @@ def predicted_breakdown_bytes(plan) -> dict[str, float] | None:
 def _estimate_with_cost_model(plan):
     import tempfile
 
-    from autoplan.config import ParallelConfig
     from autoplan.cost.estimate import estimate
     from autoplan.trace.load import load_graph
     from autoplan.solve.api import resolve_cluster
@@ -84,10 +83,9 @@ def _estimate_with_cost_model(plan):
         path.write_text(json.dumps(MODEL))
         graph, _, _ = load_graph(str(path), plan.seq_len)
     modes = set(plan.recompute.values()) or {"none"}
-    config = ParallelConfig(global_batch=plan.global_batch, seq_len=plan.seq_len, dp=plan.dp,
-                            tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage,
-                            micro_batch=plan.micro_batch, precision=plan.precision,
-                            recompute=modes.pop() if len(modes) == 1 else "selective")
+    # `estimate` takes one recompute mode for every block
+    config = plan.parallel.with_(recompute=modes.pop() if len(modes) == 1 else "selective",
+                                 layer_recompute=None)
     return estimate(graph, config, resolve_cluster("cpu", None, plan.world_size, plan.gpus_per_node))
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
 from autoplan.runtime.model_io import logits_of, model_call
@@ -48,25 +49,26 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
     naming only modules inside `blocks` (the block paths the probed model has)."""
     inside = lambda path: any(path == b or path.startswith(b + ".") for b in blocks)  # noqa: E731
     base = Plan(model=ModelRef("probe", graph.model_name), gpu="cpu", world_size=1, gpus_per_node=1,
-                global_batch=1, seq_len=seq_len, precision="fp32", sequence_parallel=False)
+                parallel=ParallelConfig(global_batch=1, seq_len=seq_len, precision="fp32",
+                                        sequence_parallel=False))
     plans = {}
     tp = _smallest_tp(graph) if graph.tensor_parallel else 0
     if tp:
-        plans["tp"] = replace(base, world_size=tp, gpus_per_node=tp, tp=tp, sequence_parallel=True,
-                              tp_styles={k: dict(v) for k, v in graph.tp_styles.items()})
+        plans["tp"] = base.with_(world_size=tp, gpus_per_node=tp, tp=tp, sequence_parallel=True,
+                                 tp_styles={k: dict(v) for k, v in graph.tp_styles.items()})
     if graph.context_parallel and seq_len % 4 == 0:
-        plans["cp"] = replace(base, world_size=2, gpus_per_node=2, cp=2,
-                              cp_modules=[m for m in graph.context_parallel if inside(m)],
-                              cp_buffers=dict(graph.cp_buffers))
+        plans["cp"] = base.with_(world_size=2, gpus_per_node=2, cp=2,
+                                 cp_modules=[m for m in graph.context_parallel if inside(m)],
+                                 cp_buffers=dict(graph.cp_buffers))
     ep = _smallest_ep(graph) if graph.expert_parallel else 0
     if ep:
-        plans["ep"] = replace(base, world_size=ep, gpus_per_node=ep, dp=ep, ep=ep, global_batch=ep,
-                              ep_modules=[e["module"] for e in graph.expert_parallel if inside(e["module"])])
+        plans["ep"] = base.with_(world_size=ep, gpus_per_node=ep, dp=ep, ep=ep, global_batch=ep,
+                                 ep_modules=[e["module"] for e in graph.expert_parallel if inside(e["module"])])
     paths = [p for p, _ in graph.layer_order if p in blocks]
     if len(paths) >= 2:
         half = len(paths) // 2
-        plans["pp"] = replace(base, world_size=2, gpus_per_node=2, pp=2, global_batch=2,
-                              stages=[paths[:half], paths[half:]])
+        plans["pp"] = base.with_(world_size=2, gpus_per_node=2, pp=2, global_batch=2,
+                                 blocks=tuple(paths), stage_layers=(half, len(paths) - half))
     return plans
 
 
@@ -221,7 +223,7 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         seq = _probe_seq(graph)
         args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)
         single = Plan(model=ModelRef("probe", graph.model_name), gpu="cpu", world_size=1,
-                      gpus_per_node=1, global_batch=1, seq_len=seq, precision="fp32")
+                      gpus_per_node=1, parallel=ParallelConfig(global_batch=1, seq_len=seq, precision="fp32"))
         model, blocks = shallow_copy(model, graph)
         plans = probe_plans(graph, seq, blocks)
         routing = _routing(graph)

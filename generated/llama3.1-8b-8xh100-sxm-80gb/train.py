@@ -74,17 +74,7 @@ PLAN = {
             'layers.26', 'layers.27', 'layers.28', 'layers.29', 'layers.30', 'layers.31',
         ],
     ],
-    'recompute': {
-        'layers.0': 'selective', 'layers.1': 'selective', 'layers.2': 'selective',
-        'layers.3': 'selective', 'layers.4': 'selective', 'layers.5': 'selective',
-        'layers.6': 'selective', 'layers.7': 'selective', 'layers.8': 'selective',
-        'layers.9': 'selective', 'layers.10': 'selective', 'layers.11': 'selective',
-        'layers.12': 'selective', 'layers.13': 'none', 'layers.14': 'none', 'layers.15': 'none',
-        'layers.16': 'none', 'layers.17': 'none', 'layers.18': 'none', 'layers.19': 'none',
-        'layers.20': 'none', 'layers.21': 'none', 'layers.22': 'none', 'layers.23': 'none',
-        'layers.24': 'none', 'layers.25': 'none', 'layers.26': 'none', 'layers.27': 'none',
-        'layers.28': 'none', 'layers.29': 'none', 'layers.30': 'none', 'layers.31': 'none',
-    },
+    'recompute': {'layers.0-12': 'selective', 'layers.13-31': 'none'},
     'tp_styles': {},
     'cp_modules': [],
     'cp_buffers': {},
@@ -139,7 +129,7 @@ PLAN = {
         'host_memory_gib_per_gpu': 0.0,
         'host_memory_gib_per_node': 0.0,
     },
-    'format_version': 2,
+    'format_version': 3,
 }
 
 

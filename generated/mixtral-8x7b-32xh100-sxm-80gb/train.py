@@ -74,19 +74,7 @@ PLAN = {
             'layers.26', 'layers.27', 'layers.28', 'layers.29', 'layers.30', 'layers.31',
         ],
     ],
-    'recompute': {
-        'layers.0': 'full', 'layers.1': 'selective', 'layers.2': 'selective',
-        'layers.3': 'selective', 'layers.4': 'selective', 'layers.5': 'selective',
-        'layers.6': 'selective', 'layers.7': 'selective', 'layers.8': 'selective',
-        'layers.9': 'selective', 'layers.10': 'selective', 'layers.11': 'selective',
-        'layers.12': 'selective', 'layers.13': 'selective', 'layers.14': 'selective',
-        'layers.15': 'selective', 'layers.16': 'selective', 'layers.17': 'selective',
-        'layers.18': 'selective', 'layers.19': 'selective', 'layers.20': 'selective',
-        'layers.21': 'selective', 'layers.22': 'selective', 'layers.23': 'selective',
-        'layers.24': 'selective', 'layers.25': 'selective', 'layers.26': 'selective',
-        'layers.27': 'selective', 'layers.28': 'selective', 'layers.29': 'selective',
-        'layers.30': 'selective', 'layers.31': 'selective',
-    },
+    'recompute': {'layers.0': 'full', 'layers.1-31': 'selective'},
     'tp_styles': {},
     'cp_modules': [],
     'cp_buffers': {},
@@ -149,7 +137,7 @@ PLAN = {
         'host_memory_gib_per_gpu': 0.0,
         'host_memory_gib_per_node': 0.0,
     },
-    'format_version': 2,
+    'format_version': 3,
 }
 
 

@@ -66,7 +66,7 @@ PLAN = {
     'memory_headroom_gib': 0.8,
     'inter_node_bandwidth_gb_per_s': None,
     'stages': [['layers.0', 'layers.1']],
-    'recompute': {'layers.0': 'none', 'layers.1': 'none'},
+    'recompute': {'layers.0-1': 'none'},
     'tp_styles': {},
     'cp_modules': [],
     'cp_buffers': {},
@@ -121,7 +121,7 @@ PLAN = {
         'host_memory_gib_per_gpu': 0.0,
         'host_memory_gib_per_node': 0.0,
     },
-    'format_version': 2,
+    'format_version': 3,
 }
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from autoplan.codegen.deepspeed import ds_config, ds_config_notes
+from autoplan.config import ParallelConfig
 from autoplan.plan import ModelRef, Plan
 
 # Key names as documented in deepspeedai/DeepSpeed docs/_pages/config-json.md (top level,
@@ -25,8 +24,8 @@ COSINE_KEYS = {"total_num_steps", "warmup_num_steps", "warmup_type", "warmup_min
 
 def make_plan(**changes) -> Plan:
     base = Plan(model=ModelRef("catalog", "tiny-gpt"), gpu="h100-sxm-80gb", world_size=16,
-                gpus_per_node=8, global_batch=64, seq_len=128, dp=16, micro_batch=2)
-    return dataclasses.replace(base, **changes)
+                gpus_per_node=8, parallel=ParallelConfig(global_batch=64, seq_len=128, dp=16, micro_batch=2))
+    return base.with_(**changes)
 
 
 def test_keys_are_deepspeeds():
@@ -88,7 +87,7 @@ def test_optimizer_and_clipping_follow_the_plan():
 
 
 def test_notes_name_what_deepspeed_config_cannot_say():
-    plan = make_plan(dp=2, tp=2, pp=2, cp=2, ep=2, recompute={"layers.0": "full"})
+    plan = make_plan(dp=2, tp=2, pp=2, cp=2, ep=2, blocks=("layers.0",), recompute="full")
     notes = " ".join(ds_config_notes(plan))
     assert "tp=2" in notes and "ep=2" in notes and "recomputation" in notes
     assert ds_config_notes(make_plan()) == []

@@ -16,6 +16,7 @@ from autoplan.codegen.megatron import megatron_args, megatron_notes, pipeline_la
 from autoplan.codegen.torchtitan import torchtitan_config, torchtitan_notes, torchtitan_toml
 from autoplan.errors import UserError
 from autoplan.importers import load_imported
+from autoplan.config import ParallelConfig
 from autoplan.plan import ModelRef, Plan
 
 BLOCKS = 8
@@ -24,18 +25,13 @@ DATA = Path(__file__).parent / "data"
 
 def make_plan(counts: list[int] | None = None, modes: list[str] | None = None, **kw) -> Plan:
     """A plan of BLOCKS blocks named layers.<i>; `counts` blocks per (virtual) stage."""
-    base = dict(model=ModelRef("catalog", "llama3.1-8b"), gpu="h100-sxm-80gb", world_size=8, gpus_per_node=8,
-                global_batch=16, seq_len=128, dp=8, zero_stage=3, micro_batch=1)
-    base.update(kw)
-    pp, vpp = base.get("pp", 1), base.get("vpp", 1)
+    base = Plan(model=ModelRef("catalog", "llama3.1-8b"), gpu="h100-sxm-80gb", world_size=8, gpus_per_node=8,
+                parallel=ParallelConfig(global_batch=16, seq_len=128, dp=8, zero_stage=3, micro_batch=1))
+    pp, vpp = kw.get("pp", 1), kw.get("vpp", 1)
     counts = counts or [BLOCKS // (pp * vpp)] * (pp * vpp)
-    names = [f"layers.{i}" for i in range(sum(counts))]
-    stages, start = [], 0
-    for count in counts:
-        stages.append(names[start:start + count])
-        start += count
-    modes = modes or ["none"] * len(names)
-    plan = Plan(**base, stages=stages, recompute=dict(zip(names, modes)))
+    names = tuple(f"layers.{i}" for i in range(sum(counts)))
+    plan = base.with_(**kw, blocks=names, stage_layers=tuple(counts),
+                      layer_recompute=tuple(modes or ["none"] * len(names)))
     plan.check()
     return plan
 

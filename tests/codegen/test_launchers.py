@@ -11,6 +11,7 @@ import pytest
 
 from autoplan.codegen.job import ModelSource, render_job
 from autoplan.codegen.launchers import k8s_name
+from autoplan.config import ParallelConfig
 from autoplan.plan import ModelRef, Plan
 from codegen_helpers import generate
 
@@ -21,8 +22,9 @@ SKY_VARS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NO
 
 def job_files(world_size: int, gpus_per_node: int, gpu: str = "h100-sxm-80gb") -> dict[str, str]:
     plan = Plan(model=ModelRef("catalog", "llama3.1-8b"), gpu=gpu, world_size=world_size,
-                gpus_per_node=gpus_per_node, global_batch=world_size, seq_len=128, dp=world_size,
-                stages=[["layers.0", "layers.1"]], recompute={"layers.0": "none", "layers.1": "none"})
+                gpus_per_node=gpus_per_node, blocks=("layers.0", "layers.1"),
+                parallel=ParallelConfig(global_batch=world_size, seq_len=128, dp=world_size,
+                                        stage_layers=(2,), layer_recompute=("none", "none")))
     files = render_job(plan, ModelSource("catalog", catalog_name="llama3.1-8b"), command_line="autoplan generate",
                        launchers=("skypilot", "k8s"))
     return {name: content.decode() for name, content in files.items()}

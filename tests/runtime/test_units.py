@@ -150,11 +150,12 @@ def test_parse_args_defaults_and_flags():
 
 
 def test_metrics_record_the_device_they_ran_on(tmp_path):
+    from autoplan.config import ParallelConfig
     from autoplan.plan import ModelRef, Plan
     from autoplan.runtime.loop import MetricsLog
 
     plan = Plan(model=ModelRef("catalog", "tiny-gpt"), gpu="h100-sxm-80gb", world_size=1, gpus_per_node=8,
-                global_batch=2, seq_len=8)
+                parallel=ParallelConfig(global_batch=2, seq_len=8))
     MetricsLog(str(tmp_path), plan, num_params=100).write(0, 1.0, 1e-4, 0.5, print_line=False)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # validate --run compares a CPU run with the CPU cost model whatever GPU the plan was made for
