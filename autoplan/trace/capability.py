@@ -31,7 +31,7 @@ from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
-_CACHE: dict[tuple[str, int], dict[str, str | None]] = {}
+_CACHE: dict[tuple[str, int, tuple[str, ...]], dict[str, str | None]] = {}
 
 
 def _smallest_tp(graph: ModelGraph) -> int:
@@ -154,6 +154,9 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
         args, kwargs = tuple(map(cut, args)), {k: cut(v) for k, v in kwargs.items()}
     if plan.pp == 1:
         kwargs = {**_runtime_kwargs(part, plan, args, kwargs), **kwargs}
+    elif not args and "input_ids" in kwargs:  # the schedule hands stage 0 its input positionally
+        kwargs = dict(kwargs)
+        args = (kwargs.pop("input_ids"),)
     vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
     with loss_parallel() if vocab_sharded else contextlib.nullcontext():
         out = part(*args, **kwargs)
@@ -218,7 +221,7 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
     already has a process group (a training job)."""
     if dist.is_initialized():
         return {}
-    key = graph.fingerprint
+    key = (graph.fingerprint, len(args), tuple(sorted(kwargs)))  # how the model is called matters
     if key not in _CACHE:
         seq = _probe_seq(graph)
         args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)

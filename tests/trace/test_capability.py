@@ -89,3 +89,19 @@ def test_hugging_face_llama_tensor_parallelism_passes_the_probe():
         model = hf_models.build("hf_llama")
     graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
     assert graph.tensor_parallel and "tp" not in graph.refused, graph.refused
+
+
+def test_pipeline_probe_of_a_model_called_with_keyword_ids_passes():
+    # example inputs given as {"input_ids": ...} (Hugging Face style): the pipeline schedule
+    # hands stage 0 its input positionally, and so must the probe, or PP is refused for
+    # every such model although the runtime trains it (test_parity.py hf_llama_pp2_*)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    import hf_models
+
+    with torch.device("meta"):
+        model = hf_models.build("hf_llama")
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    graph = trace_model(model, {"input_ids": ids})
+    assert "pp" not in graph.refused and "tp" not in graph.refused, graph.refused
