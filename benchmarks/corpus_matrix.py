@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,7 +137,8 @@ def error_of(output: str) -> str:
 
 def plan_and_run(name: str, gpus: int, fixes: dict[str, int], folder: Path, timeout: float) -> dict:
     """Plan, generate and launch one job; the outcome as a dict (stage, status, losses...)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl of an earlier run would be appended to
+    folder.mkdir(parents=True)
     model = model_file(name, folder)
     cluster = ["--gpu", "cpu", "--gpus", str(gpus), "--gpus-per-node", str(gpus),
                "--global-batch", str(GLOBAL_BATCH), "--precision", "fp32", *shape_args(name)]
