@@ -49,6 +49,19 @@ def test_generate_refuses_an_image_model_before_planning(run_cli, vit_file, tmp_
     assert not (tmp_path / "job").exists()
 
 
+def test_generate_from_a_plan_file_refuses_an_image_model_for_the_same_reason(run_cli, tmp_path):
+    # the plan file keeps no image side: re-estimating it first traced ResNet at 1 pixel
+    # and exited with a BatchNorm error instead of saying why no job can be written
+    model = str(corpus.model_file("resnet50", "tiny", tmp_path))
+    plan = tmp_path / "plan.json"
+    code, out, _ = run_cli("plan", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
+                           "--image-size", "32", "-o", str(plan))
+    assert code == 0, out
+    code, _, err = run_cli("generate", model, "--plan", str(plan), "-o", str(tmp_path / "job"))
+    assert code == 2 and "takes images" in " ".join(err.split())
+    assert not (tmp_path / "job").exists()
+
+
 def test_forward_needing_two_inputs_without_example_inputs(run_cli, tmp_path):
     path = tmp_path / "two.py"
     path.write_text(

@@ -49,12 +49,14 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
             flags = " ".join("--" + name.replace("_", "-") for name in given)
             raise UserError(f"--plan takes the plan as it is, so {flags} would be ignored; drop them, "
                             "or plan again without --plan")
-        _check_plan_matches(read_plan(plan_file), gpu, gpus, gpus_per_node, global_batch, seq_len)
+        given_plan = read_plan(plan_file)
+        _check_plan_matches(given_plan, gpu, gpus, gpus_per_node, global_batch, seq_len)
+        # before the plan is re-estimated: a plan file keeps no image side to trace with
+        _refuse_images(load_model(model, seq_len=given_plan.seq_len), model)
         checked = load_checked_plan(plan_file, model)
         if not checked.estimate.feasible:
             raise NoFeasiblePlan(does_not_fit(checked.estimate, plan_file))
         plan, loaded = checked.plan, checked.loaded
-        _refuse_images(loaded, model)
     else:
         _refuse_images(load_model(model, seq_len=seq_len), model)
         if gpus is None or global_batch is None:

@@ -50,7 +50,14 @@ class _Tracer(fx.Tracer):
         return ".".join(p for p in (self.prefix, path) if p)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return self._full(qualname) in self.leaves or super().is_leaf_module(m, qualname)
+        full = self._full(qualname)
+        if full in self.leaves:
+            return True
+        # fx keeps torch.nn modules whole; one holding blocks (nn.TransformerEncoder) is
+        # traced into, or its blocks would never be costed
+        if any(leaf.startswith(full + ".") for leaf in self.leaves):
+            return False
+        return super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
         try:

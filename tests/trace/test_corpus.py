@@ -98,6 +98,23 @@ def test_tiny_model_traces_exactly(name):
     _check_facts(entry, model, graph, reference, "tiny")
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if corpus.ENTRIES[n].inputs == "tokens"
+                                  and not corpus.ENTRIES[n].hf])
+def test_positional_token_ids_find_the_same_blocks(name):
+    # a model file's inputs reach the tracer positionally (the symbolic fx path), where fx
+    # keeps torch.nn modules whole: nn.TransformerEncoder's layers went uncosted and
+    # `autoplan plan` stopped with a StopIteration
+    entry = corpus.ENTRIES[name]
+    with torch.device("meta"):
+        model = entry.build("tiny")
+    ids = entry.example_inputs("tiny", batch=2, seq=16)["input_ids"]
+    positional = trace_model(model, (ids,), name=name, probe_runtime=False)
+    keyword = trace_model(model, (), example_kwargs={"input_ids": ids}, name=name, probe_runtime=False)
+    assert _stack_counts(positional) == entry.stacks_for("tiny")
+    assert {b.name for b in positional.blocks} == {b.name for b in keyword.blocks}
+    assert positional.forward_flops() == pytest.approx(keyword.forward_flops(), rel=0.01)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_full_model_traces_exactly(name, full_graph):
     entry = corpus.ENTRIES[name]
