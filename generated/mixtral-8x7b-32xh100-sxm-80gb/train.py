@@ -111,12 +111,12 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 4.79101500730917,
-        'tokens_per_s': 218863.01721040177,
-        'tokens_per_s_per_gpu': 6839.469287825055,
-        'mfu': 0.5735332266896831,
-        'hfu': 0.5794508790288002,
-        'tflops_per_gpu': 567.2243611960967,
+        'step_time_s': 4.821053900552851,
+        'tokens_per_s': 217499.33139717756,
+        'tokens_per_s_per_gpu': 6796.854106161799,
+        'mfu': 0.5699596712547895,
+        'hfu': 0.5758404520445453,
+        'tflops_per_gpu': 563.6901148709869,
         'bubble_fraction': 0.0,
         'memory_gib_per_gpu': 71.71304512023926,
         'memory_breakdown_gib': {
@@ -125,7 +125,7 @@ PLAN = {
             'buffers': 0.812652587890625, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 4.061023577981635, 'recompute': 0.12505356265043077,
+            'compute': 4.090797695146442, 'recompute': 0.12531833872930417,
             'exposed_comm': 0.604937866677105, 'bubble': 0.0,
         },
         'comm_breakdown_s': {'zero3': 0.4365607734309177, 'ep': 0.16837709324618735},
@@ -136,7 +136,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 32,
-                'time_per_microbatch_s': 4.776928990413509,
+                'time_per_microbatch_s': 4.80696788365719,
                 'memory_gib': 71.71304512023926,
                 'memory_breakdown_gib': {
                     'parameters': 5.436920642852783, 'gradients': 5.436920642852783,
