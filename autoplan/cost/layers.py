@@ -53,6 +53,9 @@ class Runtime:
     sp_saves_gathered_inputs: sequence-parallel column linears keep their all-gathered input
     for backward (DTensor: autoplan's runtime, torchtitan) rather than the 1/tp shard
     (Megatron-LM); memory.block_activation_bytes.
+    optimizer_kernels: how the AdamW step runs (step.adam_update_bytes_per_param): "fused", one
+    pass over the states (Apex/TE FusedAdam, torch fused AdamW), or "per-op", a kernel per tensor
+    op of the update (Composer's DecoupledAdamW, llm-foundry's default optimizer).
     """
 
     tp_comm_overlap: bool = False
@@ -62,6 +65,7 @@ class Runtime:
     selective_policy: str = "op"
     allocator_reserve_fraction: float = 0.0
     sp_saves_gathered_inputs: bool = True
+    optimizer_kernels: str = "fused"
 
 
 DEFAULT_RUNTIME = Runtime()
