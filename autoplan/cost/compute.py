@@ -158,6 +158,14 @@ def loss_times_s(tokens: float, vocab: int, tp: int, gpu) -> tuple[float, float]
     return logits * LOSS_FWD_BYTES_PER_LOGIT / bw, logits * LOSS_BWD_BYTES_PER_LOGIT / bw
 
 
+def fsdp_copy_out_s(gathered_params: float, weight_bytes: int, gpu) -> float:
+    """Seconds to copy one all-gather's parameters out of the gather buffer into their own
+    tensors: FSDP2 fully_shard runs `FSDP::all_gather_copy_out` (split_with_sizes_copy, one
+    read and one write of each gathered parameter) on the compute stream before the block may
+    run (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py wait_for_unshard)."""
+    return gathered_params * 2 * weight_bytes / hw.hbm_bytes_per_s(gpu)
+
+
 def recompute_time_s(times: BlockTimes, recompute: str, selective_policy: str = "op") -> float:
     """Extra forward work per micro-batch. full: all of it. selective: what the policy does
     not save (trace/activations.py) -- under the "op" policy every op but the GEMMs and the

@@ -44,6 +44,8 @@ def runtime_traits(family: str) -> dict[str, Any]:
     out["sp_saves_gathered_inputs"] = bool(traits.get("sp_saves_gathered_inputs", False))
     # fused AdamW (Megatron's Apex/TE FusedAdam) unless the family's optimizer runs op by op
     out["optimizer_kernels"] = str(traits.get("optimizer_kernels", "fused"))
+    # only FSDP2 copies gathered parameters out of the gather buffer
+    out["fsdp_copy_out"] = bool(traits.get("fsdp_copy_out", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

@@ -3,6 +3,7 @@ launch floor, TP/GEMM overlap and DeepSpeed-2021-style ZeRO-3 gathers."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,24 @@ def test_megatron_loss_traffic_counts_every_pass_over_the_fp32_logits():
     # exp and div (8 each), sum (4); backward: in-place mul (8), cast back to 16 bits (4 + 2)
     assert compute.LOSS_FWD_BYTES_PER_LOGIT == 38
     assert compute.LOSS_BWD_BYTES_PER_LOGIT == 14
+
+
+def test_fsdp2_copies_each_gather_out_on_the_compute_stream(make_gpt_graph, h100_cluster):
+    # ZeRO-3: gathered before forward and before backward; each copy-out reads and writes the
+    # block's 16-bit parameters once. FSDP1 (fsdp_copy_out=False) gathers into the parameter.
+    from autoplan.cost import hw
+
+    graph = make_gpt_graph(layers=4, hidden=2048, heads=16, seq=2048)
+    config = ParallelConfig(global_batch=8, seq_len=2048, dp=8, micro_batch=1, zero_stage=3)
+    cluster = h100_cluster(8)
+    block = graph.blocks[0]
+    fsdp2 = layer_cost(block, graph, config, cluster)
+    fsdp1 = layer_cost(block, graph, config, cluster, runtime=Runtime(fsdp_copy_out=False))
+    copy_s = block.parameters * 2 * 2 / hw.hbm_bytes_per_s(cluster.gpu)
+    assert fsdp2.fwd_s - fsdp1.fwd_s == pytest.approx(copy_s, rel=1e-9)
+    assert fsdp2.bwd_s - fsdp1.bwd_s == pytest.approx(copy_s, rel=1e-9)
+    zero2 = layer_cost(block, graph, dataclasses.replace(config, zero_stage=2), cluster)
+    zero2_fsdp1 = layer_cost(block, graph, dataclasses.replace(config, zero_stage=2), cluster,
+                             runtime=Runtime(fsdp_copy_out=False))
+    assert zero2.fwd_s - zero2_fsdp1.fwd_s == pytest.approx(copy_s, rel=1e-9)
+    assert zero2.bwd_s == pytest.approx(zero2_fsdp1.bwd_s, rel=1e-12)  # not resharded after forward
