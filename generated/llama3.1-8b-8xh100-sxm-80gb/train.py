@@ -101,12 +101,12 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 6.936803478064434,
-        'tokens_per_s': 75580.6333072436,
-        'tokens_per_s_per_gpu': 9447.57916340545,
-        'mfu': 0.5532216970509825,
-        'hfu': 0.5532216970509825,
-        'tflops_per_gpu': 547.1362583834216,
+        'step_time_s': 7.02537965949079,
+        'tokens_per_s': 74627.71058809954,
+        'tokens_per_s_per_gpu': 9328.463823512442,
+        'mfu': 0.5462466625643001,
+        'hfu': 0.5462466625643001,
+        'tflops_per_gpu': 540.2379492760928,
         'bubble_fraction': 0.0,
         'memory_gib_per_gpu': 71.45420837402344,
         'memory_breakdown_gib': {
@@ -115,7 +115,7 @@ PLAN = {
             'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 6.5344705990619945, 'recompute': 0.09352353836544759,
+            'compute': 6.623046780488351, 'recompute': 0.09352353836544759,
             'exposed_comm': 0.3088093406369924, 'bubble': 0.0,
         },
         'comm_breakdown_s': {'zero2': 0.29080230580206695, 'dp': 0.018007034834925426},
@@ -126,7 +126,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 32,
-                'time_per_microbatch_s': 0.8636385529232501,
+                'time_per_microbatch_s': 0.8747105756015446,
                 'memory_gib': 71.45420837402344,
                 'memory_breakdown_gib': {
                     'parameters': 18.696908950805664, 'gradients': 3.739381790161133,
