@@ -33,12 +33,14 @@ CAUSAL_FRACTION = 0.5  # causal mask: half of the score matrix is computed
 # pre-MLIR Triton): "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in
 # the forward pass and around 2x faster in the backward pass" (Dao 2023 §4.1, A100).
 FLASH_KERNEL_SLOWDOWN = {"flash2": (1.0, 1.0), "triton": (1.4, 2.0)}
-# Cross-entropy over the vocabulary in fp32 (Megatron vocab_parallel_cross_entropy; Korthikanti
-# et al. 2022 App. B keep fp32 logits): forward reads the 16-bit logits (2 B) and makes four
-# fp32 passes, each reading and writing 4 B (upcast, max-subtract, exp-sum, normalise);
-# backward reads the saved fp32 softmax and writes the 16-bit gradient.
-LOSS_FWD_BYTES_PER_LOGIT = 2 + 4 * (4 + 4)
-LOSS_BWD_BYTES_PER_LOGIT = 4 + 2
+# Cross-entropy over the vocabulary in fp32 (Megatron-Core tensor_parallel/cross_entropy.py,
+# VocabParallelCrossEntropy; Korthikanti et al. 2022 App. B keep fp32 logits), bytes per logit.
+# Forward: `.float()` reads the 16-bit logits and writes fp32 (2 + 4), `max` reads (4), the
+# in-place max-subtract, `exp` and softmax `div_` each read and write (3 x 8), `sum` reads (4).
+# Backward: the in-place `grad_input.mul_(grad_output)` reads and writes the saved fp32 softmax
+# (8), then the `.float()` cast's backward reads it and writes the 16-bit gradient (4 + 2).
+LOSS_FWD_BYTES_PER_LOGIT = (2 + 4) + 4 + 3 * (4 + 4) + 4
+LOSS_BWD_BYTES_PER_LOGIT = (4 + 4) + (4 + 2)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,14 @@ def loss_times_s(tokens: float, vocab: int, tp: int, gpu) -> tuple[float, float]
     logits = tokens * vocab / tp
     bw = hw.hbm_bytes_per_s(gpu)
     return logits * LOSS_FWD_BYTES_PER_LOGIT / bw, logits * LOSS_BWD_BYTES_PER_LOGIT / bw
+
+
+def fsdp_copy_out_s(gathered_params: float, weight_bytes: int, gpu) -> float:
+    """Seconds to copy one all-gather's parameters out of the gather buffer into their own
+    tensors: FSDP2 fully_shard runs `FSDP::all_gather_copy_out` (split_with_sizes_copy, one
+    read and one write of each gathered parameter) on the compute stream before the block may
+    run (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py wait_for_unshard)."""
+    return gathered_params * 2 * weight_bytes / hw.hbm_bytes_per_s(gpu)
 
 
 def recompute_time_s(times: BlockTimes, recompute: str, selective_policy: str = "op") -> float:

@@ -53,6 +53,12 @@ class Runtime:
     sp_saves_gathered_inputs: sequence-parallel column linears keep their all-gathered input
     for backward (DTensor: autoplan's runtime, torchtitan) rather than the 1/tp shard
     (Megatron-LM); memory.block_activation_bytes.
+    optimizer_kernels: how the AdamW step runs (step.adam_update_bytes_per_param): "fused", one
+    pass over the states (Apex/TE FusedAdam, torch fused AdamW), or "per-op", a kernel per tensor
+    op of the update (Composer's DecoupledAdamW, llm-foundry's default optimizer).
+    fsdp_copy_out: ZeRO-2/3 all-gathers land in a flat buffer that FSDP2 copies out into the
+    parameters on the compute stream (compute.fsdp_copy_out_s); FSDP1's flat parameter is the
+    gather buffer itself.
     """
 
     tp_comm_overlap: bool = False
@@ -62,6 +68,8 @@ class Runtime:
     selective_policy: str = "op"
     allocator_reserve_fraction: float = 0.0
     sp_saves_gathered_inputs: bool = True
+    optimizer_kernels: str = "fused"
+    fsdp_copy_out: bool = True
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -338,6 +346,12 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     accumulate = grad_accumulation_s(params, config, gpu)
     if accumulate:
         times = replace(times, bwd_s=times.bwd_s + accumulate)
+    if runtime.fsdp_copy_out and config.zero_stage >= 2 and not fsdp_pipeline_unsharded(config):
+        # ZeRO-3 gathers before forward and again before backward, ZeRO-2 before forward only
+        copy = compute.fsdp_copy_out_s(params.dense + params.expert,
+                                       memory.weight_bytes_per_param(config.precision), gpu)
+        times = replace(times, fwd_s=times.fwd_s + copy,
+                        bwd_s=times.bwd_s + (copy if config.zero_stage >= 3 else 0.0))
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
     tp = tp_comm_s(graph, block, config, fabric, groups, rc)

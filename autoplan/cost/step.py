@@ -29,6 +29,14 @@ from autoplan.trace.graph import ModelGraph
 
 ADAM_UPDATE_BYTES_MIXED = 3 * 4 * 2 + 2 + 2  # fp32 master/m/v read+write, grad read, weight write
 ADAM_UPDATE_BYTES_FP32 = 3 * 4 * 2 + 4  # weight/m/v read+write, grad read
+# AdamW issued op by op over fp32 parameters, gradients and states (Composer's
+# DecoupledAdamW.adamw, composer/optim/decoupled_weight_decay.py, llm-foundry's `decoupled_adamw`):
+# each tensor op is a kernel that reads its operands and writes its result, 4 B each:
+# exp_avg.mul_ (8) .add_(grad) (12), exp_avg_sq.mul_ (8) .addcmul_(grad, grad) (12), sqrt (8),
+# / sqrt(bias_correction2) (8), .add_(eps) (8), param.addcdiv_(exp_avg, denom) (16). The
+# decoupled weight decay's param.mul_ is skipped at weight_decay 0, as llm-foundry's MPT
+# yamls set it (scripts/train/yamls/pretrain/mpt-*.yaml).
+ADAM_UPDATE_BYTES_PER_OP = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,16 @@ def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster,
     return comm.contended_exposed_s(total, max(total - window, last_bucket))
 
 
-def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) -> float:
+def adam_update_bytes_per_param(precision: str, optimizer_kernels: str = "fused") -> int:
+    """HBM bytes one AdamW update moves per parameter: one fused pass over the states, or
+    a pass per tensor op (Runtime.optimizer_kernels)."""
+    if optimizer_kernels == "per-op":
+        return ADAM_UPDATE_BYTES_PER_OP
+    return ADAM_UPDATE_BYTES_FP32 if precision == "fp32" else ADAM_UPDATE_BYTES_MIXED
+
+
+def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster,
+                runtime: Runtime = DEFAULT_RUNTIME) -> float:
     """Adam step on one rank's (sharded) parameters, memory-bound; with optimizer offload the
     ZeRO-Offload step instead (gradients to host, CPU Adam, weights back: offload.py)."""
     dense = sum(s.dense_params for s in stages)
@@ -97,7 +114,7 @@ def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster) ->
     if config.zero_stage >= 1:
         dense /= config.dp_shard * config.cp
         expert /= expert_shard_degree(config)
-    per_param = ADAM_UPDATE_BYTES_FP32 if config.precision == "fp32" else ADAM_UPDATE_BYTES_MIXED
+    per_param = adam_update_bytes_per_param(config.precision, runtime.optimizer_kernels)
     if config.offload == "both" and config.zero_stage >= 2:
         # FSDP2's CPUOffloadPolicy: the gradient shards reach the host and the updated weight
         # shards the GPU with the per-block copies of every micro-batch (layers.param_offload_comm_s);
@@ -121,7 +138,7 @@ def step_time_s(stage_costs: Sequence[StageCost], config: ParallelConfig, cluste
     tails = []
     for r in range(config.pp):
         mine = [s for s in stage_costs if s.physical_stage == r]
-        tails.append((dp_sync_s(mine, config, cluster, runtime), optimizer_s(mine, config, cluster)))
+        tails.append((dp_sync_s(mine, config, cluster, runtime), optimizer_s(mine, config, cluster, runtime)))
     dp_exposed, opt = max(tails, key=lambda t: t[0] + t[1])
     mine = [s for s in stage_costs if s.physical_stage == bottleneck]
     fwd_bwd = sum(s.fwd_s + s.bwd_s for s in mine)

@@ -42,6 +42,10 @@ def runtime_traits(family: str) -> dict[str, Any]:
     out["selective_policy"] = str(traits.get("selective_policy", "attention_core"))
     # Megatron keeps sequence-parallel linear inputs sharded unless the family runs DTensor
     out["sp_saves_gathered_inputs"] = bool(traits.get("sp_saves_gathered_inputs", False))
+    # fused AdamW (Megatron's Apex/TE FusedAdam) unless the family's optimizer runs op by op
+    out["optimizer_kernels"] = str(traits.get("optimizer_kernels", "fused"))
+    # only FSDP2 copies gathered parameters out of the gather buffer
+    out["fsdp_copy_out"] = bool(traits.get("fsdp_copy_out", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

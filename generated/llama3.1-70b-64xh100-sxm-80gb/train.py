@@ -119,13 +119,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 30.72659221580149,
-        'tokens_per_s': 68252.02044115769,
-        'tokens_per_s_per_gpu': 1066.4378193930888,
-        'mfu': 0.5191307118911249,
-        'hfu': 0.5298043175649882,
-        'tflops_per_gpu': 513.4202740603225,
-        'bubble_fraction': 0.04456484272415866,
+        'step_time_s': 31.596161248499833,
+        'tokens_per_s': 66373.63265449126,
+        'tokens_per_s_per_gpu': 1037.088010226426,
+        'mfu': 0.5048435335395269,
+        'hfu': 0.5152233871690128,
+        'tflops_per_gpu': 499.2902546705921,
+        'bubble_fraction': 0.04457065734371936,
         'memory_gib_per_gpu': 71.94136047363281,
         'memory_breakdown_gib': {
             'parameters': 12.551742553710938, 'gradients': 16.73565673828125,
@@ -133,8 +133,8 @@ PLAN = {
             'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 25.80112277314202, 'recompute': 0.13948724618937644,
-            'exposed_comm': 3.4166564469235436, 'bubble': 1.369325749546551,
+            'compute': 26.631755879003123, 'recompute': 0.13948724618937644,
+            'exposed_comm': 3.4166564469235436, 'bubble': 1.40826167638379,
         },
         'comm_breakdown_s': {'tp': 3.1593409756862743, 'pp': 0.12328899425352113, 'dp': 0.13402647698374864},
         'model_flops_per_token': 481434796032.0,
@@ -144,7 +144,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 19,
-                'time_per_microbatch_s': 0.45438425693560763,
+                'time_per_microbatch_s': 0.4671568890197812,
                 'memory_gib': 71.07933044433594,
                 'memory_breakdown_gib': {
                     'parameters': 12.090225219726562, 'gradients': 16.12030029296875,
@@ -156,7 +156,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4414405698588061,
+                'time_per_microbatch_s': 0.45380118155316773,
                 'memory_gib': 71.17266845703125,
                 'memory_breakdown_gib': {
                     'parameters': 11.95404052734375, 'gradients': 15.938720703125,
@@ -168,7 +168,7 @@ PLAN = {
             {
                 'stage': 2,
                 'blocks': 21,
-                'time_per_microbatch_s': 0.45644191651551697,
+                'time_per_microbatch_s': 0.4694205587945967,
                 'memory_gib': 71.94136047363281,
                 'memory_breakdown_gib': {
                     'parameters': 12.551742553710938, 'gradients': 16.73565673828125,
@@ -180,7 +180,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4553841577819612,
+                'time_per_microbatch_s': 0.4691144548901972,
                 'memory_gib': 57.64583778381348,
                 'memory_breakdown_gib': {
                     'parameters': 12.687932968139648, 'gradients': 16.91724395751953,

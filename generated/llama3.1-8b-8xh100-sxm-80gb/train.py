@@ -91,12 +91,12 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 6.736936086663187,
-        'tokens_per_s': 77822.91434201218,
-        'tokens_per_s_per_gpu': 9727.864292751523,
-        'mfu': 0.56963434755468,
-        'hfu': 0.56963434755468,
-        'tflops_per_gpu': 563.3683697315785,
+        'step_time_s': 7.02537965949079,
+        'tokens_per_s': 74627.71058809954,
+        'tokens_per_s_per_gpu': 9328.463823512442,
+        'mfu': 0.5462466625643001,
+        'hfu': 0.5462466625643001,
+        'tflops_per_gpu': 540.2379492760928,
         'bubble_fraction': 0.0,
         'memory_gib_per_gpu': 71.45420837402344,
         'memory_breakdown_gib': {
@@ -105,7 +105,7 @@ PLAN = {
             'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 6.334603207660748, 'recompute': 0.09352353836544759,
+            'compute': 6.623046780488351, 'recompute': 0.09352353836544759,
             'exposed_comm': 0.3088093406369924, 'bubble': 0.0,
         },
         'comm_breakdown_s': {'zero2': 0.29080230580206695, 'dp': 0.018007034834925426},
@@ -116,7 +116,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 32,
-                'time_per_microbatch_s': 0.8386551289980942,
+                'time_per_microbatch_s': 0.8747105756015446,
                 'memory_gib': 71.45420837402344,
                 'memory_breakdown_gib': {
                     'parameters': 18.696908950805664, 'gradients': 3.739381790161133,

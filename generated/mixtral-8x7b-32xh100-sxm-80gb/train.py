@@ -99,12 +99,12 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 4.79101500730917,
-        'tokens_per_s': 218863.01721040177,
-        'tokens_per_s_per_gpu': 6839.469287825055,
-        'mfu': 0.5735332266896831,
-        'hfu': 0.5794508790288002,
-        'tflops_per_gpu': 567.2243611960967,
+        'step_time_s': 4.840834309515758,
+        'tokens_per_s': 216610.59498334533,
+        'tokens_per_s_per_gpu': 6769.081093229542,
+        'mfu': 0.5676307265587024,
+        'hfu': 0.5734874775549132,
+        'tflops_per_gpu': 561.3867885665567,
         'bubble_fraction': 0.0,
         'memory_gib_per_gpu': 71.71304512023926,
         'memory_breakdown_gib': {
@@ -113,10 +113,10 @@ PLAN = {
             'buffers': 0.812652587890625, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 4.061023577981635, 'recompute': 0.12505356265043077,
-            'exposed_comm': 0.604937866677105, 'bubble': 0.0,
+            'compute': 4.110770203979641, 'recompute': 0.12531833872930417,
+            'exposed_comm': 0.6047457668068126, 'bubble': 0.0,
         },
-        'comm_breakdown_s': {'zero3': 0.4365607734309177, 'ep': 0.16837709324618735},
+        'comm_breakdown_s': {'zero3': 0.43636867356062525, 'ep': 0.16837709324618735},
         'model_flops_per_token': 82933972992.0,
         'peak_flops_per_gpu': 989000000000000.0,
         'worst_rank_stage': 0,
@@ -124,7 +124,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 32,
-                'time_per_microbatch_s': 4.776928990413509,
+                'time_per_microbatch_s': 4.826748292620097,
                 'memory_gib': 71.71304512023926,
                 'memory_breakdown_gib': {
                     'parameters': 5.436920642852783, 'gradients': 5.436920642852783,

@@ -3,6 +3,7 @@ launch floor, TP/GEMM overlap and DeepSpeed-2021-style ZeRO-3 gathers."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,49 @@ def test_pipelined_fsdp_holds_unsharded_fp32_gradients(make_gpt_graph, h100_clus
     single = dict(base, global_batch=8)
     z2_single = layer_cost(block, graph, ParallelConfig(**single, zero_stage=2), cluster)
     assert z2_single.grad_bytes == pytest.approx(params * 4 / 8)  # fp32 gradient shards
+
+
+def test_per_op_adamw_moves_its_extra_bytes_through_hbm(make_gpt_graph, h100_cluster):
+    # Composer's DecoupledAdamW issues a kernel per tensor op: 80 B per parameter, not 28
+    from autoplan.cost import hw
+    from autoplan.cost.step import adam_update_bytes_per_param
+
+    assert adam_update_bytes_per_param("bf16") == 28 == adam_update_bytes_per_param("fp32")
+    assert adam_update_bytes_per_param("bf16", "per-op") == 80
+    graph = make_gpt_graph(layers=4, hidden=2048, heads=16, seq=2048)
+    config = ParallelConfig(global_batch=8, seq_len=2048, dp=8, micro_batch=1, zero_stage=3)
+    cluster = h100_cluster(8)
+    fused = estimate(graph, config, cluster)
+    per_op = estimate(graph, config, cluster, runtime=Runtime(optimizer_kernels="per-op"))
+    params_per_rank = graph.parameters / 8
+    extra_s = params_per_rank * (80 - 28) / hw.hbm_bytes_per_s(cluster.gpu)
+    # only the optimizer step differs; rel 1e-6 covers float summation order
+    assert per_op.step_time_s - fused.step_time_s == pytest.approx(extra_s, rel=1e-6)
+
+
+def test_megatron_loss_traffic_counts_every_pass_over_the_fp32_logits():
+    # VocabParallelCrossEntropy forward: cast (2 read + 4 written), max (4), in-place subtract,
+    # exp and div (8 each), sum (4); backward: in-place mul (8), cast back to 16 bits (4 + 2)
+    assert compute.LOSS_FWD_BYTES_PER_LOGIT == 38
+    assert compute.LOSS_BWD_BYTES_PER_LOGIT == 14
+
+
+def test_fsdp2_copies_each_gather_out_on_the_compute_stream(make_gpt_graph, h100_cluster):
+    # ZeRO-3: gathered before forward and before backward; each copy-out reads and writes the
+    # block's 16-bit parameters once. FSDP1 (fsdp_copy_out=False) gathers into the parameter.
+    from autoplan.cost import hw
+
+    graph = make_gpt_graph(layers=4, hidden=2048, heads=16, seq=2048)
+    config = ParallelConfig(global_batch=8, seq_len=2048, dp=8, micro_batch=1, zero_stage=3)
+    cluster = h100_cluster(8)
+    block = graph.blocks[0]
+    fsdp2 = layer_cost(block, graph, config, cluster)
+    fsdp1 = layer_cost(block, graph, config, cluster, runtime=Runtime(fsdp_copy_out=False))
+    copy_s = block.parameters * 2 * 2 / hw.hbm_bytes_per_s(cluster.gpu)
+    assert fsdp2.fwd_s - fsdp1.fwd_s == pytest.approx(copy_s, rel=1e-9)
+    assert fsdp2.bwd_s - fsdp1.bwd_s == pytest.approx(copy_s, rel=1e-9)
+    zero2 = layer_cost(block, graph, dataclasses.replace(config, zero_stage=2), cluster)
+    zero2_fsdp1 = layer_cost(block, graph, dataclasses.replace(config, zero_stage=2), cluster,
+                             runtime=Runtime(fsdp_copy_out=False))
+    assert zero2.fwd_s - zero2_fsdp1.fwd_s == pytest.approx(copy_s, rel=1e-9)
+    assert zero2.bwd_s == pytest.approx(zero2_fsdp1.bwd_s, rel=1e-12)  # not resharded after forward

@@ -66,7 +66,20 @@ def test_torchtitan_runtime_traits():
     assert traits["allocator_reserve_fraction"] == families.allocator_reserve_fraction() > 0
     assert families.runtime_traits("megatron") == {"fp32_module_weights": False,
                                                    "selective_policy": "attention_core",
-                                                   "sp_saves_gathered_inputs": False}
+                                                   "sp_saves_gathered_inputs": False,
+                                                   "optimizer_kernels": "fused",
+                                                   "fsdp_copy_out": False}
+
+
+def test_llm_foundry_adamw_runs_op_by_op():
+    # Composer's DecoupledAdamW, the MPT yamls' optimizer; torchtitan and Megatron fuse it
+    assert families.runtime_traits("llm-foundry")["optimizer_kernels"] == "per-op"
+    assert families.runtime_traits("torchtitan")["optimizer_kernels"] == "fused"
+
+
+def test_only_fsdp2_copies_gathered_parameters_out():
+    assert families.runtime_traits("torchtitan")["fsdp_copy_out"] is True
+    assert families.runtime_traits("llm-foundry")["fsdp_copy_out"] is False  # FSDP1 flat parameter
 
 
 def test_interleaved_torchtitan_run_takes_two_stages_per_rank():
