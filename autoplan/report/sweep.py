@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from autoplan.cost import CostCache
 from autoplan.errors import UserError
 from autoplan.report.goodput import Goodput, GoodputAssumptions, checkpoint_bytes, goodput
 
@@ -167,9 +168,11 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
              precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
              error: ErrorBand | None, time_limit_s: float | None = None,
              memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None,
-             gpus_per_node: int | None = None, fixed: dict | None = None, top: int = 0) -> Row:
+             gpus_per_node: int | None = None, fixed: dict | None = None, top: int = 0,
+             cache: CostCache | None = None) -> Row:
     """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`, with the same
-    `fixed` choices and `top` runners-up), priced."""
+    `fixed` choices and `top` runners-up), priced. `cache`: the costs of `graph` computed for
+    other clusters (solve.search)."""
     from autoplan.hardware import make_cluster, with_memory_headroom
     from autoplan.solve.api import plan_job
 
@@ -180,7 +183,7 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
                                        memory_headroom_gib)
         # top=0 (the default): only the best is needed; the search then prunes against it alone
         job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                       fixed=fixed, top=top,
+                       fixed=fixed, top=top, cache=cache,
                        time_limit_s=SEARCH_DEFAULT_LIMIT_S if time_limit_s is None else time_limit_s)
     except UserError as exc:  # the batch does not split, a partial node, ...: this cluster only
         row.reason = str(exc)
@@ -223,10 +226,10 @@ def default_workers(clusters: int) -> int:
 
 def _plan_cluster(shared: dict, gpu_index: int, num_gpus: int) -> Row:
     """plan_row of one cluster of the sweep; the GPU by index, so that one GPU object (and the
-    cost memos keyed on it) serves all of its counts in a process."""
+    costs the sweep's cache keeps for it) serves all of its counts in a process."""
     gpu = shared["gpus"][gpu_index]
     return plan_row(shared["graph"], shared["ref"], gpu, num_gpus, **shared["kwargs"],
-                    usd_per_gpu_hour=shared["prices"][gpu.key])
+                    usd_per_gpu_hour=shared["prices"][gpu.key], cache=shared["cache"])
 
 
 _WORKER: dict = {}  # a worker process's copy of what every cluster shares (set by fork, not pickled)
@@ -261,7 +264,7 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
                   memory_headroom_gib=memory_headroom_gib,
                   inter_node_bandwidth_gb_per_s=inter_node_bandwidth_gb_per_s, gpus_per_node=gpus_per_node,
                   fixed=fixed, top=top)
-    shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs)
+    shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs, cache=CostCache())
     workers = default_workers(len(tasks)) if workers is None else max(1, min(workers, len(tasks)))
     if "fork" not in multiprocessing.get_all_start_methods():
         workers = 1  # the workers get the graph by fork, not by pickling it
