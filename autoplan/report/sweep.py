@@ -19,9 +19,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from autoplan.cost import CostCache
+from autoplan.cost import CostCache, memory
 from autoplan.errors import UserError
+from autoplan.hardware import load_gpu, make_cluster, with_memory_headroom
 from autoplan.report.goodput import Goodput, GoodputAssumptions, checkpoint_bytes, goodput
+from autoplan.solve.api import plan_job
 
 if TYPE_CHECKING:  # accuracy stays importable as a script (python -m autoplan.report.accuracy)
     from autoplan.report.accuracy import ErrorBand
@@ -55,8 +57,6 @@ def parse_counts(text: str) -> list[int]:
 
 def parse_gpus(text: str) -> list:
     """'h100,a100-sxm4-80gb' -> [GPU, ...] in the given order (UserError on an unknown name)."""
-    from autoplan.hardware import load_gpu
-
     names = [s.strip() for s in str(text).split(",") if s.strip()]
     if not names:
         raise UserError("--gpu expects GPU names separated by commas, e.g. --gpu h100,a100-sxm4-80gb "
@@ -104,8 +104,6 @@ def price_run(step_time_s: float, num_gpus: int, tokens: int, tokens_per_step: i
               precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
               error: ErrorBand | None) -> RunCost:
     """Steps to train `tokens`, the goodput wall time, GPU-hours, cost and their error ranges."""
-    from autoplan.cost import memory
-
     steps = math.ceil(tokens / tokens_per_step)
     size = checkpoint_bytes(parameters, memory.weight_bytes_per_param(precision),
                             memory.optimizer_bytes_per_param(precision))
@@ -173,9 +171,6 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
     """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`, with the same
     `fixed` choices and `top` runners-up), priced. `cache`: the costs of `graph` computed for
     other clusters (solve.search)."""
-    from autoplan.hardware import make_cluster, with_memory_headroom
-    from autoplan.solve.api import plan_job
-
     row = Row(gpu=gpu.key, gpu_name=gpu.name, num_gpus=num_gpus, capacity_gib=gpu.memory_bytes / GIB,
               usd_per_gpu_hour=usd_per_gpu_hour)
     try:

@@ -13,6 +13,7 @@ from autoplan.plan import ModelRef, Plan
 from autoplan.solve import preference
 from autoplan.solve.search import SearchResult, search
 from autoplan.solve.space import Request, check_fixed
+from autoplan.solve.plan_build import to_plan
 
 
 @dataclass
@@ -41,8 +42,6 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
              cache: CostCache | None = None) -> PlanJob:
     """Search the plan space of `graph` on `cluster`; the best as a Plan plus the ranked result.
     `cache`: costs to reuse (search), one per graph when planning it on many clusters."""
-    from autoplan.solve.plan_build import to_plan
-
     if global_batch is None or global_batch < 1:
         raise UserError(f"--global-batch must be a positive number of sequences, got {global_batch}")
     request = Request(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,

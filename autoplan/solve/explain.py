@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.config import ParallelConfig, schedule_label
+from autoplan.cost.stages import stage_layer_counts
 from autoplan.hardware import GIB, with_num_gpus
 from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
@@ -211,8 +212,6 @@ def _frugal_configs(job, request) -> list[ParallelConfig]:
 def _most_frugal_estimate(job) -> tuple[str, float] | None:
     """(layout, GiB per GPU) of the configuration needing the least memory among the most
     frugal few, every block fully recomputed, blocks split evenly over the stages."""
-    from autoplan.cost.stages import stage_layer_counts
-
     best = None
     for config in _frugal_configs(job, job.request)[:12]:
         full = replace(config, stage_layers=tuple(stage_layer_counts(job.graph.num_layers, config)),

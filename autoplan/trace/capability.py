@@ -25,7 +25,10 @@ import torch.nn as nn
 
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
+from autoplan.runtime.mesh import build_mesh
 from autoplan.runtime.model_io import logits_of, model_call
+from autoplan.runtime.parallelize import apply_plan, validate_plan
+from autoplan.runtime.tensor_parallel import uses_loss_parallel
 from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
@@ -127,9 +130,6 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
     fake CPU tensors (meta tensors have no process-group backend for point-to-point ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autoplan.runtime.mesh import build_mesh
-    from autoplan.runtime.parallelize import apply_plan, validate_plan
-
     validate_plan(model, plan)
     mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
@@ -144,8 +144,6 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
 
 def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
-
-    from autoplan.runtime.tensor_parallel import uses_loss_parallel
 
     if plan.cp > 1:  # this rank's share of the sequence (dim 1 of token ids)
         cut = lambda x: x[:, : x.shape[1] // plan.cp] if isinstance(x, torch.Tensor) and x.dim() > 1 else x  # noqa: E731
