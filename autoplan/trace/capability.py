@@ -33,7 +33,10 @@ from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
-_CACHE: dict[tuple[str, int], dict[str, str | None]] = {}
+# probe results by model fingerprint: running the runtime on fake tensors takes seconds, and a
+# process traces one model many times (validation traces it per published run and sequence
+# length); what the runtime can apply depends on the model (its fingerprint), not on a cost
+_CACHE: dict[str, dict[str, str | None]] = {}
 
 
 def _smallest_tp(graph: ModelGraph) -> int:
