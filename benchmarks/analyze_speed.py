@@ -1,4 +1,4 @@
-"""`autoplan analyze` wall time and peak RSS (issue 2 targets: Llama-3-70B-shaped < 5 s and
+"""`autoplan analyze` wall time and peak RSS (targets: Llama-3-70B-shaped < 5 s and
 < 2 GiB, Llama 3.1 405B < 10 s), each measured as a fresh process like a user runs it.
 
     python benchmarks/analyze_speed.py [--repeat 3]

@@ -1,4 +1,4 @@
-"""Speed target (issue 3): `autoplan estimate` for Llama 3.1 405B on 16,384 GPUs answers in < 3 s.
+"""Speed target: `autoplan estimate` for Llama 3.1 405B on 16,384 GPUs answers in < 3 s.
 
 Runs the real command line in a fresh process (imports, trace, estimate) a few times and
 prints a table of wall times.

@@ -1,9 +1,10 @@
-"""Planner speed targets (issue 4): wall time of `plan` from a traced graph to a proven plan.
+"""Planner speed targets: wall time of `plan` from a traced graph to a proven plan.
 
     python benchmarks/plan_speed.py [--repeat 3]
 
 Prints one row per case: median wall seconds over the repeats (search only, and with the
-model analysis), solver status, configurations enumerated / solved, the plan and target.
+model analysis; every repeat is a search with its own, empty cost cache, as one `autoplan
+plan` is), solver status, configurations enumerated / solved, the plan and target.
 This machine is shared and noisy: quote medians.
 """
 

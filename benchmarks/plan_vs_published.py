@@ -1,4 +1,4 @@
-"""Does `plan` beat (or match) every published configuration under the cost model? (issue 4)
+"""Does `plan` beat (or match) every published configuration under the cost model?
 
 For each run of the published-runs file: plan with the same GPU type, GPU count, global
 batch, sequence length and precision, and compare the plan's predicted tokens/s per GPU

@@ -1,4 +1,4 @@
-"""Speed of a report sweep: llama3.1-70b on 4 GPU types x 8 cluster sizes (issue 7 target: < 60 s).
+"""Speed of a report sweep: llama3.1-70b on 4 GPU types x 8 cluster sizes (target: < 60 s).
 
 Traces the model once, plans every cluster on that graph (as `autoplan report` does) and prints
 one line per cluster (search wall time and status, step time, time to train 2T tokens, cost)

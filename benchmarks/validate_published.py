@@ -1,4 +1,4 @@
-"""Cost model vs published training runs: per-run table and summary (issue 3 targets).
+"""Cost model vs published training runs: per-run table and summary.
 
 Reads the repo's copy cost_models/validation/published_runs.json (or a path given as the
 first argument) and prints predicted and measured tokens/s per GPU, the relative error,

@@ -7,6 +7,7 @@ import json
 import click
 
 from autoplan.errors import UserError
+from autoplan.hardware import GB, TFLOPS
 
 
 def gemm_shapes_of(model: str, seq_len: int | None) -> tuple[tuple[int, int, int], ...]:
@@ -34,8 +35,6 @@ def _device(choice: str) -> str:
 def _render(result, path, cluster) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from autoplan.hardware import GB, TFLOPS
 
     console = Console()
     table = Table(title=f"matmul on {result.device_name} (slowest rank)")

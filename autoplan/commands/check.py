@@ -27,6 +27,8 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan
+from autoplan.hardware import resolve_cluster
+from autoplan.planfile import load_checked_plan
 
 GIB = 2**30
 ROWS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries")
@@ -98,8 +100,6 @@ def _ratio(dry: float, model) -> float | None:
 
 def check_plan(target: str, workers: int) -> dict:
     from autoplan.dryrun.job import dry_run
-    from autoplan.hardware import resolve_cluster
-    from autoplan.planfile import load_checked_plan
 
     start = time.perf_counter()
     checked = load_checked_plan(plan_path_of(target))

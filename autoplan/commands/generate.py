@@ -7,10 +7,14 @@ from pathlib import Path
 
 import click
 
+from autoplan.codegen.exports import export_notes
+from autoplan.codegen.job import default_output_dir, model_source, render_job, write_job
 from autoplan.codegen.launchers import LAUNCH_FILES, LAUNCHERS
 from autoplan.commands import options as o
 from autoplan.commands.plan import plan_options, run_plan
 from autoplan.errors import NoFeasiblePlan, UserError
+from autoplan.hardware import load_gpu, load_prices
+from autoplan.planfile import does_not_fit, load_checked_plan, read_plan
 
 # Options that choose a plan; with --plan the plan is already chosen.
 _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective", "fix", "precision", "time_limit")
@@ -35,9 +39,7 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
 
     Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
     """
-    from autoplan.codegen.job import default_output_dir, model_source, render_job, write_job
     from autoplan.models.sources import load_model
-    from autoplan.planfile import does_not_fit, load_checked_plan, read_plan
 
     if output and Path(output).exists() and not Path(output).is_dir():
         raise UserError(f"output path {output} is a file, not a directory; give -o a directory "
@@ -87,8 +89,6 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
 
 def _echo_export_notes(plan) -> None:
     """What the other stacks' files cannot express (also in each file's header), on stderr."""
-    from autoplan.codegen.exports import export_notes
-
     for name, notes in export_notes(plan):
         click.echo(f"{name}: not expressible there, nearest setting written:", err=True)
         for note in notes:
@@ -125,8 +125,6 @@ def _check_plan_matches(plan, gpu, gpus, gpus_per_node, global_batch, seq_len) -
     if seq_len is not None and seq_len != plan.seq_len:
         problems.append(f"--seq-len {seq_len} but the plan has {plan.seq_len}")
     if gpu:
-        from autoplan.hardware import load_gpu
-
         if load_gpu(gpu).key != plan.gpu:
             problems.append(f"--gpu {gpu} but the plan is for {plan.gpu}")
     if problems:
@@ -151,8 +149,6 @@ def _command_line(ctx: click.Context, model: str, plan_file: str | None) -> str:
 
 
 def _price(gpu_key: str) -> tuple[float, str] | None:
-    from autoplan.hardware import load_prices
-
     try:
         prices = load_prices()
         if not prices.has(gpu_key):
@@ -164,8 +160,6 @@ def _price(gpu_key: str) -> tuple[float, str] | None:
 
 
 def _gpu_memory_gib(gpu_key: str) -> float | None:
-    from autoplan.hardware import load_gpu
-
     try:
         return load_gpu(gpu_key).memory_gib
     except UserError:

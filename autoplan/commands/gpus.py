@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from autoplan.commands.options import json_option
+from autoplan.hardware import list_gpus, load_prices
 
 
 def _row(gpu: Any, prices: Any) -> dict[str, Any]:
@@ -89,8 +90,6 @@ def command(as_json: bool) -> None:
     cost_models/gpus/<key>.toml; prices (USD per GPU-hour) in cost_models/prices/default.toml,
     overridable with --price KEY=USD where a command reports cost.
     """
-    from autoplan.hardware import list_gpus, load_prices
-
     prices = load_prices()
     rows = [_row(gpu, prices) for gpu in list_gpus()]
     if as_json:

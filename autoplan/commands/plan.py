@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from autoplan.codegen.exports import EXPORTS
 from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.importers import compare_with_option
@@ -119,8 +120,6 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
 
 def _echo_export(plan, name: str) -> None:
     """The plan in another stack's format on stdout; what it cannot express on stderr."""
-    from autoplan.codegen.exports import EXPORTS
-
     export = EXPORTS[name]
     click.echo(export.render(plan), nl=False)
     for note in export.notes(plan):

@@ -10,6 +10,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.errors import UserError
+from autoplan.hardware import GB, load_hardware_file, load_prices, parse_price_options
 
 FORMATS = ("terminal", "md", "html", "json")
 SUFFIX_FORMATS = {".md": "md", ".markdown": "md", ".html": "html", ".htm": "html", ".json": "json",
@@ -47,7 +48,6 @@ def _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes):
 def _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth):
     """(GPU list, GPUs per node, NIC GB/s) of the sweep: --gpu names, or the GPU of a --hardware file
     with its node size and NIC rate (the command line overrides either)."""
-    from autoplan.hardware import GB, load_hardware_file
     from autoplan.report.sweep import parse_gpus
 
     if gpu and hardware:
@@ -149,7 +149,6 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
     the Pareto frontier of time vs cost and a recommendation per objective. With --plan, one
     plan in depth: memory per stage, step-time breakdown, pipeline timeline.
     """
-    from autoplan.hardware import load_prices, parse_price_options
     from autoplan.report.accuracy import published_runs_error
     from autoplan.report.sweep import parse_tokens
 
@@ -162,7 +161,7 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
     n_tokens = parse_tokens(tokens) if tokens is not None else None
     prices = load_prices(parse_price_options(price), price_list)
     assumptions = _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes)
-    error = published_runs_error()  # the error source; a calibration can replace it (issue 8)
+    error = published_runs_error()  # the one error source (accuracy.ErrorBand); a calibration may supply another
     if plan_file:
         from autoplan.report.document import load_plan_detail, plan_dict
 

@@ -7,6 +7,7 @@ import json
 import click
 
 from autoplan.commands.options import json_option
+from autoplan.errors import UserError
 
 
 # numeric columns and their widths: they keep them on a narrow terminal (a pipe is 80
@@ -75,7 +76,6 @@ def command(runs_file: str | None, run_dir: str | None, plan_path: str | None, w
     Settings a run leaves unstated (micro-batch, recomputation, ZeRO stage, sequence
     parallelism) take the best value under the cost model; the table says which.
     """
-    from autoplan.errors import UserError
     from autoplan.validate.published import validate_file
 
     if run_dir:

@@ -17,7 +17,6 @@ carved from the dp x cp ranks next to tp.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -184,7 +183,6 @@ class Groups:
     pp_cross_node: bool
 
 
-@functools.lru_cache(maxsize=4096)  # pure in its hashable arguments; the search asks the same often
 def config_groups(tp: int, cp: int, dp: int, pp: int, ep: int, fabric: Fabric) -> Groups:
     """Spans of every group; NVLink reach is the scale-up domain (NVL72 > one tray)."""
     domain = fabric.scaleup_domain

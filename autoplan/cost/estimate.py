@@ -13,6 +13,7 @@ from typing import Any
 
 from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from autoplan.cost import hw, memory
+from autoplan.cost.cache import CostCache
 from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime
 from autoplan.cost.stages import StageCost, num_virtual_stages, partition, stage_cost
 from autoplan.cost.step import StepTime, step_time_s
@@ -145,14 +146,15 @@ def estimate(graph: ModelGraph, config: ParallelConfig, cluster, *,
 
 def estimate_partition(graph: ModelGraph, config: ParallelConfig, cluster,
                        stages_layers: list[list[tuple[BlockInfo, str]]], *,
-                       flash_attention: bool = True, runtime: Runtime = DEFAULT_RUNTIME) -> Estimate:
+                       flash_attention: bool = True, runtime: Runtime = DEFAULT_RUNTIME,
+                       cache: CostCache | None = None) -> Estimate:
     """`estimate` for an explicit partition: (block, recompute) of every virtual stage."""
     check_config(graph, config, cluster)
     if len(stages_layers) != num_virtual_stages(config):
         raise UserError(f"the partition has {len(stages_layers)} stages, the configuration "
                         f"{num_virtual_stages(config)} (pp x vpp)")
     stages = [stage_cost(graph, config, cluster, i, layers, flash_attention=flash_attention,
-                         runtime=runtime)
+                         runtime=runtime, cache=cache)
               for i, layers in enumerate(stages_layers)]
     step = step_time_s(stages, config, cluster, graph, runtime)
     return assemble(graph, config, cluster, stages, step,

@@ -35,21 +35,8 @@ def usable_memory_bytes(cluster) -> float:
     return cluster.gpu.memory_bytes - cluster.memory_headroom_bytes
 
 
-_FABRICS: dict[int, tuple[object, Fabric]] = {}  # id(cluster) -> (cluster, its fabric)
-
-
 def fabric(cluster) -> Fabric:
-    """Link numbers of a Cluster (its overrides of the GPU's typical system included).
-    Memoised per cluster object (a Cluster is frozen; every layer cost asks)."""
-    hit = _FABRICS.get(id(cluster))
-    if hit is None or hit[0] is not cluster:
-        if len(_FABRICS) >= 256:
-            _FABRICS.clear()
-        hit = _FABRICS[id(cluster)] = (cluster, _fabric(cluster))
-    return hit[1]
-
-
-def _fabric(cluster) -> Fabric:
+    """Link numbers of a Cluster (its overrides of the GPU's typical system included)."""
     gpu = cluster.gpu
     eff = gpu.efficiency
     return Fabric(

@@ -18,7 +18,8 @@ from typing import Mapping
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, compute, host, hw, memory, offload, sac
-from autoplan.cost.profile import block_profile
+from autoplan.cost.cache import NO_CACHE, CostCache, or_no_cache
+from autoplan.cost.profile import BlockProfile, block_profile
 from autoplan.trace.graph import BlockInfo, ModelGraph
 
 COMM_KINDS = ("tp", "cp", "ep", "zero3", "pp", "dp", "offload")
@@ -265,42 +266,84 @@ def zero3_flat_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric
 
 def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
                recompute: str = "none", *, flash_attention: bool = True,
-               runtime: Runtime = DEFAULT_RUNTIME) -> LayerCost:
-    """Memoised on the graph: a block's cost does not depend on the schedule, the virtual
-    stages or the partition, and the solver and `estimate` ask for the same ones often."""
-    c = config  # every field layer_cost reads; not the schedule, virtual stages or partition
-    key = ("layer_cost", block.name, c.global_batch, c.seq_len, c.dp, c.tp, c.pp, c.cp, c.ep,
+               runtime: Runtime = DEFAULT_RUNTIME, cache: CostCache | None = None) -> LayerCost:
+    """Cost of one copy of `block` on one rank under `config` with `recompute` (_layer_cost).
+
+    With a `cache` (a search's), kept under every field it reads: a block's cost does not
+    depend on the schedule, the virtual stages or the partition."""
+    cache = or_no_cache(cache)
+    c = config  # every field _layer_cost reads; not the schedule, virtual stages or partition
+    key = ("layer_cost", id(graph), block.name, c.global_batch, c.seq_len, c.dp, c.tp, c.pp, c.cp, c.ep,
            c.zero_stage, c.offload, c.micro_batch, c.precision, c.sequence_parallel, c.dp_replicate,
            id(cluster), recompute, flash_attention, runtime)
-    hit = graph.memo.get(key)
-    if hit is None or hit[0] is not cluster:
-        hit = (cluster, _layer_cost(block, graph, config, cluster, recompute, flash_attention=flash_attention,
-                                    runtime=runtime))
-        graph.memo[key] = hit
-    return hit[1]
+    return cache.get(key, lambda: _layer_cost(block, graph, config, cluster, recompute,
+                                              flash_attention=flash_attention, runtime=runtime, cache=cache),
+                     graph, cluster)
 
 
 def compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
-                  flash_attention: bool = True, flash_kernel: str = "flash2") -> compute.BlockTimes:
+                  flash_attention: bool = True, flash_kernel: str = "flash2",
+                  cache: CostCache | None = None) -> compute.BlockTimes:
     """Forward/backward seconds of one block copy per micro-batch (GEMMs, attention, memory
     traffic, the fp32 loss in the head, the host's kernel-issue floor).
 
-    Memoised on the graph apart from `layer_cost`: these do not depend on dp, pp, ZeRO,
+    With a `cache`, kept apart from `layer_cost`: these do not depend on dp, pp, ZeRO,
     offload or recomputation, so every configuration sharing the keyed fields shares them,
     across clusters of the same GPU object too (a sweep plans many counts of one GPU)."""
+    cache = or_no_cache(cache)
     c = config  # every field read below and by compute.block_times / loss_times_s
-    key = ("compute_times", block.name, c.tp, c.cp, c.ep, c.micro_batch, c.precision, c.sequence_parallel,
-           id(gpu), flash_attention, flash_kernel)
-    hit = graph.memo.get(key)
-    if hit is None or hit[0] is not gpu:
-        hit = (gpu, _compute_times(block, graph, config, gpu, flash_attention, flash_kernel))
-        graph.memo[key] = hit
-    return hit[1]
+    key = ("compute_times", id(graph), block.name, c.tp, c.cp, c.ep, c.micro_batch, c.precision,
+           c.sequence_parallel, id(gpu), flash_attention, flash_kernel)
+    return cache.get(key, lambda: _compute_times(block, graph, config, gpu, flash_attention, flash_kernel,
+                                                 cache), graph, gpu)
+
+
+def cached_block_profile(graph: ModelGraph, block: BlockInfo, cache: CostCache) -> BlockProfile:
+    """`block_profile`, kept in `cache`: it depends on the traced graph and the block alone."""
+    return cache.get(("block_profile", id(graph), block.name), lambda: block_profile(graph, block), graph)
+
+
+def fabric_and_groups(config: ParallelConfig, cluster,
+                      cache: CostCache | None = None) -> tuple[comm.Fabric, comm.Groups]:
+    """The cluster's link numbers and the process groups of `config`'s degrees on it."""
+    c = config
+    return or_no_cache(cache).get(("groups", id(cluster), c.tp, c.cp, c.dp, c.pp, c.ep),
+                                  lambda: _fabric_and_groups(c, cluster), cluster)
+
+
+def _fabric_and_groups(config: ParallelConfig, cluster) -> tuple[comm.Fabric, comm.Groups]:
+    fabric = hw.fabric(cluster)
+    return fabric, comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
+
+
+def activation_bytes(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, recompute: str,
+                     flash_attention: bool, runtime: Runtime, cache: CostCache | None = None) -> float:
+    """Bytes one copy of `block` keeps per micro-batch in flight under `recompute`
+    (memory.block_activation_bytes; sac.py's under torchtitan's op SAC). With a `cache`, kept
+    under the fields they read: not dp, pp, ZeRO or offload, which a search varies most."""
+    cache = or_no_cache(cache)
+    c = config  # every field read by memory.block_activation_bytes and sac.op_sac_activation_bytes
+    key = ("activation_bytes", id(graph), block.name, c.micro_batch, c.cp, c.tp, c.precision,
+           c.sequence_parallel, recompute, flash_attention, runtime.selective_policy,
+           runtime.sp_saves_gathered_inputs)
+    return cache.get(key, lambda: _activation_bytes(block, graph, config, recompute, flash_attention, runtime),
+                     graph)
+
+
+def _activation_bytes(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, recompute: str,
+                      flash_attention: bool, runtime: Runtime) -> float:
+    if runtime.selective_policy == sac.OP_SAC and recompute == "selective":
+        return sac.op_sac_activation_bytes(graph, block, config)
+    # for "none" and "full" any selective policy keeps the same; torchtitan's is "op"'s then
+    policy = "op" if runtime.selective_policy == sac.OP_SAC else runtime.selective_policy
+    return memory.block_activation_bytes(graph, block, config, recompute, flash_attention, policy,
+                                         runtime.sp_saves_gathered_inputs)
 
 
 def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
-                   flash_attention: bool, flash_kernel: str = "flash2") -> compute.BlockTimes:
-    profile = block_profile(graph, block)
+                   flash_attention: bool, flash_kernel: str = "flash2",
+                   cache: CostCache = NO_CACHE) -> compute.BlockTimes:
+    profile = cached_block_profile(graph, block, cache)
     times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
                                 graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
                                 flash_attention, flash_kernel)
@@ -316,7 +359,7 @@ def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, 
 
 def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
                 recompute: str = "none", *, flash_attention: bool = True,
-                runtime: Runtime = DEFAULT_RUNTIME) -> LayerCost:
+                runtime: Runtime = DEFAULT_RUNTIME, cache: CostCache = NO_CACHE) -> LayerCost:
     """Cost of one copy of `block` on one rank under `config` with `recompute`.
 
     Per micro-batch: forward, backward and recomputation seconds, exposed communication by
@@ -326,10 +369,9 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     `runtime` says which collectives the runtime overlaps and how (Runtime).
     """
     gpu = cluster.gpu
-    fabric = hw.fabric(cluster)
-    groups = comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
-    profile = block_profile(graph, block)
-    times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel)
+    fabric, groups = fabric_and_groups(config, cluster, cache)
+    profile = cached_block_profile(graph, block, cache)
+    times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel, cache)
     rc = recompute if block.kind not in ("pre", "post") else "none"
     # torchtitan's op SAC is costed in sac.py; for "none" and "full" any policy keeps the same
     torchtitan_sac = runtime.selective_policy == sac.OP_SAC
@@ -413,9 +455,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                           config.dp_shard * config.cp, config.offload, runtime.fp32_module_weights)
                   + memory.host_state_bytes(params.expert, config.precision, config.zero_stage, expert_shard,
                                             config.offload, runtime.fp32_module_weights))
-    activation = (sac.op_sac_activation_bytes(graph, block, config) if op_sac
-                  else memory.block_activation_bytes(graph, block, config, rc, flash_attention, policy,
-                                                     runtime.sp_saves_gathered_inputs))
+    activation = activation_bytes(block, graph, config, rc, flash_attention, runtime, cache)
     return LayerCost(
         name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
         recompute_s=recompute_s,

@@ -58,13 +58,6 @@ def _block_ops(graph: ModelGraph, block: BlockInfo) -> list:
 
 def block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:
     """GEMMs, attention and memory traffic of one block copy (traced batch/seq/dtype)."""
-    key = ("block_profile", block.name)
-    if key not in graph.memo:
-        graph.memo[key] = _block_profile(graph, block)
-    return graph.memo[key]
-
-
-def _block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:
     ops = _block_ops(graph, block)
     head_dim = block.hidden // block.heads if block.heads else 128
     if not ops:

@@ -7,8 +7,9 @@ from types import MappingProxyType
 from typing import Mapping
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, hw, memory, pipeline
-from autoplan.cost.layers import DEFAULT_RUNTIME, LayerCost, Runtime, layer_cost
+from autoplan.cost import comm, compute, memory, pipeline
+from autoplan.cost.cache import CostCache
+from autoplan.cost.layers import DEFAULT_RUNTIME, LayerCost, Runtime, fabric_and_groups, layer_cost
 from autoplan.trace.graph import BlockInfo, ModelGraph
 
 
@@ -80,7 +81,7 @@ def partition(graph: ModelGraph, config: ParallelConfig) -> list[list[tuple[Bloc
 
 def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: int,
                layers: list[tuple[BlockInfo, str]], *, flash_attention: bool = True,
-               runtime: Runtime = DEFAULT_RUNTIME) -> StageCost:
+               runtime: Runtime = DEFAULT_RUNTIME, cache: CostCache | None = None) -> StageCost:
     """Cost of virtual stage `stage_index` running `layers` (block, recompute) on one rank.
 
     Stage 0 also runs the embedding (pre), the last virtual stage the head and loss (post).
@@ -92,12 +93,12 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
     physical = stage_index % config.pp
     costs: list[LayerCost] = []
     if stage_index == 0:
-        costs.append(layer_cost(graph.pre, graph, config, cluster, "none", runtime=runtime))
+        costs.append(layer_cost(graph.pre, graph, config, cluster, "none", runtime=runtime, cache=cache))
     costs += [layer_cost(block, graph, config, cluster, mode, flash_attention=flash_attention,
-                         runtime=runtime)
+                         runtime=runtime, cache=cache)
               for block, mode in layers]
     if stage_index == stages - 1:
-        costs.append(layer_cost(graph.post, graph, config, cluster, "none", runtime=runtime))
+        costs.append(layer_cost(graph.post, graph, config, cluster, "none", runtime=runtime, cache=cache))
     comm_s: dict[str, float] = {}
     comm_total: dict[str, float] = {}
     for c in costs:
@@ -105,7 +106,7 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
             comm_s[k] = comm_s.get(k, 0.0) + v
         for k, v in c.comm_total_s.items():
             comm_total[k] = comm_total.get(k, 0.0) + v
-    p2p = pp_p2p_s(graph, config, cluster)
+    p2p = pp_p2p_s(graph, config, cluster, cache)
     if p2p:
         comm_s["pp"] = comm_total["pp"] = p2p
     in_flight = pipeline.microbatches_in_flight(config.schedule, config.pp, physical,
@@ -137,14 +138,13 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
     )
 
 
-def pp_p2p_s(graph: ModelGraph, config: ParallelConfig, cluster) -> float:
+def pp_p2p_s(graph: ModelGraph, config: ParallelConfig, cluster, cache: CostCache | None = None) -> float:
     """Receive of the activation in forward and of its gradient in backward per micro-batch
     (b*s*h per transfer, /t with the scatter/gather optimisation: Narayanan et al. 2021 §4.1).
     Megatron overlaps them only partly; counted as exposed."""
     if config.pp <= 1:
         return 0.0
-    fabric = hw.fabric(cluster)
-    groups = comm.config_groups(config.tp, config.cp, config.dp, config.pp, config.ep, fabric)
+    fabric, groups = fabric_and_groups(config, cluster, cache)
     act = compute.activation_dtype_bytes(config.precision)
     hidden = graph.blocks[0].hidden if graph.blocks else graph.pre.hidden
     payload = config.micro_batch * graph.seq_len / config.cp * hidden * act

@@ -16,12 +16,11 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 from autoplan.dryrun.rank import Boundary, RankRun, representative_ranks, run_rank
 from autoplan.errors import UserError
+from autoplan.models.sources import build_from_ref
 from autoplan.plan import Plan
 
 
 def _run_in_worker(plan_dict: dict, rank: int, boundary: Boundary) -> tuple[RankRun, float]:
-    from autoplan.models.sources import build_from_ref
-
     start = time.perf_counter()
     plan = Plan.from_dict(plan_dict)
     build = lambda: build_from_ref(plan.model, seq_len=plan.seq_len, verify=False)  # noqa: E731

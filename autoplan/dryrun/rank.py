@@ -27,6 +27,10 @@ import torch.nn as nn
 from autoplan.dryrun.collectives import Collective, CollectiveLog
 from autoplan.dryrun.memory import StepMemoryTracker, Window
 from autoplan.plan import Plan
+from autoplan.runtime.args import TrainArgs
+from autoplan.runtime.loop import Trainer, token_loss
+from autoplan.runtime.mesh import build_mesh
+from autoplan.runtime.model_io import logits_of
 from autoplan.trace.fake_group import fake_process_group
 
 # what a pipeline stage hands on: (shape, dtype, requires_grad) of each tensor it sends; the
@@ -188,9 +192,6 @@ def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary,
     """One micro-batch forward and backward through one stage, its pipeline sends and receives
     added to `log`; the stage's outputs as a boundary. With a tracker, the activations held
     after the stage's blocks are appended to `held`."""
-    from autoplan.runtime.loop import token_loss
-    from autoplan.runtime.model_io import logits_of
-
     plan = trainer.plan
     first, last = stage_id == 0, stage_id == plan.pp * plan.vpp - 1
     tokens = torch.zeros(plan.micro_batch, plan.seq_len // plan.cp, dtype=torch.long)
@@ -271,10 +272,6 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
     """Dry-run one step of `plan` as global rank `rank`; `boundary`: stage 0's outputs (empty
     for pipeline rank 0, which measures them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autoplan.runtime.args import TrainArgs
-    from autoplan.runtime.loop import Trainer
-    from autoplan.runtime.mesh import build_mesh
 
     with fake_process_group(plan.world_size, rank), _mesh_tensors_outside_fake_mode(), \
             _sharding_propagation_in_its_own_fake_mode():

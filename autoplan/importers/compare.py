@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from autoplan.cost import estimate
 from autoplan.importers import load_imported, parse_compare_with
+from autoplan.trace.load import load_graph
 
 _ROWS = (("step time (s)", "step_time_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
          ("MFU", "mfu", "{:.1%}"), ("memory per GPU (GiB)", "memory_gib_per_gpu", "{:.1f}"))
@@ -14,8 +16,6 @@ _KNOBS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "micro_batch", 
 
 def estimate_imported(graph, cluster, kind: str, value: str, *, global_batch: int | None = None):
     """(Estimate, ImportedConfig) of the user's configuration on `graph` (traced) and `cluster`."""
-    from autoplan.cost import estimate
-
     imported = load_imported(kind, value, num_gpus=cluster.num_gpus, global_batch=global_batch,
                              seq_len=graph.seq_len)
     config = imported.for_graph(graph)
@@ -28,9 +28,6 @@ def estimate_imported_model(model: str, cluster, kind: str, value: str, *, globa
 
     The model is traced at --seq-len, else the file's sequence length, else the model's default.
     """
-    from autoplan.cost import estimate
-    from autoplan.trace.load import load_graph
-
     imported = load_imported(kind, value, num_gpus=cluster.num_gpus, global_batch=global_batch, seq_len=seq_len)
     graph, _, _ = load_graph(model, imported.seq_len)
     return estimate(graph, imported.for_graph(graph), cluster), imported

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import UserError
+from autoplan.models import build_model
 from autoplan.paths import cost_models_dir
 
 
@@ -85,8 +86,6 @@ def catalog_metadata(name: str) -> dict[str, Any]:
 def count_parameters(config: dict[str, Any]) -> int:
     """Parameters of the reference implementation of `config`, built on meta (tied counted once)."""
     import torch
-
-    from autoplan.models import build_model
 
     with torch.device("meta"):
         model = build_model(config)

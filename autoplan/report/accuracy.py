@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.paths import cost_models_dir
+from autoplan.validate.families import autoplan_runtime_family
+from autoplan.validate.published import validate_file
 
 SUMMARY_NAME = "accuracy_summary.json"
 RUNS_NAME = "published_runs.json"
@@ -52,13 +54,10 @@ def _summary_path() -> Path:
 
 def dependency_files() -> list[Path]:
     """What the measured error depends on: runs file, cost code, validation code, GPU data."""
-    import autoplan.cost
-    import autoplan.validate.families
-    import autoplan.validate.published
-
-    cost_dir = Path(autoplan.cost.__file__).parent
-    return ([cost_models_dir() / "validation" / RUNS_NAME, Path(autoplan.validate.published.__file__),
-             Path(autoplan.validate.families.__file__), cost_models_dir() / "validation" / FAMILIES_NAME,
+    package = Path(__file__).resolve().parents[1]
+    cost_dir = package / "cost"
+    return ([cost_models_dir() / "validation" / RUNS_NAME, package / "validate" / "published.py",
+             package / "validate" / "families.py", cost_models_dir() / "validation" / FAMILIES_NAME,
              cost_models_dir() / "allocator_reserve.toml", cost_models_dir() / "cpu_adam.toml"]
             + sorted(cost_dir.glob("*.py")) + sorted((cost_models_dir() / "gpus").glob("*.toml")))
 
@@ -82,11 +81,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def build_summary(runs_path: Path | None = None) -> dict:
     """Run the validation (slow) and summarise |error| of tokens/s per GPU."""
-    from autoplan.validate.published import validate_file
-
     runs_path = runs_path or cost_models_dir() / "validation" / RUNS_NAME
     report = validate_file(runs_path)
-    from autoplan.validate.families import autoplan_runtime_family
 
     errors = [abs(r["error"]["tokens_per_s_per_gpu"]) for r in report["runs"]
               if not r.get("skipped") and "tokens_per_s_per_gpu" in r["error"]]

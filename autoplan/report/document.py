@@ -11,9 +11,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from autoplan.report.goodput import SOURCES, GoodputAssumptions
 from autoplan.codegen.launchers import generate_command
-from autoplan.report.sweep import GIB, RunCost, Row, Sweep, price_run, recommendations
+from autoplan.hardware import load_gpu
+from autoplan.planfile import load_checked_plan
+from autoplan.report.goodput import GoodputAssumptions, SOURCES
+from autoplan.report.sweep import GIB, Row, RunCost, Sweep, price_run, recommendations
 
 if TYPE_CHECKING:
     from autoplan.report.accuracy import ErrorBand
@@ -121,9 +123,6 @@ def load_plan_detail(path: str, *, tokens: int | None, prices, assumptions: Good
                      error: ErrorBand | None) -> PlanDetail:
     """A plan file priced for `tokens`, or for one optimizer step when None (the model is traced
     again for its parameter count)."""
-    from autoplan.hardware import load_gpu
-    from autoplan.planfile import load_checked_plan
-
     checked = load_checked_plan(path)  # the estimate is recomputed, never read from the file
     plan, graph = checked.plan, checked.graph
     gpu = load_gpu(plan.gpu)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import UserError
+from autoplan.paths import templates_dir
 from autoplan.report import charts as ch
 from autoplan.report.formatting import FILTERS
 
@@ -31,8 +32,6 @@ def _step_bars(sweep, detail) -> list[tuple[str, dict]]:
 
 def _env(autoescape: bool):
     import jinja2
-
-    from autoplan.paths import templates_dir
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), autoescape=autoescape,
                              undefined=jinja2.StrictUndefined, trim_blocks=False, keep_trailing_newline=True)

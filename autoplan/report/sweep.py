@@ -19,8 +19,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from autoplan.cost import CostCache, memory
 from autoplan.errors import UserError
+from autoplan.hardware import load_gpu, make_cluster, with_memory_headroom
 from autoplan.report.goodput import Goodput, GoodputAssumptions, checkpoint_bytes, goodput
+from autoplan.solve.api import plan_job
 
 if TYPE_CHECKING:  # accuracy stays importable as a script (python -m autoplan.report.accuracy)
     from autoplan.report.accuracy import ErrorBand
@@ -54,8 +57,6 @@ def parse_counts(text: str) -> list[int]:
 
 def parse_gpus(text: str) -> list:
     """'h100,a100-sxm4-80gb' -> [GPU, ...] in the given order (UserError on an unknown name)."""
-    from autoplan.hardware import load_gpu
-
     names = [s.strip() for s in str(text).split(",") if s.strip()]
     if not names:
         raise UserError("--gpu expects GPU names separated by commas, e.g. --gpu h100,a100-sxm4-80gb "
@@ -103,8 +104,6 @@ def price_run(step_time_s: float, num_gpus: int, tokens: int, tokens_per_step: i
               precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
               error: ErrorBand | None) -> RunCost:
     """Steps to train `tokens`, the goodput wall time, GPU-hours, cost and their error ranges."""
-    from autoplan.cost import memory
-
     steps = math.ceil(tokens / tokens_per_step)
     size = checkpoint_bytes(parameters, memory.weight_bytes_per_param(precision),
                             memory.optimizer_bytes_per_param(precision))
@@ -167,12 +166,11 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
              precision: str, usd_per_gpu_hour: float, assumptions: GoodputAssumptions,
              error: ErrorBand | None, time_limit_s: float | None = None,
              memory_headroom_gib: float = 0.0, inter_node_bandwidth_gb_per_s: float | None = None,
-             gpus_per_node: int | None = None, fixed: dict | None = None, top: int = 0) -> Row:
+             gpus_per_node: int | None = None, fixed: dict | None = None, top: int = 0,
+             cache: CostCache | None = None) -> Row:
     """The best plan on `num_gpus` x `gpu` (the fastest, as `autoplan plan`, with the same
-    `fixed` choices and `top` runners-up), priced."""
-    from autoplan.hardware import make_cluster, with_memory_headroom
-    from autoplan.solve.api import plan_job
-
+    `fixed` choices and `top` runners-up), priced. `cache`: the costs of `graph` computed for
+    other clusters (solve.search)."""
     row = Row(gpu=gpu.key, gpu_name=gpu.name, num_gpus=num_gpus, capacity_gib=gpu.memory_bytes / GIB,
               usd_per_gpu_hour=usd_per_gpu_hour)
     try:
@@ -180,7 +178,7 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
                                        memory_headroom_gib)
         # top=0 (the default): only the best is needed; the search then prunes against it alone
         job = plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                       fixed=fixed, top=top,
+                       fixed=fixed, top=top, cache=cache,
                        time_limit_s=SEARCH_DEFAULT_LIMIT_S if time_limit_s is None else time_limit_s)
     except UserError as exc:  # the batch does not split, a partial node, ...: this cluster only
         row.reason = str(exc)
@@ -223,10 +221,10 @@ def default_workers(clusters: int) -> int:
 
 def _plan_cluster(shared: dict, gpu_index: int, num_gpus: int) -> Row:
     """plan_row of one cluster of the sweep; the GPU by index, so that one GPU object (and the
-    cost memos keyed on it) serves all of its counts in a process."""
+    costs the sweep's cache keeps for it) serves all of its counts in a process."""
     gpu = shared["gpus"][gpu_index]
     return plan_row(shared["graph"], shared["ref"], gpu, num_gpus, **shared["kwargs"],
-                    usd_per_gpu_hour=shared["prices"][gpu.key])
+                    usd_per_gpu_hour=shared["prices"][gpu.key], cache=shared["cache"])
 
 
 _WORKER: dict = {}  # a worker process's copy of what every cluster shares (set by fork, not pickled)
@@ -261,7 +259,7 @@ def run_sweep(graph, ref, gpus: list, counts: list[int], *, seq_len: int, global
                   memory_headroom_gib=memory_headroom_gib,
                   inter_node_bandwidth_gb_per_s=inter_node_bandwidth_gb_per_s, gpus_per_node=gpus_per_node,
                   fixed=fixed, top=top)
-    shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs)
+    shared = dict(graph=graph, ref=ref, gpus=gpus, prices=prices, kwargs=kwargs, cache=CostCache())
     workers = default_workers(len(tasks)) if workers is None else max(1, min(workers, len(tasks)))
     if "fork" not in multiprocessing.get_all_start_methods():
         workers = 1  # the workers get the graph by fork, not by pickling it

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from autoplan.errors import UserError
+from autoplan.runtime.data_parallel import Zero1
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -94,8 +95,6 @@ def _manifest_names(folder: Path) -> list[str]:
 
 
 def _is_zero1(opt) -> bool:
-    from autoplan.runtime.data_parallel import Zero1
-
     return isinstance(opt, Zero1)
 
 

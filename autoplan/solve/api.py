@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from autoplan.cost import CostCache
 from autoplan.errors import UserError
 from autoplan.hardware import resolve_cluster  # noqa: F401  (re-exported for commands)
 from autoplan.trace.graph import ModelGraph
@@ -12,6 +13,7 @@ from autoplan.plan import ModelRef, Plan
 from autoplan.solve import preference
 from autoplan.solve.search import SearchResult, search
 from autoplan.solve.space import Request, check_fixed
+from autoplan.solve.plan_build import to_plan
 
 
 @dataclass
@@ -22,6 +24,7 @@ class PlanJob:
     model: ModelRef
     cluster: object
     request: Request
+    cache: CostCache  # the search's cost cache, for explaining the plan against its neighbours
 
 
 def precisions_for(precision: str, cluster) -> tuple[str, ...]:
@@ -35,10 +38,10 @@ def precisions_for(precision: str, cluster) -> tuple[str, ...]:
 def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, seq_len: int,
              fixed: dict | None = None, precision: str = "bf16", objective: str = "time",
              top: int = 3, progress: Callable[[int, int], None] | None = None,
-             time_limit_s: float = 60.0, equivalence_band: float | None = None) -> PlanJob:
-    """Search the plan space of `graph` on `cluster`; the best as a Plan plus the ranked result."""
-    from autoplan.solve.plan_build import to_plan
-
+             time_limit_s: float = 60.0, equivalence_band: float | None = None,
+             cache: CostCache | None = None) -> PlanJob:
+    """Search the plan space of `graph` on `cluster`; the best as a Plan plus the ranked result.
+    `cache`: costs to reuse (search), one per graph when planning it on many clusters."""
     if global_batch is None or global_batch < 1:
         raise UserError(f"--global-batch must be a positive number of sequences, got {global_batch}")
     request = Request(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
@@ -49,7 +52,9 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
                       equivalence_band=preference.equivalence_band() if equivalence_band is None
                       else equivalence_band)
     check_fixed(graph, request)
-    result = search(graph, cluster, request, top=top, progress=progress, time_limit_s=time_limit_s)
+    cache = CostCache() if cache is None else cache
+    result = search(graph, cluster, request, top=top, progress=progress, time_limit_s=time_limit_s,
+                    cache=cache)
     if result.configurations_considered == 0:
         raise UserError(
             f"no configuration of {cluster.num_gpus} GPUs can split a global batch of {global_batch} "
@@ -57,4 +62,5 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
             + (f" with --fix {' '.join(f'{k}={v}' for k, v in request.fixed.items())}" if request.fixed else "")
             + "; use a global batch that is a multiple of the data-parallel degree you want, or drop a --fix")
     plan = to_plan(result.best, graph, model, cluster) if result.best else None
-    return PlanJob(plan=plan, result=result, graph=graph, model=model, cluster=cluster, request=request)
+    return PlanJob(plan=plan, result=result, graph=graph, model=model, cluster=cluster, request=request,
+                   cache=cache)

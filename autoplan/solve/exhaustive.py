@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from autoplan.solve.cpsat import Tables, _count, objective_ns
+from autoplan.solve.cpsat import Tables, _count, fixed_memory_kib, memory_coefficients, objective_ns
 
 
 def _rank_options(tables: Tables, cuts: tuple[int, ...], rank: int):
@@ -64,8 +64,6 @@ def best_objective_ns(tables: Tables) -> float:
 
 
 def _rank_time_if_fits(tables: Tables, cuts, full, sel, rank: int) -> float:
-    from autoplan.solve.cpsat import fixed_memory_kib, memory_coefficients
-
     time, memory = 0, fixed_memory_kib(tables, rank)
     for k in range(tables.chunks):
         if k % tables.pp != rank:

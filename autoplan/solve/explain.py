@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.config import ParallelConfig, schedule_label
+from autoplan.cost.stages import stage_layer_counts
 from autoplan.hardware import GIB, with_num_gpus
 from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
@@ -19,16 +20,16 @@ LINKS = {"tp": "TP all-reduce/all-gather", "cp": "CP ring K/V exchange", "ep": "
 
 def solve_config(job, config: ParallelConfig, capacity_extra_kib: int = 0) -> Candidate | str:
     """Best partition of one configuration, or the reason it does not fit."""
-    tables = build_tables(job.graph, config, job.cluster, job.request.fixed.get("recompute"))
+    tables = build_tables(job.graph, config, job.cluster, job.request.fixed.get("recompute"), cache=job.cache)
     if capacity_extra_kib:
         tables = replace(tables, capacity_kib=tables.capacity_kib + capacity_extra_kib)
     part = solve_partition(tables, time_limit_s=5)
     if part is None:
         return "does not fit in memory"
-    cand_config = partition_to_config(config, part, block_runs(job.graph))
+    cand_config = partition_to_config(config, part, block_runs(job.graph, job.cache))
+    est = estimate_candidate(job.graph, cand_config, job.cluster, job.cache)
     if capacity_extra_kib:
-        return Candidate(cand_config, estimate_candidate(job.graph, cand_config, job.cluster), part.status)
-    est = estimate_candidate(job.graph, cand_config, job.cluster)
+        return Candidate(cand_config, est, part.status)
     return Candidate(cand_config, est, part.status) if est.feasible else est.reason
 
 
@@ -211,13 +212,11 @@ def _frugal_configs(job, request) -> list[ParallelConfig]:
 def _most_frugal_estimate(job) -> tuple[str, float] | None:
     """(layout, GiB per GPU) of the configuration needing the least memory among the most
     frugal few, every block fully recomputed, blocks split evenly over the stages."""
-    from autoplan.cost.stages import stage_layer_counts
-
     best = None
     for config in _frugal_configs(job, job.request)[:12]:
         full = replace(config, stage_layers=tuple(stage_layer_counts(job.graph.num_layers, config)),
                        layer_recompute=("full",) * job.graph.num_layers)
-        gib = estimate_candidate(job.graph, full, job.cluster).memory_gib_per_gpu
+        gib = estimate_candidate(job.graph, full, job.cluster, job.cache).memory_gib_per_gpu
         if best is None or gib < best[1]:
             best = (f"dp={config.dp} tp={config.tp} pp={config.pp} cp={config.cp} ep={config.ep}, "
                     f"ZeRO-{config.zero_stage}, offload {config.offload}", gib)

@@ -20,12 +20,12 @@ from typing import Callable
 
 from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
-from autoplan.cost import Estimate, hw
+from autoplan.cost import CostCache, Estimate, estimate_partition, hw
 from autoplan.trace.graph import ModelGraph
 from autoplan.solve.cpsat import MEMORY_UNIT_B, Partition, solve_partition
 from autoplan.solve.preference import mechanisms, preference_key, within_band
 from autoplan.solve.space import Request, outer_configs
-from autoplan.solve.tables import (build_tables, lower_bound_ns, memory_lower_bound_kib,
+from autoplan.solve.tables import (block_runs, build_tables, lower_bound_ns, memory_lower_bound_kib,
                                    pipeline_slots, time_lower_bound_ns)
 
 GIB_KIB = 2**20
@@ -88,17 +88,16 @@ def partition_to_config(config: ParallelConfig, part: Partition, runs: list[tupl
     return replace(config, stage_layers=counts, layer_recompute=tuple(modes), stage_recompute=None)
 
 
-def estimate_candidate(graph: ModelGraph, config: ParallelConfig, cluster) -> Estimate:
+def estimate_candidate(graph: ModelGraph, config: ParallelConfig, cluster,
+                       cache: CostCache | None = None) -> Estimate:
     """Exact estimate of a solved configuration: its blocks per stage and recompute per block."""
-    from autoplan.cost import estimate_partition
-
     blocks = graph.layer_blocks()
     modes = list(config.layer_recompute or [config.recompute] * len(blocks))
     stages, start = [], 0
     for count in config.stage_layers or [len(blocks)]:
         stages.append(list(zip(blocks[start:start + count], modes[start:start + count])))
         start += count
-    return estimate_partition(graph, config, cluster, stages)
+    return estimate_partition(graph, config, cluster, stages, cache=cache)
 
 
 def _family(c: ParallelConfig) -> tuple:
@@ -106,9 +105,12 @@ def _family(c: ParallelConfig) -> tuple:
 
 
 def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
-           progress: Callable[[int, int], None] | None = None, time_limit_s: float = 60.0) -> SearchResult:
-    from autoplan.solve.tables import block_runs
-
+           progress: Callable[[int, int], None] | None = None, time_limit_s: float = 60.0,
+           cache: CostCache | None = None) -> SearchResult:
+    """The best plans of `request` on `cluster`. The search costs the same blocks under the
+    same fields many times: it keeps them in `cache`, a new one unless the caller passes its
+    own (a sweep planning one graph on many clusters shares one)."""
+    cache = CostCache() if cache is None else cache
     start = time.perf_counter()
     objective_per_step(request.objective, 1.0, request.num_gpus)  # UserError for an unknown objective
     configs = list(outer_configs(graph, request))
@@ -125,20 +127,20 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
         # out only if every variant is, and its time bound is the least over variants
         variants = [replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1)
                     for z, o in sorted({(m.zero_stage, m.offload) for m in members})]
-        least = [memory_lower_bound_kib(build_tables(graph, v, cluster, fixed_rc,
-                                                     tail_table=False)) for v in variants]
+        least = [memory_lower_bound_kib(build_tables(graph, v, cluster, fixed_rc, tail_table=False,
+                                                     cache=cache)) for v in variants]
         fitting = [v for v, kib in zip(variants, least) if kib <= capacity_kib(cluster)]
         if not fitting:
             skipped_memory.append((min(least) / GIB_KIB, len(members)))
             continue
         slots = pipeline_slots(variants[0])
-        per_slot = min(time_lower_bound_ns(graph, v, cluster) / slots for v in fitting)
+        per_slot = min(time_lower_bound_ns(graph, v, cluster, cache) / slots for v in fitting)
         bound = min(pipeline_slots(m) for m in members) * per_slot * 1e-9
         most_slots = max(pipeline_slots(m) for m in members) * max(m.vpp for m in members)
         slack = rounding_s(most_slots, graph.num_layers)
         bounds.append((bound - slack, key))
     bounds.sort()
-    runs = block_runs(graph)
+    runs = block_runs(graph, cache)
     band = request.equivalence_band
     kept: dict[tuple, Candidate] = {}
     threshold = float("inf")
@@ -159,7 +161,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             done += 1
             if not _worth_solving(bound, config, threshold, band, preferred):
                 continue
-            tables = build_tables(graph, config, cluster, fixed_rc)
+            tables = build_tables(graph, config, cluster, fixed_rc, cache=cache)
             mem_lb = memory_lower_bound_kib(tables)
             least_mem = min(least_mem, mem_lb / GIB_KIB)
             if mem_lb > tables.capacity_kib:
@@ -170,7 +172,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
                 continue
             solved += 1
             cand, proven, lowered = _solve_fitting(graph, tables, config, cluster, runs,
-                                                   max(1.0, time_limit_s / 10))
+                                                   max(1.0, time_limit_s / 10), cache)
             all_optimal &= proven
             edge_resolved += lowered
             if cand is None:
@@ -222,7 +224,7 @@ def _edge_notes(count: int) -> list[str]:
 
 
 def _solve_fitting(graph: ModelGraph, tables, config: ParallelConfig, cluster, runs,
-                   time_limit_s: float) -> tuple[Candidate | None, bool, bool]:
+                   time_limit_s: float, cache: CostCache) -> tuple[Candidate | None, bool, bool]:
     """The solver's best partition, estimated exactly. The tables round each memory term to
     the KiB, so at the capacity edge the solver may pick a partition the estimate finds a few
     KiB too large: it is solved again with the capacity lowered by that excess. Such a plan
@@ -237,7 +239,7 @@ def _solve_fitting(graph: ModelGraph, tables, config: ParallelConfig, cluster, r
         if part is None:
             return None, not lowered, lowered
         cand_config = partition_to_config(config, part, runs)
-        est = estimate_candidate(graph, cand_config, cluster)
+        est = estimate_candidate(graph, cand_config, cluster, cache)
         if est.feasible:
             exact = part.status == "OPTIMAL" and tables.tail_ns is not None and not lowered
             return Candidate(cand_config, est, "OPTIMAL" if exact else "FEASIBLE"), exact, lowered

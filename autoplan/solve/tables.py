@@ -12,7 +12,8 @@ from __future__ import annotations
 
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import layer_cost
+from autoplan.cost import CostCache, layer_cost
+from autoplan.cost.cache import or_no_cache
 from autoplan.cost import memory as cost_memory
 from autoplan.cost import pipeline as cost_pipeline
 from autoplan.cost.stages import StageCost, num_virtual_stages, partition, pp_p2p_s, stage_cost
@@ -30,12 +31,11 @@ def _kib(nbytes: float) -> int:
     return round(nbytes / MEMORY_UNIT_B)
 
 
-def block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
-    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order
-    (memoised on the graph: every table of a search asks)."""
-    if "block_runs" not in graph.memo:
-        graph.memo["block_runs"] = tuple(_block_runs(graph))
-    return list(graph.memo["block_runs"])
+def block_runs(graph: ModelGraph, cache: CostCache | None = None) -> list[tuple[int, int, str]]:
+    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order (kept in
+    a search's `cache`: every table of the search asks)."""
+    cache = or_no_cache(cache)
+    return list(cache.get(("block_runs", id(graph)), lambda: tuple(_block_runs(graph)), graph))
 
 
 def _block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
@@ -52,13 +52,14 @@ def allowed_modes(config: ParallelConfig, fixed_recompute: str | None) -> tuple[
     return (fixed_recompute,) if fixed_recompute else MODES
 
 
-def _group_tables(graph: ModelGraph, config: ParallelConfig, cluster) -> tuple[list[GroupTable], float]:
+def _group_tables(graph: ModelGraph, config: ParallelConfig, cluster,
+                  cache: CostCache | None) -> tuple[list[GroupTable], float]:
     """Per group of identical blocks: its table, and the largest ZeRO-3 gather of any block."""
     groups = []
     largest_gather = 0.0
-    for lo, hi, name in block_runs(graph):
+    for lo, hi, name in block_runs(graph, cache):
         block = graph.segment(name)
-        costs = {mode: layer_cost(block, graph, config, cluster, mode) for mode in MODES}
+        costs = {mode: layer_cost(block, graph, config, cluster, mode, cache=cache) for mode in MODES}
         largest_gather = max(largest_gather, costs["none"].zero3_gather_params)
         groups.append(GroupTable(
             name=name, lo=lo, hi=hi,
@@ -69,9 +70,10 @@ def _group_tables(graph: ModelGraph, config: ParallelConfig, cluster) -> tuple[l
     return groups, largest_gather
 
 
-def _fixed_time_s(graph: ModelGraph, config: ParallelConfig, cluster, pre, post) -> list[float]:
+def _fixed_time_s(graph: ModelGraph, config: ParallelConfig, cluster, pre, post,
+                  cache: CostCache | None) -> list[float]:
     """Per chunk: pipeline send/recv, plus the embedding on chunk 0 and the head on the last."""
-    p2p = pp_p2p_s(graph, config, cluster)
+    p2p = pp_p2p_s(graph, config, cluster, cache)
     fixed_time = [p2p] * num_virtual_stages(config)
     fixed_time[0] += pre.time_s
     fixed_time[-1] += post.time_s
@@ -80,16 +82,17 @@ def _fixed_time_s(graph: ModelGraph, config: ParallelConfig, cluster, pre, post)
 
 def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
                  fixed_recompute: str | None = None, with_tail: bool = False,
-                 tail_table: bool = True) -> Tables:
+                 tail_table: bool = True, cache: CostCache | None = None) -> Tables:
     """The tables of one configuration. `with_tail`: the even partition's step-end time as a
     fixed term (a fixed partition's report); else, with `tail_table`, the step-end time per
-    rank and block count (`rank_tail_ns`) that the search minimises with the step."""
+    rank and block count (`rank_tail_ns`) that the search minimises with the step. `cache`:
+    the search's (cost.CostCache)."""
     modes = allowed_modes(config, fixed_recompute)
-    groups, largest_gather = _group_tables(graph, config, cluster)
-    pre = layer_cost(graph.pre, graph, config, cluster, "none")
-    post = layer_cost(graph.post, graph, config, cluster, "none")
+    groups, largest_gather = _group_tables(graph, config, cluster, cache)
+    pre = layer_cost(graph.pre, graph, config, cluster, "none", cache=cache)
+    post = layer_cost(graph.post, graph, config, cluster, "none", cache=cache)
     chunks = num_virtual_stages(config)
-    fixed_time = _fixed_time_s(graph, config, cluster, pre, post)
+    fixed_time = _fixed_time_s(graph, config, cluster, pre, post, cache)
     buffers = (cost_memory.pipeline_buffer_bytes(graph, config)
                + cost_memory.zero3_buffer_bytes(max(largest_gather, pre.zero3_gather_params,
                                                     post.zero3_gather_params), config))
@@ -104,7 +107,7 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     m = config.num_microbatches
     in_flight = [cost_pipeline.microbatches_in_flight(config.schedule, config.pp, r, m, config.vpp)
                  for r in range(config.pp)]
-    tail = _even_partition_tail_s(graph, config, cluster) if with_tail else 0.0
+    tail = _even_partition_tail_s(graph, config, cluster, cache) if with_tail else 0.0
     return Tables(
         num_layers=graph.num_layers, pp=config.pp, vpp=chunks // config.pp, groups=groups,
         slots=pipeline_slots(config),
@@ -112,21 +115,21 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
         fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
         fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
         modes=modes,
-        tail_ns=None if with_tail or not tail_table else rank_tail_ns(graph, config, cluster, pre, post),
+        tail_ns=None if with_tail or not tail_table else rank_tail_ns(graph, config, cluster, pre, post, cache),
     )
 
 
 def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre,
-                 post) -> tuple[RankTails, ...] | None:
+                 post, cache: CostCache | None = None) -> tuple[RankTails, ...] | None:
     """Per rank and block count n = 0..L: the step-end time (exposed DP sync + optimizer,
     `cost.step`) of the rank holding n blocks, for a model of one group of identical blocks.
     These read only the rank's parameter counts and backward time, which recomputation
     does not change (checked: None otherwise, and for several groups)."""
-    runs = block_runs(graph)
+    runs = block_runs(graph, cache)
     if len(runs) != 1:
         return None
     block = graph.segment(runs[0][2])
-    costs = [layer_cost(block, graph, config, cluster, mode) for mode in MODES]
+    costs = [layer_cost(block, graph, config, cluster, mode, cache=cache) for mode in MODES]
     if len({(c.bwd_s, c.dense_params, c.expert_params) for c in costs}) != 1:
         return None
     chunks = num_virtual_stages(config)
@@ -173,19 +176,21 @@ def pipeline_slots(config: ParallelConfig) -> float:
     return config.num_microbatches + cost_pipeline.bubble_stage_times(config.schedule, config.pp, config.vpp)
 
 
-def time_lower_bound_ns(graph: ModelGraph, config: ParallelConfig, cluster) -> float:
+def time_lower_bound_ns(graph: ModelGraph, config: ParallelConfig, cluster,
+                        cache: CostCache | None = None) -> float:
     """`lower_bound_ns(build_tables(graph, config, cluster), memory_aware=False)`, the same
     number, without the memory terms it does not read (the search bounds every family by it)."""
-    groups, _ = _group_tables(graph, config, cluster)
-    pre = layer_cost(graph.pre, graph, config, cluster, "none")
-    post = layer_cost(graph.post, graph, config, cluster, "none")
-    fixed_time_ns = [_ns(t) for t in _fixed_time_s(graph, config, cluster, pre, post)]
+    groups, _ = _group_tables(graph, config, cluster, cache)
+    pre = layer_cost(graph.pre, graph, config, cluster, "none", cache=cache)
+    post = layer_cost(graph.post, graph, config, cluster, "none", cache=cache)
+    fixed_time_ns = [_ns(t) for t in _fixed_time_s(graph, config, cluster, pre, post, cache)]
     return _balanced_ns(pipeline_slots(config), config.pp, groups, fixed_time_ns, 0.0, [_ns(0.0)] * config.pp)
 
 
-def _even_partition_tail_s(graph: ModelGraph, config: ParallelConfig, cluster) -> float:
+def _even_partition_tail_s(graph: ModelGraph, config: ParallelConfig, cluster,
+                           cache: CostCache | None) -> float:
     """DP sync + optimizer at the end of the step, for the even partition."""
-    stages = [stage_cost(graph, config, cluster, i, layers)
+    stages = [stage_cost(graph, config, cluster, i, layers, cache=cache)
               for i, layers in enumerate(partition(graph, config))]
     step = step_time_s(stages, config, cluster, graph)
     return step.dp_sync_s + step.optimizer_s

@@ -6,7 +6,8 @@ from collections import OrderedDict
 
 import torch.nn as nn
 
-from autoplan.trace.fallback import moe_facts
+from autoplan.trace.facts import block_tp_facts
+from autoplan.trace.fallback import expert_matrices, moe_facts
 from autoplan.trace.graph import BlockInfo, OpInfo
 
 
@@ -169,15 +170,12 @@ def _with_block_facts(info: BlockInfo, module: nn.Module, ops: list[OpInfo],
                       edges: list[tuple[str, str]]) -> BlockInfo:
     from dataclasses import replace
 
-    from autoplan.trace.facts import block_tp_facts
-
     experts, top_k = 0, 0
     expert_params = 0
     for sub in module.modules():
         e, k = moe_facts(sub) if sub is not module else (0, 0)
         if e:
             experts, top_k = e, k
-            from autoplan.trace.fallback import expert_matrices
 
             _, ids = expert_matrices(sub, e)
             expert_params = sum(p.numel() for p in sub.parameters() if id(p) in ids)

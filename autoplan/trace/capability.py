@@ -9,7 +9,7 @@ tensors. The first exception is the reason the axis is refused, naming the modul
 the runtime says so. The same model without any axis runs first: when that fails (a
 model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
 the graph facts give them. Token inputs are cut to a short sequence every probed degree
-divides; results are cached per model fingerprint.
+divides; results are cached per model fingerprint and call convention.
 """
 
 from __future__ import annotations
@@ -26,11 +26,18 @@ import torch.nn as nn
 from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
+from autoplan.runtime.mesh import build_mesh
 from autoplan.runtime.model_io import logits_of, model_call
+from autoplan.runtime.parallelize import apply_plan, validate_plan
+from autoplan.runtime.tensor_parallel import uses_loss_parallel
 from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
+# probe results by model and call convention: running the runtime on fake tensors takes
+# seconds, and a process traces one model many times (validation traces it per published run
+# and sequence length); what the runtime can apply depends on the model (its fingerprint) and
+# on how it is called (positional or keyword inputs), not on a cost
 _CACHE: dict[tuple[str, int, tuple[str, ...]], dict[str, str | None]] = {}
 
 
@@ -129,9 +136,6 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
     fake CPU tensors (meta tensors have no process-group backend for point-to-point ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autoplan.runtime.mesh import build_mesh
-    from autoplan.runtime.parallelize import apply_plan, validate_plan
-
     validate_plan(model, plan)
     mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
@@ -146,8 +150,6 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
 
 def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
-
-    from autoplan.runtime.tensor_parallel import uses_loss_parallel
 
     if plan.cp > 1:  # this rank's share of the sequence (dim 1 of token ids)
         cut = lambda x: x[:, : x.shape[1] // plan.cp] if isinstance(x, torch.Tensor) and x.dim() > 1 else x  # noqa: E731

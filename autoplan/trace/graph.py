@@ -110,9 +110,6 @@ class ModelGraph:
     fingerprint: str = ""
     model_name: str = ""
     image_size: int = 0  # side of the traced image batch for image models (seq_len is then 1)
-    # memo of values derived from this graph (block profiles, layer costs); a graph is
-    # immutable once traced, so derived values never go stale
-    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def blocks(self) -> list[BlockInfo]:

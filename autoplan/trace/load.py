@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from autoplan.errors import UserError
+from autoplan.models.sources import FALLBACK_SEQ_LEN, default_image_size, load_model
 from autoplan.plan import ModelRef
 from autoplan.trace.graph import ModelGraph
+from autoplan.trace.tracer import trace_model
 
 
 def load_graph(model_spec: str, seq_len: int | None,
                image_size: int | None = None) -> tuple[ModelGraph, ModelRef, int]:
     """Load and trace MODEL at batch 1 and the training sequence length (an image model at
     its image size; its sequence length is then 1: a sample is one image)."""
-    from autoplan.models.sources import load_model
-    from autoplan.trace.tracer import trace_model
-
     if seq_len is not None and seq_len <= 0:
         raise UserError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     loaded = load_model(model_spec, seq_len=seq_len)
@@ -25,8 +24,6 @@ def load_graph(model_spec: str, seq_len: int | None,
 def input_extent(loaded, seq_len: int | None, image_size: int | None) -> int:
     """The second argument of `loaded.example_inputs`: the image side of an image model, else
     the sequence length (the model's, else 2048)."""
-    from autoplan.models.sources import FALLBACK_SEQ_LEN, default_image_size
-
     if loaded.takes_images:
         side = image_size if image_size is not None else default_image_size(loaded.module)
         if side <= 0:

@@ -32,6 +32,9 @@ from autoplan.trace.blocks import build_segments, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
                                      install_module_hooks, restore_forwards, skip_copies)
 from autoplan.trace.routing import BalancedRouting, RoutingContext
+from autoplan.trace.capability import add_capability_facts
+from autoplan.trace.facts import add_parallelism_facts
+from autoplan.models import ConfigError, build_model
 
 TRACE_DTYPE = torch.bfloat16
 
@@ -272,9 +275,6 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     `probe_runtime=False` leaves out the capability probe (capability.py): for graphs that
     only cost layouts other runtimes ran, never to choose what autoplan's runtime applies.
     """
-    from autoplan.trace.capability import add_capability_facts
-    from autoplan.trace.facts import add_parallelism_facts
-
     module = module.to(device="meta", dtype=TRACE_DTYPE)
     if isinstance(example_inputs, dict):
         example_inputs, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
@@ -475,8 +475,6 @@ def graph_for_config(config: dict, batch_size: int = 1, seq_len: int = 2048, *,
     config's default still traces.
     """
     import json
-
-    from autoplan.models import ConfigError, build_model
 
     key = (json.dumps(config, sort_keys=True, default=str), batch_size, seq_len, probe_runtime)
     if key not in _CONFIG_GRAPHS:

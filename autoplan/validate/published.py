@@ -16,8 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from autoplan.config import ParallelConfig
+from autoplan.config import ParallelConfig, RECOMPUTE
+from autoplan.cost import Runtime, estimate
+from autoplan.cost.stages import num_virtual_stages, stage_layer_counts
 from autoplan.errors import UserError
+from autoplan.hardware import load_gpu, make_cluster
+from autoplan.limits import MAX_GPUS, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, check_at_most
+from autoplan.models.catalog import config_from_published
+from autoplan.trace.tracer import graph_for_config
+from autoplan.validate.families import by_family, interleaved_default_vpp, layer_sac, run_family, runtime_traits
 
 
 @dataclass
@@ -79,8 +86,6 @@ _RUN_FIELDS = (
 
 def _field_problem(value, kind: str) -> str | None:
     """Why `value` is not a `kind` (see _RUN_FIELDS), or None."""
-    from autoplan.config import RECOMPUTE
-
     if kind.endswith("?"):
         if value is None:
             return None
@@ -99,8 +104,6 @@ def _field_problem(value, kind: str) -> str | None:
 
 def run_problems(run: Any) -> list[str]:
     """Every field of one runs-file row that validate_run could not use ("section.field: why")."""
-    from autoplan.limits import MAX_GPUS, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, check_at_most
-
     if not isinstance(run, dict):
         return [f"the row is {json.dumps(run)[:40]}, not a JSON object describing a run"]
     problems = []
@@ -146,8 +149,6 @@ def recompute_implied_by_truth(run: dict[str, Any]) -> str | None:
 
 def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
     """The run's configuration, one per combination of values for its unstated settings."""
-    from autoplan.validate.families import interleaved_default_vpp
-
     p = run["parallel"]
     seq = run["model"]["seq_len"]
     gb = int(p["global_batch_seqs"])
@@ -187,17 +188,12 @@ def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[st
 
 
 def _graph_for_run(run: dict[str, Any]):
-    from autoplan.models.catalog import config_from_published
-    from autoplan.trace.tracer import graph_for_config
-
     config = config_from_published(run["model"])
     # the published layout is given: nothing here chooses what autoplan's runtime applies
     return graph_for_config(config, 1, int(run["model"]["seq_len"]), probe_runtime=False)
 
 
 def _cluster_for_run(run: dict[str, Any]):
-    from autoplan.hardware import load_gpu, make_cluster
-
     hardware = run["hardware"]
     gpu = load_gpu(hardware["gpu_key"])
     per_node = hardware.get("gpus_per_node") or None
@@ -306,9 +302,6 @@ def _partial_recompute(graph, config: ParallelConfig, cluster, flash: bool, runt
     found by bisection (memory falls and time rises with k). Unchanged when no k fits."""
     from dataclasses import replace
 
-    from autoplan.cost import estimate
-    from autoplan.cost.stages import num_virtual_stages, stage_layer_counts
-
     stages = num_virtual_stages(config)
     most = max(stage_layer_counts(graph.num_layers, config))
     low, high, found = 1, most - 1, None
@@ -330,8 +323,6 @@ def _every_second_block_full(graph, config: ParallelConfig) -> ParallelConfig:
     """Half of each stage's blocks (rounded down) recomputed fully, the rest not at all."""
     from dataclasses import replace
 
-    from autoplan.cost.stages import num_virtual_stages, stage_layer_counts
-
     counts = stage_layer_counts(graph.num_layers, config)
     return replace(config, recompute="none",
                    stage_recompute=tuple((n // 2, 0) for n in counts[:num_virtual_stages(config)]))
@@ -339,9 +330,6 @@ def _every_second_block_full(graph, config: ParallelConfig) -> ParallelConfig:
 
 def validate_run(run: dict[str, Any]) -> RunResult:
     """Estimate one published run; the best value under the model for unstated settings."""
-    from autoplan.cost import Runtime, estimate
-    from autoplan.validate.families import interleaved_default_vpp, layer_sac, run_family, runtime_traits
-
     truth = run.get("truth", {})
     result = RunResult(id=str(run.get("id", "?")), family=run_family(run))
     # how the run's runtime keeps weights, recomputes and reports memory (families.runtime_traits)
@@ -437,7 +425,6 @@ def validate_file(path: str | Path) -> dict[str, Any]:
         raise UserError(f"no run in {path} can be validated: {' | '.join(malformed[:3])}"
                         + (f" | and {len(malformed) - 3} more" if len(malformed) > 3 else "")
                         + ". Fix the fields named (format: cost_models/validation/published_runs.json)")
-    from autoplan.validate.families import by_family
 
     runs = [r.to_dict() for r in results]
     return {"runs": runs, "summary": summarize(results), "by_family": by_family(runs),

@@ -66,7 +66,7 @@ def test_pp_and_tp_job_matches_the_one_rank_job_in_fp32(tmp_path):
         launch(job, "--steps", 4, "--seed", 7, "--data", data, "--run-dir", tmp_path / f"run-{name}",
                cwd=tmp_path)
         losses[name] = [m["loss"] for m in metrics(tmp_path / f"run-{name}")]
-    # fp32: only the summation order differs between the plans (1e-4 relative, issue 6)
+    # fp32: only the summation order differs between the plans (1e-4 relative)
     assert losses["pp2tp2"] == pytest.approx(losses["single"], rel=1e-4)
     assert losses["single"][-1] < losses["single"][0]
 

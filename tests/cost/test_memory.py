@@ -35,7 +35,7 @@ def _config(tp=1, sp=False, b=2, s=128, cp=1):
 
 def test_korthikanti_no_parallelism(traced_gpt_block):
     # Eq. 1: sbh(34 + 5as/h) per layer with the attention matrix materialised (no flash).
-    # 5% tolerance (issue 3): the trace also saves LayerNorm mean/rstd, ignored by the formula.
+    # 5% tolerance: the trace also saves LayerNorm mean/rstd, ignored by the formula.
     graph, block, h, a, s, b = traced_gpt_block
     got = memory.block_activation_bytes(graph, block, _config(), "none", flash_attention=False)
     assert got == pytest.approx(s * b * h * (34 + 5 * a * s / h), rel=0.05)

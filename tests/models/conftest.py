@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# the repo keeps its own copy of the published runs (issue 3); the shared one is a fallback
+# the repo keeps its own copy of the published runs; the shared one is a fallback
 PUBLISHED_RUNS_CANDIDATES = (
     REPO / "cost_models" / "validation" / "published_runs.json",
     REPO / "tests" / "data" / "published_runs.json",

@@ -174,7 +174,7 @@ def test_memory_headroom_out_of_range_exits_2(run_cli, headroom):
 
 
 def test_inter_node_bandwidth_from_the_command_line(run_cli, tmp_path):
-    # issue 3: a cluster's inter-node bandwidth defaults to the GPU's typical system and is
+    # a cluster's inter-node bandwidth defaults to the GPU's typical system and is
     # overridable on the command line. A quarter of the NIC rate slows the cross-node gradient
     # sync of a dp-across-nodes layout, and a plan made with it keeps it for estimate --plan.
     # --memory-headroom 0 and full recomputation: only this layout's bandwidth is under test

@@ -28,7 +28,7 @@ def meta_flops(module: nn.Module, inputs) -> int:
 
 def test_korthikanti_activation_bytes_per_gpt_block():
     # Korthikanti et al. 2022 Eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer, 16-bit activations,
-    # 1-byte dropout masks. Tolerance 5% (issue 3): the traced block also saves LayerNorm
+    # 1-byte dropout masks. Tolerance 5%: the traced block also saves LayerNorm
     # mean/rstd (8 fp32 bytes per token per norm, 0.7% here) which the formula ignores.
     h, a, s, b = 64, 4, 128, 2
     with torch.device("meta"):
@@ -55,7 +55,7 @@ def test_parameters_exact_and_flops_match_flop_counter(config):
         model = build_model(config)
     graph = trace_model(model, tokens(2, 48))
     assert graph.parameters == sum(p.numel() for p in model.parameters())
-    # issue 2: within 1% of FlopCounterMode for the same inputs (here it is exact)
+    # within 1% of FlopCounterMode for the same inputs (here it is exact)
     assert graph.forward_flops() == pytest.approx(meta_flops(model, tokens(2, 48)), rel=0.01)
     assert graph.num_layers == config["num_hidden_layers"]
 
