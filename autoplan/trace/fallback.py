@@ -6,7 +6,6 @@ routing (`routing.py`) and measured like every other op.
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 
