@@ -5,7 +5,6 @@ file's header instead (and then the nearest setting is what comes back)."""
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import tomllib
 from pathlib import Path
