@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
@@ -148,6 +149,39 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
                 _step(part, plan, tuple(map(to_fake, args)), {k: to_fake(v) for k, v in kwargs.items()})
 
 
+class LocalPositions(RuntimeError):
+    """Positions derived from a context-parallel rank's own sequence shard."""
+
+
+class _LocalPositionsGuard(TorchFunctionMode):
+    """Under CP each rank holds `local` of the sequence's tokens (a zig-zag share). A
+    `torch.arange(local)` inside forward numbers them 0..local-1, the positions of the
+    first shard, on every rank: the job would run with wrong positions and no error (rotary
+    or learned positions computed in forward). Models taking `position_ids` get each rank's
+    positions from the runtime, and position tables kept in buffers are re-indexed."""
+
+    def __init__(self, local: int, full: int) -> None:
+        super().__init__()
+        self.local, self.full = local, full
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.arange and out.dim() == 1 and out.numel() == self.local \
+                and (len(args) < 2 or args[0] == 0) and (len(args) < 3 or args[2] == 1):
+            raise LocalPositions(
+                f"it computes positions with torch.arange over the {self.local} tokens of this "
+                f"rank's shard (of {self.full}): under context parallelism every rank would use the "
+                "first shard's positions. Take `position_ids` in forward (the runtime passes each "
+                "rank's positions) or keep the position table in a buffer")
+        return out
+
+
+def _positions_guard(part: nn.Module, plan: Plan):
+    if plan.cp == 1 or plan.cp_buffers or "position_ids" in model_call(part).accepted:
+        return contextlib.nullcontext()
+    return _LocalPositionsGuard(plan.seq_len // plan.cp, plan.seq_len)
+
+
 def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -160,7 +194,7 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
         kwargs = dict(kwargs)
         args = (kwargs.pop("input_ids"),)
     vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
-    with loss_parallel() if vocab_sharded else contextlib.nullcontext():
+    with loss_parallel() if vocab_sharded else contextlib.nullcontext(), _positions_guard(part, plan):
         out = part(*args, **kwargs)
         if plan.pp > 1:  # stage 0: whatever it hands on that carries gradients
             outs = [out] if isinstance(out, torch.Tensor) else list(out)

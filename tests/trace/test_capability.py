@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from autoplan.models import build_model
@@ -105,3 +106,22 @@ def test_pipeline_probe_of_a_model_called_with_keyword_ids_passes():
     ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
     graph = trace_model(model, {"input_ids": ids})
     assert "pp" not in graph.refused and "tp" not in graph.refused, graph.refused
+
+
+@pytest.mark.parametrize("name, refused", [("neox_frac", True), ("moe_loop", False)])
+def test_context_parallelism_is_refused_where_forward_numbers_the_local_shard(name, refused):
+    # neox_frac's rotary takes torch.arange(x.shape[-2]): under CP that is the rank's shard,
+    # and the 4-rank job trained with wrong losses (benchmarks/corpus_matrix.py); moe_loop has
+    # no positions and trains with parity, so it keeps CP
+    from tests import corpus
+
+    entry = corpus.ENTRIES[name]
+    with torch.device("meta"):
+        model = entry.build("tiny")
+    graph = trace_model(model, entry.example_inputs("tiny", batch=1, seq=32))
+    assert graph.context_parallel
+    if refused:
+        assert "torch.arange over the" in graph.refused["cp"], graph.refused
+        assert "layers.0.attention" in graph.refused["cp"]
+    else:
+        assert "cp" not in graph.refused, graph.refused
