@@ -50,7 +50,7 @@ class Estimate:
     host_memory_gib_per_node: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object of `autoplan estimate --json` (issue 3 keys)."""
+        """The JSON object of `autoplan estimate --json`."""
         return asdict(self)
 
 
