@@ -53,6 +53,9 @@ class Runtime:
     sp_saves_gathered_inputs: sequence-parallel column linears keep their all-gathered input
     for backward (DTensor: autoplan's runtime, torchtitan) rather than the 1/tp shard
     (Megatron-LM); memory.block_activation_bytes.
+    loss_keeps_logits, fused_vocab_cross_entropy: how the loss holds memory (memory.loss_bytes):
+    the runtime keeps the 16-bit logits through the loss backward (autoplan's loop; torchtitan
+    frees them); Megatron's in-place fused vocab-parallel cross entropy.
     """
 
     tp_comm_overlap: bool = False
@@ -62,6 +65,8 @@ class Runtime:
     selective_policy: str = "op"
     allocator_reserve_fraction: float = 0.0
     sp_saves_gathered_inputs: bool = True
+    loss_keeps_logits: bool = True
+    fused_vocab_cross_entropy: bool = False
 
 
 DEFAULT_RUNTIME = Runtime()

@@ -42,6 +42,9 @@ def runtime_traits(family: str) -> dict[str, Any]:
     out["selective_policy"] = str(traits.get("selective_policy", "attention_core"))
     # Megatron keeps sequence-parallel linear inputs sharded unless the family runs DTensor
     out["sp_saves_gathered_inputs"] = bool(traits.get("sp_saves_gathered_inputs", False))
+    # Megatron's fused vocab-parallel cross entropy unless the family runs torch's eager one
+    out["fused_vocab_cross_entropy"] = bool(traits.get("fused_vocab_cross_entropy", True))
+    out["loss_keeps_logits"] = bool(traits.get("loss_keeps_logits", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out
