@@ -246,7 +246,8 @@ def _earlier_microbatch(trainer, boundary: Boundary) -> None:
 def _track_fsdp_state(tracker: StepMemoryTracker, parts: list[nn.Module]) -> None:
     """Mark what FSDP holds outside module.parameters() before the tracked step: sharded
     parameters while the unsharded ones are registered (parameters), gathered parameters
-    and fp32 gradients accumulated across micro-batches (gradients). Untracked, the
+    and fp32 gradients accumulated across micro-batches, unsharded in a pipeline or sharded
+    on the sharded parameters (gradients). Untracked, the
     accumulated gradients would show up as temporaries when first touched."""
     from torch.distributed._tools.mem_tracker import _MemRefType
     from torch.distributed.fsdp import FSDPModule
@@ -268,6 +269,10 @@ def _track_fsdp_param(tracker: StepMemoryTracker, fsdp_param, ref) -> None:
         tracker._update_and_maybe_create_winfos(unsharded, ref.PARAM)
     if fsdp_param.unsharded_accumulated_grad is not None:
         tracker._update_and_maybe_create_winfos(fsdp_param.unsharded_accumulated_grad, ref.GRAD)
+    sharded_grad = fsdp_param.sharded_param.grad
+    if sharded_grad is not None:  # reduce-scattered by the micro-batches before this one
+        tracker._update_and_maybe_create_winfos(getattr(sharded_grad, "_local_tensor", sharded_grad),
+                                                ref.GRAD)
 
 
 def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, rank: int,
