@@ -21,7 +21,7 @@ from autoplan.errors import UserError
 from autoplan.trace.graph import BlockInfo, ModelGraph
 
 GIB = 2**30
-MEMORY_KEYS = ("parameters", "gradients", "optimizer", "activations", "buffers", "overhead")
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries", "overhead")
 
 
 @dataclass(frozen=True)

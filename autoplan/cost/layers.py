@@ -60,6 +60,9 @@ class Runtime:
     fsdp_copy_out: ZeRO-2/3 all-gathers land in a flat buffer that FSDP2 copies out into the
     parameters on the compute stream (compute.fsdp_copy_out_s); FSDP1's flat parameter is the
     gather buffer itself.
+    loss_keeps_logits, fused_vocab_cross_entropy: how the loss holds memory (memory.loss_bytes):
+    the runtime keeps the 16-bit logits through the loss backward (autoplan's loop; torchtitan
+    frees them); Megatron's in-place fused vocab-parallel cross entropy.
     """
 
     tp_comm_overlap: bool = False
@@ -71,6 +74,8 @@ class Runtime:
     sp_saves_gathered_inputs: bool = True
     optimizer_kernels: str = "fused"
     fsdp_copy_out: bool = True
+    loss_keeps_logits: bool = True
+    fused_vocab_cross_entropy: bool = False
 
 
 DEFAULT_RUNTIME = Runtime()

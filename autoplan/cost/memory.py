@@ -12,7 +12,8 @@ Sources:
   in trace/activations.py: selective = what the runtime's selective checkpoint keeps (torch's
   "op" policy: matmul and attention outputs) or, for Megatron runs, Korthikanti's Eq. 6
   (the attention core's s^2 tensors dropped); full = the block input only (2sbh).
-- Last stage: fp32 logits for the loss (Korthikanti et al. 2022 App. B, the 4sbV term).
+- Last stage: the loss's log-probabilities and its backward's fp32 gradients (loss_bytes;
+  Korthikanti et al. 2022 App. B's 4sbV for Megatron's fused cross entropy).
 - Buffers: ZeRO-3 keeps the gathered weights of the current and the prefetched block
   (FSDP/DeepSpeed prefetch); pipeline stages keep one send and one receive buffer of one
   micro-batch's boundary activation (Narayanan et al. 2021 §4.1: b*s*h per transfer).
@@ -208,10 +209,39 @@ def fused_norm_excess_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     return activations.fused_norm_excess_bytes(activations.block_ops(graph, block), graph.dtype_bytes)
 
 
-def logits_bytes(graph: ModelGraph, config: ParallelConfig) -> float:
-    """fp32 logits of one micro-batch on the last stage (vocab split over TP, tokens over CP)."""
+def loss_bytes(graph: ModelGraph, config: ParallelConfig, *, keeps_logits: bool = True,
+               fused_vocab_cross_entropy: bool = False) -> dict[str, float]:
+    """{activations, temporaries} of the loss of one micro-batch on the last stage, at its
+    worst moment, the log-softmax backward (every activation of the micro-batch still held).
+    Per logit (tokens x vocab / tp, tokens / cp):
+
+    - torch eager `F.cross_entropy(logits.float(), labels)` (autoplan's runtime,
+      runtime/loop.py token_loss; torchtitan's cross_entropy_loss): log_softmax saves its fp32
+      output (4 B, activations); `.float()` saves nothing. In backward nll_loss_backward makes
+      an fp32 zero-filled gradient and _log_softmax_backward_data a second fp32 one beside it
+      (8 B, temporaries). Under loss_parallel (tp > 1: vocab-sharded DTensor logits,
+      torch/distributed/tensor/parallel/loss.py) the log-softmax backward also materialises
+      exp(output) in fp32 (12 B). `keeps_logits`: the runtime still holds the model's
+      16-bit logits (2 B; 4 in fp32) through the backward, as autoplan's loop holds `output`;
+      torchtitan frees them first (train.py: "need to free to before bwd to avoid peaking
+      memory", `del pred`).
+    - Megatron's fused vocab-parallel cross entropy (`fused_vocab_cross_entropy`;
+      megatron/core/tensor_parallel/cross_entropy.py): the fp32 copy of the logits is turned
+      into the softmax in place and saved (4 B, Korthikanti et al. 2022 App. B's 4sbV); its
+      backward computes the gradient in that buffer, and casting it back to 16 bits adds a
+      2-byte gradient (temporaries).
+
+    Measured on the 8B example by `autoplan check` (fake tensors): 6 + 8 B per logit, the
+    same moment and tensors (the 16-bit logits, the fp32 log-probabilities, two fp32
+    gradients)."""
     tokens = config.micro_batch * graph.seq_len / config.cp
-    return tokens * graph.vocab * FP32_BYTES / config.tp
+    logits = tokens * graph.vocab / config.tp
+    act = FP32_BYTES if config.precision == "fp32" else 2
+    if fused_vocab_cross_entropy:
+        return {"activations": logits * FP32_BYTES, "temporaries": logits * act}
+    gradients = (3 if config.tp > 1 else 2) * FP32_BYTES
+    kept = FP32_BYTES + (act if keeps_logits else 0)
+    return {"activations": logits * kept, "temporaries": logits * gradients}
 
 
 def pipeline_buffer_bytes(graph: ModelGraph, config: ParallelConfig) -> float:

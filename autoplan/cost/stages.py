@@ -86,8 +86,8 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
 
     Stage 0 also runs the embedding (pre), the last virtual stage the head and loss (post).
     Memory: this stage's model states, its activations x micro-batches in flight on its
-    physical stage (pipeline.microbatches_in_flight), pipeline send/recv buffers, the fp32
-    logits on the last stage and ZeRO-3 gather buckets.
+    physical stage (pipeline.microbatches_in_flight), pipeline send/recv buffers, the loss's
+    memory on the last stage (memory.loss_bytes) and ZeRO-3 gather buckets.
     """
     stages = num_virtual_stages(config)
     physical = stage_index % config.pp
@@ -112,8 +112,12 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
     in_flight = pipeline.microbatches_in_flight(config.schedule, config.pp, physical,
                                                 config.num_microbatches, config.vpp)
     activations = sum(c.activation_bytes for c in costs) * in_flight
+    temporaries = 0.0
     if stage_index == stages - 1:
-        activations += memory.logits_bytes(graph, config)
+        loss = memory.loss_bytes(graph, config, keeps_logits=runtime.loss_keeps_logits,
+                                 fused_vocab_cross_entropy=runtime.fused_vocab_cross_entropy)
+        activations += loss["activations"]
+        temporaries = loss["temporaries"]
     largest = max((c.zero3_gather_params for c in costs), default=0.0)
     buffers = memory.pipeline_buffer_bytes(graph, config) + memory.zero3_buffer_bytes(largest, config)
     mem = {
@@ -122,6 +126,7 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
         "optimizer": sum(c.optimizer_bytes for c in costs),
         "activations": activations,
         "buffers": buffers,
+        "temporaries": temporaries,
     }
     return StageCost(
         stage_index=stage_index, physical_stage=physical, layers=tuple(costs),

@@ -7,8 +7,9 @@ backward (the schedule's order and the other micro-batches are not replayed; the
 of the micro-batches a schedule keeps in flight are the caller's multiplication), then the
 runtime's gradient synchronisation and the optimizer step. A pipelined FSDP stage runs as
 torch.distributed.pipelining runs it: every micro-batch's backward without gradient sync or
-resharding, one untracked micro-batch first so that the measured one starts with the fp32
-gradients accumulated and the parameters gathered, then the stage's end-of-step reduction. Optimizer state is created by a
+resharding, then the stage's end-of-step reduction. With more than one micro-batch per step
+one untracked micro-batch runs first, so that the measured one starts with the gradients
+accumulated and the parameters gathered, as the step's last one does. Optimizer state is created by a
 step outside the tracked one, so the tracked step sees it resident, as every step after the
 first does. Tensors are fake CPU tensors: the runtime builds its mesh on the fake group with
 device "cpu"; no memory is allocated.
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.dryrun.collectives import Collective, CollectiveLog
+from autoplan.dryrun.kernels import cuda_saved_tensors
 from autoplan.dryrun.memory import StepMemoryTracker, Window
 from autoplan.plan import Plan
 from autoplan.runtime.args import TrainArgs
@@ -188,7 +190,7 @@ def _held_after_blocks(part: nn.Module, last_block: str, tracker: StepMemoryTrac
 
 def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary,
               log: CollectiveLog, tracker: StepMemoryTracker | None = None,
-              held: list[int] | None = None) -> Boundary:
+              held: list[int] | None = None, last_microbatch: bool = True) -> Boundary:
     """One micro-batch forward and backward through one stage, its pipeline sends and receives
     added to `log`; the stage's outputs as a boundary. With a tracker, the activations held
     after the stage's blocks are appended to `held`."""
@@ -198,7 +200,7 @@ def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary,
     if pipelined_fsdp(plan):
         _accumulate_without_sync(part)
     elif trainer.par.fsdp:
-        trainer._fsdp_microbatch(part, True)
+        trainer._fsdp_microbatch(part, last_microbatch)
     last_block = plan.stages[stage_id][-1] if plan.stages else ""
     with trainer._context(), _held_after_blocks(part, last_block, tracker,
                                                 held if held is not None else []):
@@ -232,18 +234,21 @@ def _warm_optimizers(trainer) -> None:
 
 def _earlier_microbatch(trainer, boundary: Boundary) -> None:
     """One untracked micro-batch through every stage before the measured one, so that the
-    measured micro-batch starts where a later one of a pipelined step does: the fp32
-    gradients accumulated and the parameters gathered by the micro-batches before it."""
+    measured micro-batch starts where the last one of a step with gradient accumulation does:
+    the gradients the micro-batches before it accumulated (unsharded fp32 in a pipelined FSDP
+    stage, the sharded fp32 gradients of FSDP's per-micro-batch reduce-scatter, DDP's .grad)
+    and the parameters they left gathered."""
     scratch = CollectiveLog()  # never entered: its p2p records are dropped
     for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
-        handed_on = _run_part(trainer, part, stage_id, boundary, scratch)
+        handed_on = _run_part(trainer, part, stage_id, boundary, scratch, last_microbatch=False)
         boundary = boundary or handed_on
 
 
 def _track_fsdp_state(tracker: StepMemoryTracker, parts: list[nn.Module]) -> None:
     """Mark what FSDP holds outside module.parameters() before the tracked step: sharded
     parameters while the unsharded ones are registered (parameters), gathered parameters
-    and fp32 gradients accumulated across micro-batches (gradients). Untracked, the
+    and fp32 gradients accumulated across micro-batches, unsharded in a pipeline or sharded
+    on the sharded parameters (gradients). Untracked, the
     accumulated gradients would show up as temporaries when first touched."""
     from torch.distributed._tools.mem_tracker import _MemRefType
     from torch.distributed.fsdp import FSDPModule
@@ -265,6 +270,10 @@ def _track_fsdp_param(tracker: StepMemoryTracker, fsdp_param, ref) -> None:
         tracker._update_and_maybe_create_winfos(unsharded, ref.PARAM)
     if fsdp_param.unsharded_accumulated_grad is not None:
         tracker._update_and_maybe_create_winfos(fsdp_param.unsharded_accumulated_grad, ref.GRAD)
+    sharded_grad = fsdp_param.sharded_param.grad
+    if sharded_grad is not None:  # reduce-scattered by the micro-batches before this one
+        tracker._update_and_maybe_create_winfos(getattr(sharded_grad, "_local_tensor", sharded_grad),
+                                                ref.GRAD)
 
 
 def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, rank: int,
@@ -274,14 +283,14 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with fake_process_group(plan.world_size, rank), _mesh_tensors_outside_fake_mode(), \
-            _sharding_propagation_in_its_own_fake_mode():
+            _sharding_propagation_in_its_own_fake_mode(), cuda_saved_tensors():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
         with FakeTensorMode(allow_non_fake_inputs=True):
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
                               ddp=False)
             _warm_optimizers(trainer)
-            if pipelined_fsdp(plan) and plan.num_microbatches > 1:
+            if plan.num_microbatches > 1:
                 _earlier_microbatch(trainer, boundary)
             tracker, log = StepMemoryTracker(), CollectiveLog()
             tracker.track_external(*trainer.par.parts, *trainer.optimizers)

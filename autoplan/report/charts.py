@@ -19,9 +19,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from autoplan.report import timeline  # noqa: E402
 
 CHARTS = ("time-vs-cost", "memory", "step-time", "pipeline")
-MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "overhead")
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries", "overhead")
 COLORS = {"parameters": "#4c72b0", "gradients": "#55a868", "optimizer": "#c44e52", "activations": "#8172b2",
-          "buffers": "#ccb974", "overhead": "#64b5cd", "compute": "#4c72b0", "recompute": "#8172b2",
+          "buffers": "#ccb974", "temporaries": "#da8bc3", "overhead": "#64b5cd", "compute": "#4c72b0", "recompute": "#8172b2",
           "bubble": "#bbbbbb", "other": "#777777"}
 COMM_COLORS = ["#dd8452", "#c44e52", "#da8bc3", "#937860", "#ccb974", "#8c8c8c"]
 DAY_S = 86400.0

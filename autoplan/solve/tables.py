@@ -102,7 +102,7 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     fixed_state[0] += pre.state_bytes
     fixed_act[0] += pre.activation_bytes
     last_rank = (chunks - 1) % config.pp
-    fixed_state[last_rank] += post.state_bytes + cost_memory.logits_bytes(graph, config)
+    fixed_state[last_rank] += post.state_bytes + sum(cost_memory.loss_bytes(graph, config).values())
     fixed_act[last_rank] += post.activation_bytes
     m = config.num_microbatches
     in_flight = [cost_pipeline.microbatches_in_flight(config.schedule, config.pp, r, m, config.vpp)

@@ -4,7 +4,9 @@
 - none: what autograd saves (the traced saved-tensor hooks), without the attention core's
   s^2 tensors when a FlashAttention kernel runs (Dao et al. 2022 §3.1), and with fused
   norm kernels, which save their input and per-row statistics only, not the upcast copies
-  a decomposed norm saves (Apex / Transformer Engine / torch's fused RMSNorm on CUDA).
+  a decomposed norm saves (Apex / Transformer Engine / torch's fused RMSNorm on CUDA), and
+  with the output projection's input counted once: a view of the fused attention kernel's
+  saved output (attention_output_reuse_bytes).
 - selective, policy "op" (autoplan's runtime, runtime/recompute.py; torchtitan's "op" SAC):
   torch's selective checkpoint keeps the outputs of the ops it must save -- matmuls
   (linear, matmul, expert GEMMs, the router) and the attention kernel (its output and fp32
@@ -52,6 +54,38 @@ def fused_norm_excess_bytes(ops: list[OpInfo], dtype_bytes: int) -> float:
     return excess
 
 
+def attention_output_reuse_bytes(graph: ModelGraph, block: BlockInfo) -> float:
+    """Bytes traced twice where a linear saves the attention kernel's output as its input: the
+    fused SDPA kernels (FlashAttention, memory-efficient, cuDNN; CPU flash as well) write their
+    output in (batch, seq, heads, head_dim) order and return a transposed view, so the
+    `transpose(1, 2).reshape` before the output projection is a view of the tensor the kernel
+    already saves, one storage that autograd keeps once (measured by `autoplan check`)."""
+    g = graph.graph
+    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
+    reused = 0.0
+    for name in [n for n in g.nodes if prefix and n.startswith(prefix)]:
+        op = g.nodes[name]["op"]
+        if op.kind != "linear":
+            continue
+        source = _through_views(g, name)
+        if source is not None and g.nodes[source]["op"].kind == "attention":
+            reused += min(float(op.saved_bytes), _numel(op.input_shapes[0]) * graph.dtype_bytes
+                          if op.input_shapes else 0.0)
+    return reused
+
+
+def _through_views(g, name: str) -> str | None:
+    """The op feeding `name` through a chain of views of one tensor each (shape arguments,
+    which have no output shape, aside), or None."""
+    def tensor_inputs(node: str) -> list[str]:
+        return [p for p in g.predecessors(node) if g.nodes[p]["op"].output_shape]
+
+    preds = tensor_inputs(name)
+    while len(preds) == 1 and g.nodes[preds[0]]["op"].kind == "view":
+        preds = tensor_inputs(preds[0])
+    return preds[0] if len(preds) == 1 else None
+
+
 def sac_output_bytes(op: OpInfo, dtype_bytes: int) -> float:
     """Bytes the selective checkpoint caches for one op it must save: its output (and the
     attention kernel's log-sum-exp, one per row of (batch, heads, seq))."""
@@ -92,9 +126,10 @@ def saved_bytes_by_mode(graph: ModelGraph, block: BlockInfo, *, selective_policy
         raise ValueError(f"selective_policy must be one of {SELECTIVE_POLICIES}, got {selective_policy!r}")
     excess = fused_norm_excess_bytes(block_ops(graph, block), graph.dtype_bytes)
     quadratic_free = float(block.saved_bytes_selective) - excess
-    none = quadratic_free if flash_attention else float(block.saved_bytes) - excess
+    reused = attention_output_reuse_bytes(graph, block) if flash_attention else 0.0
+    none = (quadratic_free if flash_attention else float(block.saved_bytes) - excess) - reused
     if selective_policy == "op":
         selective = sac_saved_bytes(graph, block)[0]
     else:
-        selective = quadratic_free
+        selective = quadratic_free - reused
     return {"none": none, "selective": selective, "full": float(block.input_bytes)}

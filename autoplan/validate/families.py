@@ -46,6 +46,9 @@ def runtime_traits(family: str) -> dict[str, Any]:
     out["optimizer_kernels"] = str(traits.get("optimizer_kernels", "fused"))
     # only FSDP2 copies gathered parameters out of the gather buffer
     out["fsdp_copy_out"] = bool(traits.get("fsdp_copy_out", False))
+    # Megatron's fused vocab-parallel cross entropy unless the family runs torch's eager one
+    out["fused_vocab_cross_entropy"] = bool(traits.get("fused_vocab_cross_entropy", True))
+    out["loss_keeps_logits"] = bool(traits.get("loss_keeps_logits", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

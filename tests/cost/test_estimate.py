@@ -125,7 +125,7 @@ def test_cli_json_has_issue_keys():
                 "memory_breakdown_gib", "time_breakdown_s", "comm_breakdown_s"):
         assert key in data
     assert set(data["memory_breakdown_gib"]) == {"parameters", "gradients", "optimizer",
-                                                 "activations", "buffers", "overhead"}
+                                                 "activations", "buffers", "temporaries", "overhead"}
     assert set(data["time_breakdown_s"]) == {"compute", "recompute", "exposed_comm", "bubble"}  # no offload
     assert data["config"]["dp"] == 4  # omitted dp = N / (tp x pp x cp)
 
