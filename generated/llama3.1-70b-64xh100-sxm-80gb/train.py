@@ -91,30 +91,9 @@ PLAN = {
         ],
     ],
     'recompute': {
-        'layers.0': 'full', 'layers.1': 'full', 'layers.2': 'full', 'layers.3': 'full',
-        'layers.4': 'full', 'layers.5': 'selective', 'layers.6': 'selective',
-        'layers.7': 'selective', 'layers.8': 'selective', 'layers.9': 'selective',
-        'layers.10': 'selective', 'layers.11': 'selective', 'layers.12': 'selective',
-        'layers.13': 'selective', 'layers.14': 'selective', 'layers.15': 'selective',
-        'layers.16': 'selective', 'layers.17': 'none', 'layers.18': 'none',
-        'layers.19': 'selective', 'layers.20': 'selective', 'layers.21': 'selective',
-        'layers.22': 'selective', 'layers.23': 'selective', 'layers.24': 'selective',
-        'layers.25': 'selective', 'layers.26': 'selective', 'layers.27': 'selective',
-        'layers.28': 'selective', 'layers.29': 'selective', 'layers.30': 'selective',
-        'layers.31': 'selective', 'layers.32': 'selective', 'layers.33': 'selective',
-        'layers.34': 'selective', 'layers.35': 'selective', 'layers.36': 'selective',
-        'layers.37': 'selective', 'layers.38': 'none', 'layers.39': 'selective',
-        'layers.40': 'selective', 'layers.41': 'selective', 'layers.42': 'none',
-        'layers.43': 'none', 'layers.44': 'none', 'layers.45': 'none', 'layers.46': 'none',
-        'layers.47': 'none', 'layers.48': 'none', 'layers.49': 'none', 'layers.50': 'none',
-        'layers.51': 'none', 'layers.52': 'none', 'layers.53': 'none', 'layers.54': 'none',
-        'layers.55': 'none', 'layers.56': 'none', 'layers.57': 'none', 'layers.58': 'none',
-        'layers.59': 'none', 'layers.60': 'none', 'layers.61': 'none', 'layers.62': 'none',
-        'layers.63': 'none', 'layers.64': 'none', 'layers.65': 'none', 'layers.66': 'none',
-        'layers.67': 'none', 'layers.68': 'none', 'layers.69': 'none', 'layers.70': 'none',
-        'layers.71': 'none', 'layers.72': 'none', 'layers.73': 'none', 'layers.74': 'none',
-        'layers.75': 'none', 'layers.76': 'none', 'layers.77': 'none', 'layers.78': 'none',
-        'layers.79': 'none',
+        'layers.0-4': 'full', 'layers.5-16': 'selective', 'layers.17-18': 'none',
+        'layers.19-37': 'selective', 'layers.38': 'none', 'layers.39-41': 'selective',
+        'layers.42-79': 'none',
     },
     'tp_styles': {
         '': {'embed_tokens': 'vocab_embedding', 'norm': 'sequence_parallel', 'lm_head': 'vocab_head'},
@@ -141,13 +120,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 30.66818193145969,
-        'tokens_per_s': 68382.01249382582,
-        'tokens_per_s_per_gpu': 1068.4689452160285,
-        'mfu': 0.5201194425749291,
-        'hfu': 0.5308133770815794,
-        'tflops_per_gpu': 514.3981287066049,
-        'bubble_fraction': 0.044564440328903776,
+        'step_time_s': 31.575652286905065,
+        'tokens_per_s': 66416.74353849288,
+        'tokens_per_s_per_gpu': 1037.7616177889513,
+        'mfu': 0.5051714386148252,
+        'hfu': 0.5155580341484058,
+        'tflops_per_gpu': 499.61455279006213,
+        'bubble_fraction': 0.04457052389236753,
         'memory_gib_per_gpu': 71.98558044433594,
         'memory_breakdown_gib': {
             'parameters': 12.090225219726562, 'gradients': 16.12030029296875,
@@ -155,10 +134,10 @@ PLAN = {
             'temporaries': 0.0, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 25.80112277314202, 'recompute': 0.08369234771362587,
-            'exposed_comm': 3.4166564469235436, 'bubble': 1.3667103636805003,
+            'compute': 26.826874879493936, 'recompute': 0.0, 'exposed_comm': 3.3414340427405373,
+            'bubble': 1.4073433646705915,
         },
-        'comm_breakdown_s': {'tp': 3.1593409756862743, 'pp': 0.12328899425352113, 'dp': 0.13402647698374864},
+        'comm_breakdown_s': {'tp': 3.084118571503268, 'pp': 0.12328899425352113, 'dp': 0.13402647698374864},
         'model_flops_per_token': 481434796032.0,
         'peak_flops_per_gpu': 989000000000000.0,
         'worst_rank_stage': 0,
@@ -166,7 +145,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 19,
-                'time_per_microbatch_s': 0.45394835929126587,
+                'time_per_microbatch_s': 0.46672099137543943,
                 'memory_gib': 71.98558044433594,
                 'memory_breakdown_gib': {
                     'parameters': 12.090225219726562, 'gradients': 16.12030029296875,
@@ -178,7 +157,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.44100467221446427,
+                'time_per_microbatch_s': 0.4533652839088259,
                 'memory_gib': 71.94610595703125,
                 'memory_breakdown_gib': {
                     'parameters': 11.95404052734375, 'gradients': 15.938720703125,
@@ -190,7 +169,7 @@ PLAN = {
             {
                 'stage': 2,
                 'blocks': 21,
-                'time_per_microbatch_s': 0.4555701212268334,
+                'time_per_microbatch_s': 0.4685487635059131,
                 'memory_gib': 71.97261047363281,
                 'memory_breakdown_gib': {
                     'parameters': 12.551742553710938, 'gradients': 16.73565673828125,
@@ -202,7 +181,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4553841577819612,
+                'time_per_microbatch_s': 0.4691144548901972,
                 'memory_gib': 60.44564247131348,
                 'memory_breakdown_gib': {
                     'parameters': 12.687932968139648, 'gradients': 16.91724395751953,
@@ -215,7 +194,7 @@ PLAN = {
         'host_memory_gib_per_gpu': 0.0,
         'host_memory_gib_per_node': 0.0,
     },
-    'format_version': 2,
+    'format_version': 3,
 }
 
 

@@ -75,18 +75,7 @@ PLAN = {
         ['layers.25', 'layers.26', 'layers.27', 'layers.28'],
         ['layers.29', 'layers.30', 'layers.31'],
     ],
-    'recompute': {
-        'layers.0': 'selective', 'layers.1': 'selective', 'layers.2': 'selective',
-        'layers.3': 'selective', 'layers.4': 'selective', 'layers.5': 'selective',
-        'layers.6': 'selective', 'layers.7': 'selective', 'layers.8': 'selective',
-        'layers.9': 'selective', 'layers.10': 'selective', 'layers.11': 'selective',
-        'layers.12': 'selective', 'layers.13': 'selective', 'layers.14': 'selective',
-        'layers.15': 'selective', 'layers.16': 'selective', 'layers.17': 'selective',
-        'layers.18': 'selective', 'layers.19': 'selective', 'layers.20': 'selective',
-        'layers.21': 'selective', 'layers.22': 'selective', 'layers.23': 'selective',
-        'layers.24': 'none', 'layers.25': 'none', 'layers.26': 'none', 'layers.27': 'none',
-        'layers.28': 'none', 'layers.29': 'none', 'layers.30': 'none', 'layers.31': 'none',
-    },
+    'recompute': {'layers.0-23': 'selective', 'layers.24-31': 'none'},
     'tp_styles': {},
     'cp_modules': [],
     'cp_buffers': {},
@@ -103,13 +92,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 6.8476764071177945,
-        'tokens_per_s': 76564.36560802297,
-        'tokens_per_s_per_gpu': 9570.545701002871,
-        'mfu': 0.5604222460417366,
-        'hfu': 0.5604222460417366,
-        'tflops_per_gpu': 554.2576013352775,
-        'bubble_fraction': 0.015302941011146242,
+        'step_time_s': 7.062685562164218,
+        'tokens_per_s': 74233.51859364704,
+        'tokens_per_s_per_gpu': 9279.18982420588,
+        'mfu': 0.543361326009254,
+        'hfu': 0.543361326009254,
+        'tflops_per_gpu': 537.3843514231522,
+        'bubble_fraction': 0.015305427421998597,
         'memory_gib_per_gpu': 71.82460403442383,
         'memory_breakdown_gib': {
             'parameters': 10.608753204345703, 'gradients': 14.145004272460938,
@@ -117,8 +106,8 @@ PLAN = {
             'temporaries': 7.828125, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 6.504272587507523, 'recompute': 0.18704707673089516,
-            'exposed_comm': 0.05156715475783476, 'bubble': 0.10478958812154145,
+            'compute': 6.7447503827426, 'recompute': 0.1582706033876805,
+            'exposed_comm': 0.05156715475783476, 'bubble': 0.10809742127610181,
         },
         'comm_breakdown_s': {'pp': 0.025428268061002176, 'dp': 0.02613888669683258},
         'model_flops_per_token': 57912852480.0,
@@ -128,7 +117,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 17,
-                'time_per_microbatch_s': 0.4191583524861658,
+                'time_per_microbatch_s': 0.4301130711695292,
                 'memory_gib': 71.68416595458984,
                 'memory_breakdown_gib': {
                     'parameters': 11.827537536621094, 'gradients': 15.770050048828125,
@@ -140,7 +129,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 15,
-                'time_per_microbatch_s': 0.41836097986261417,
+                'time_per_microbatch_s': 0.43238968510440723,
                 'memory_gib': 71.82460403442383,
                 'memory_breakdown_gib': {
                     'parameters': 10.608753204345703, 'gradients': 14.145004272460938,
@@ -153,7 +142,7 @@ PLAN = {
         'host_memory_gib_per_gpu': 0.0,
         'host_memory_gib_per_node': 0.0,
     },
-    'format_version': 2,
+    'format_version': 3,
 }
 
 

@@ -75,19 +75,7 @@ PLAN = {
         ['layers.24', 'layers.25', 'layers.26', 'layers.27'],
         ['layers.28', 'layers.29', 'layers.30', 'layers.31'],
     ],
-    'recompute': {
-        'layers.0': 'selective', 'layers.1': 'selective', 'layers.2': 'selective',
-        'layers.3': 'selective', 'layers.4': 'selective', 'layers.5': 'selective',
-        'layers.6': 'selective', 'layers.7': 'selective', 'layers.8': 'selective',
-        'layers.9': 'selective', 'layers.10': 'selective', 'layers.11': 'selective',
-        'layers.12': 'selective', 'layers.13': 'selective', 'layers.14': 'selective',
-        'layers.15': 'selective', 'layers.16': 'selective', 'layers.17': 'selective',
-        'layers.18': 'selective', 'layers.19': 'selective', 'layers.20': 'selective',
-        'layers.21': 'selective', 'layers.22': 'selective', 'layers.23': 'selective',
-        'layers.24': 'selective', 'layers.25': 'selective', 'layers.26': 'selective',
-        'layers.27': 'selective', 'layers.28': 'selective', 'layers.29': 'selective',
-        'layers.30': 'selective', 'layers.31': 'selective',
-    },
+    'recompute': {'layers.0-31': 'selective'},
     'tp_styles': {},
     'cp_modules': [],
     'cp_buffers': {},
@@ -112,13 +100,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 4.856909683908987,
-        'tokens_per_s': 215893.65836345436,
-        'tokens_per_s_per_gpu': 6746.676823857949,
-        'mfu': 0.5657519853342644,
-        'hfu': 0.5657519853342644,
-        'tflops_per_gpu': 559.5287134955875,
-        'bubble_fraction': 0.05721469737623423,
+        'step_time_s': 4.941629265790511,
+        'tokens_per_s': 212192.36482570483,
+        'tokens_per_s_per_gpu': 6631.011400803276,
+        'mfu': 0.5560527001252407,
+        'hfu': 0.5560527001252407,
+        'tflops_per_gpu': 549.936120423863,
+        'bubble_fraction': 0.057242279286984055,
         'memory_gib_per_gpu': 65.78135204315186,
         'memory_breakdown_gib': {
             'parameters': 12.182290077209473, 'gradients': 13.490737915039062,
@@ -126,8 +114,8 @@ PLAN = {
             'temporaries': 3.90625, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 4.25173234008907, 'recompute': 0.08697856776533039,
-            'exposed_comm': 0.24031215830603342, 'bubble': 0.27788661774855417,
+            'compute': 4.331468417154033, 'recompute': 0.08697856776533039,
+            'exposed_comm': 0.24031215830603342, 'bubble': 0.2828701225651144,
         },
         'comm_breakdown_s': {'pp': 0.12156099425352114, 'dp': 0.11875116405251226},
         'model_flops_per_token': 82933972992.0,
@@ -137,7 +125,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 16,
-                'time_per_microbatch_s': 1.075318568701358,
+                'time_per_microbatch_s': 1.0928005048553877,
                 'memory_gib': 63.367431640625,
                 'memory_breakdown_gib': {
                     'parameters': 12.182281494140625, 'gradients': 13.49072265625,
@@ -149,7 +137,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 16,
-                'time_per_microbatch_s': 1.1115464709942167,
+                'time_per_microbatch_s': 1.1314804902604576,
                 'memory_gib': 65.78135204315186,
                 'memory_breakdown_gib': {
                     'parameters': 12.182290077209473, 'gradients': 13.490737915039062,
@@ -162,7 +150,7 @@ PLAN = {
         'host_memory_gib_per_gpu': 0.0,
         'host_memory_gib_per_node': 0.0,
     },
-    'format_version': 2,
+    'format_version': 3,
 }
 
 

@@ -66,7 +66,7 @@ PLAN = {
     'memory_headroom_gib': 0.8,
     'inter_node_bandwidth_gb_per_s': None,
     'stages': [['layers.0', 'layers.1']],
-    'recompute': {'layers.0': 'none', 'layers.1': 'none'},
+    'recompute': {'layers.0-1': 'none'},
     'tp_styles': {},
     'cp_modules': [],
     'cp_buffers': {},
@@ -83,12 +83,12 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 0.0038065615054240958,
-        'tokens_per_s': 134504.59141943042,
-        'tokens_per_s_per_gpu': 33626.147854857605,
-        'mfu': 0.01413572463927993,
-        'hfu': 0.01413572463927993,
-        'tflops_per_gpu': 0.021486301451705495,
+        'step_time_s': 0.003814257922262234,
+        'tokens_per_s': 134233.18780087453,
+        'tokens_per_s_per_gpu': 33558.29695021863,
+        'mfu': 0.014107201547409803,
+        'hfu': 0.014107201547409803,
+        'tflops_per_gpu': 0.0214429463520629,
         'bubble_fraction': 0.0,
         'memory_gib_per_gpu': 1.0025887489318848,
         'memory_breakdown_gib': {
@@ -97,7 +97,7 @@ PLAN = {
             'buffers': 0.0, 'temporaries': 0.000244140625, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 0.002812540992603583, 'recompute': 0.0,
+            'compute': 0.002820237409441721, 'recompute': 0.0,
             'exposed_comm': 0.0009940205128205128, 'bubble': 0.0,
         },
         'comm_breakdown_s': {'dp': 0.0009940205128205128},
@@ -108,7 +108,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 2,
-                'time_per_microbatch_s': 0.0027139957537238467,
+                'time_per_microbatch_s': 0.0027216921705619846,
                 'memory_gib': 1.0025887489318848,
                 'memory_breakdown_gib': {
                     'parameters': 0.0003979206085205078, 'gradients': 0.0003979206085205078,
@@ -121,7 +121,7 @@ PLAN = {
         'host_memory_gib_per_gpu': 0.0,
         'host_memory_gib_per_node': 0.0,
     },
-    'format_version': 2,
+    'format_version': 3,
 }
 
 
