@@ -42,6 +42,14 @@ def test_plan_image_model_whatever_the_seq_len(run_cli, vit_file):
     assert code == 0, out
 
 
+def test_fixing_cp_on_an_image_model_says_a_sample_is_one_image(run_cli, vit_file):
+    # ViT calls SDPA, so "needs F.scaled_dot_product_attention" would be the wrong reason
+    code, _, err = run_cli("plan", vit_file, "--gpu", "h100", "--gpus", "8", "--global-batch", "64",
+                           "--fix", "cp=2")
+    assert code == 2 and "Traceback" not in err
+    assert "a sample of an image model is one image" in " ".join(err.split())
+
+
 def test_generate_refuses_an_image_model_before_planning(run_cli, vit_file, tmp_path):
     code, _, err = run_cli("generate", vit_file, "--gpu", "h100", "--gpus", "8",
                            "--global-batch", "64", "-o", str(tmp_path / "job"))
