@@ -61,8 +61,9 @@ class Runtime:
     parameters on the compute stream (compute.fsdp_copy_out_s); FSDP1's flat parameter is the
     gather buffer itself.
     loss_keeps_logits, fused_vocab_cross_entropy: how the loss holds memory (memory.loss_bytes):
-    the runtime keeps the 16-bit logits through the loss backward (autoplan's loop; torchtitan
-    frees them); Megatron's in-place fused vocab-parallel cross entropy.
+    the step keeps the 16-bit logits through the loss backward (autoplan's loop and torchtitan
+    free them first; a pipeline schedule keeps them regardless); Megatron's in-place fused
+    vocab-parallel cross entropy.
     """
 
     tp_comm_overlap: bool = False
@@ -74,7 +75,7 @@ class Runtime:
     sp_saves_gathered_inputs: bool = True
     optimizer_kernels: str = "fused"
     fsdp_copy_out: bool = True
-    loss_keeps_logits: bool = True
+    loss_keeps_logits: bool = False
     fused_vocab_cross_entropy: bool = False
 
 

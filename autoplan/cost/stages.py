@@ -114,8 +114,7 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
     activations = sum(c.activation_bytes for c in costs) * in_flight
     temporaries = 0.0
     if stage_index == stages - 1:
-        loss = memory.loss_bytes(graph, config, keeps_logits=runtime.loss_keeps_logits,
-                                 fused_vocab_cross_entropy=runtime.fused_vocab_cross_entropy)
+        loss = last_stage_loss_bytes(graph, config, runtime)
         activations += loss["activations"]
         temporaries = loss["temporaries"]
     largest = max((c.zero3_gather_params for c in costs), default=0.0)
@@ -156,3 +155,11 @@ def pp_p2p_s(graph: ModelGraph, config: ParallelConfig, cluster, cache: CostCach
     if config.sequence_parallel and config.tp > 1:
         payload /= config.tp
     return 2 * comm.p2p_time_s(payload, groups.pp_cross_node, fabric)
+
+
+def last_stage_loss_bytes(graph: ModelGraph, config: ParallelConfig, runtime: Runtime) -> dict[str, float]:
+    """memory.loss_bytes as `runtime` runs the loss. A pipeline schedule
+    (torch.distributed.pipelining) keeps each stage's output until that micro-batch's
+    backward, so the last stage keeps its logits whatever the runtime's own step does."""
+    return memory.loss_bytes(graph, config, keeps_logits=runtime.loss_keeps_logits or config.pp > 1,
+                             fused_vocab_cross_entropy=runtime.fused_vocab_cross_entropy)

@@ -212,7 +212,10 @@ def _run_part(trainer, part: nn.Module, stage_id: int, boundary: Boundary,
         if not first:
             log.calls += _p2p("recv", boundary) + _p2p("send", boundary, grads_only=True)
         if last:
-            token_loss(logits_of(out), tokens).backward()
+            loss = token_loss(logits_of(out), tokens)
+            if plan.pp == 1:  # as the runtime's step; a pipeline schedule keeps stage outputs
+                del out
+            loss.backward()
             return []
         outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
         carried = [t for t in outs if t.requires_grad]

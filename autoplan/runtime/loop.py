@@ -207,6 +207,7 @@ class Trainer:
                 output = model(inputs, **self.model_call.kwargs(inputs, self.token_positions,
                                                                 zigzag=self.plan.cp > 1))
                 loss = token_loss(logits_of(output), labels.to(self.device))
+                del output  # the 16-bit logits: the loss keeps its own fp32 log-probabilities
                 (loss * (self.scaler.scale / count)).backward()
             total += _plain(loss).detach()
         return total / count

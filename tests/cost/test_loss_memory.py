@@ -59,3 +59,16 @@ def test_estimate_charges_the_loss_on_the_last_stage_only(make_gpt_graph):
     first, last = (s["memory_breakdown_gib"]["temporaries"] for s in est.per_stage)
     assert first == 0
     assert last * 2**30 == pytest.approx(8 * MICRO * SEQ * VOCAB)
+
+
+def test_autoplans_step_frees_the_logits_but_a_pipeline_schedule_keeps_them(make_gpt_graph):
+    # runtime/loop.py drops the model output before backward; torch.distributed.pipelining
+    # holds each stage's output until that micro-batch's backward
+    from autoplan.cost.layers import DEFAULT_RUNTIME
+    from autoplan.cost.stages import last_stage_loss_bytes
+
+    graph = make_gpt_graph(seq=SEQ, vocab=VOCAB)
+    logits = MICRO * SEQ * VOCAB
+    assert last_stage_loss_bytes(graph, _config(), DEFAULT_RUNTIME)["activations"] == 4 * logits
+    pipelined = _config(dp=2, pp=2)
+    assert last_stage_loss_bytes(graph, pipelined, DEFAULT_RUNTIME)["activations"] == 6 * logits
