@@ -52,8 +52,11 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
     plans = {}
     tp = _smallest_tp(graph) if graph.tensor_parallel else 0
     if tp:
+        # a block class that shares its list with another (T5's first block) is keyed by
+        # each block path; keep the keys of the blocks the probed copy still has
+        styles = {k: dict(v) for k, v in graph.tp_styles.items() if k == "" or "*" in k or k in blocks}
         plans["tp"] = replace(base, world_size=tp, gpus_per_node=tp, tp=tp, sequence_parallel=True,
-                              tp_styles={k: dict(v) for k, v in graph.tp_styles.items()})
+                              tp_styles=styles)
     if graph.context_parallel and seq_len % 4 == 0:
         plans["cp"] = replace(base, world_size=2, gpus_per_node=2, cp=2,
                               cp_modules=[m for m in graph.context_parallel if inside(m)],

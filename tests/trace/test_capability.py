@@ -89,3 +89,25 @@ def test_hugging_face_llama_tensor_parallelism_passes_the_probe():
         model = hf_models.build("hf_llama")
     graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
     assert graph.tensor_parallel and "tp" not in graph.refused, graph.refused
+
+
+def test_t5_tensor_parallelism_is_probed_on_the_blocks_the_copy_keeps():
+    # T5's first block (relative position bias) is another class than the rest of its list,
+    # so its styles are keyed by block path; the probe keeps two copies per class, and keys
+    # of the blocks it drops refused TP as "the plan names module paths this model does
+    # not have" instead of the runtime's own reason
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=4,
+                                   num_decoder_layers=4, num_heads=4)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    graph = trace_model(model, (), example_kwargs={"input_ids": ids, "decoder_input_ids": ids.clone()})
+    assert "encoder.block.3" in graph.tp_styles  # keyed per block path
+    reason = graph.refused.get("tp") or ""
+    assert "matches no block" not in reason
+    # the runtime's own reason: the relative position bias holds every head
+    assert "tp" not in graph.refused or "encoder.block.0.layer.0.SelfAttention" in reason, reason
