@@ -50,7 +50,12 @@ class _Tracer(fx.Tracer):
         return ".".join(p for p in (self.prefix, path) if p)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return self._full(qualname) in self.leaves or super().is_leaf_module(m, qualname)
+        path = self._full(qualname)
+        if path in self.leaves:
+            return True
+        if any(leaf.startswith(path + ".") for leaf in self.leaves):
+            return False  # holds blocks (nn.TransformerEncoder.layers): trace into it
+        return super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
         try:
