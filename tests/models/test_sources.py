@@ -352,3 +352,15 @@ def test_transformers_source_without_transformers_is_one_paragraph(tmp_path, mon
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     with pytest.raises(UserError, match="pip install 'transformers"):
         load_model(str(_hf_config(tmp_path, model_source="transformers")))
+
+
+def test_unknown_transformers_family_is_one_short_paragraph(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "florbnet", "hidden_size": 64}))
+    with pytest.raises(UserError) as info:
+        load_model(f"hf:{path}")
+    message = str(info.value)
+    assert "does not know model_type 'florbnet'" in message
+    # transformers' own error lists every family it knows (over 10,000 characters)
+    assert len(message) < 400, len(message)
