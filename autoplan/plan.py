@@ -24,7 +24,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 OFFLOAD = ("none", "optimizer", "params", "both")
-MODEL_SOURCES = ("catalog", "config", "file")
+MODEL_SOURCES = ("catalog", "config", "transformers", "file")
 _POSITIVE_INTS = ("world_size", "gpus_per_node", "global_batch", "seq_len", "dp", "dp_replicate",
                   "tp", "pp", "cp", "ep", "micro_batch", "vpp")
 
@@ -37,7 +37,7 @@ class PlanFormatError(ValueError):
 class ModelRef:
     """How to build the model again: a catalog name, an HF config.json, or a Python file."""
 
-    source: str  # "catalog" | "config" | "file"
+    source: str  # "catalog" | "config" | "transformers" (config.json, its HF class) | "file"
     name: str  # catalog name, or a display name (file stem)
     path: str | None = None  # config.json or model.py path, as the user gave it
     fingerprint: str = ""  # sha256 over the model's parameter names, shapes and dtypes
