@@ -9,7 +9,7 @@ tensors. The first exception is the reason the axis is refused, naming the modul
 the runtime says so. The same model without any axis runs first: when that fails (a
 model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
 the graph facts give them. Token inputs are cut to a short sequence every probed degree
-divides; results are cached per model fingerprint.
+divides; results are cached per model (fingerprint and class).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
-_CACHE: dict[tuple[str, int], dict[str, str | None]] = {}
+_CACHE: dict[tuple[str, str, str], dict[str, str | None]] = {}
 
 
 def _smallest_tp(graph: ModelGraph) -> int:
@@ -199,8 +199,9 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     try:
         with fake_process_group(plan.world_size):
             _apply(copy_, plan, args, kwargs, run, routing)
-    except UserError as exc:
-        return str(exc)
+    except UserError as exc:  # the runtime's own words; name the module it ran if they do not
+        where = next((p for p in reversed(running) if p), "")
+        return f"{where}: {exc}" if where and where not in str(exc) else str(exc)
     except Exception as exc:  # the runtime's own failure is the fact to report
         where = next((p for p in reversed(running) if p), "the root module")
         return f"{where} fails under autoplan.runtime: {type(exc).__name__}: " \
@@ -219,7 +220,8 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
     already has a process group (a training job)."""
     if dist.is_initialized():
         return {}
-    key = graph.fingerprint
+    # parameters alone do not tell models apart: two files can differ only in forward code
+    key = (graph.fingerprint, type(model).__module__, type(model).__qualname__)
     if key not in _CACHE:
         seq = _probe_seq(graph)
         args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)

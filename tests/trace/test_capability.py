@@ -111,3 +111,19 @@ def test_t5_tensor_parallelism_is_probed_on_the_blocks_the_copy_keeps():
     assert "matches no block" not in reason
     # the runtime's own reason: the relative position bias holds every head
     assert "tp" not in graph.refused or "encoder.block.0.layer.0.SelfAttention" in reason, reason
+
+
+def test_context_parallel_refused_at_run_time_names_the_module(tmp_path):
+    # ring attention refuses a masked SDPA when the forward calls it, in its own words;
+    # the refusal names the module that called it
+    source = (MODELS / "fixed_heads.py").read_text().replace(
+        "F.scaled_dot_product_attention(q, k, v, is_causal=True)",
+        "F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(s, s, dtype=torch.bool, device=x.device))")
+    assert "attn_mask=" in source
+    path = tmp_path / "masked.py"
+    path.write_text(source)
+    loaded = load_model(str(path))
+    graph = trace_model(loaded.module, loaded.example_inputs(1, 32))
+    assert graph.context_parallel
+    assert "causal SDPA without attn_mask" in graph.refused["cp"]
+    assert "layers.0.attn" in graph.refused["cp"], graph.refused["cp"]
