@@ -9,7 +9,7 @@ tensors. The first exception is the reason the axis is refused, naming the modul
 the runtime says so. The same model without any axis runs first: when that fails (a
 model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
 the graph facts give them. Token inputs are cut to a short sequence every probed degree
-divides; results are cached per model (fingerprint and class).
+divides; results are cached per model (fingerprint, class) and call (inputs, shape).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
-_CACHE: dict[tuple[str, str, str], dict[str, str | None]] = {}
+_CACHE: dict[tuple, dict[str, str | None]] = {}
 
 
 def _smallest_tp(graph: ModelGraph) -> int:
@@ -155,6 +155,8 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
         args, kwargs = tuple(map(cut, args)), {k: cut(v) for k, v in kwargs.items()}
     if plan.pp == 1:
         kwargs = {**_runtime_kwargs(part, plan, args, kwargs), **kwargs}
+    elif not args and list(kwargs) == ["input_ids"]:  # a pipeline stage takes its input positionally
+        args, kwargs = (kwargs["input_ids"],), {}
     vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
     with loss_parallel() if vocab_sharded else contextlib.nullcontext():
         out = part(*args, **kwargs)
@@ -220,8 +222,10 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
     already has a process group (a training job)."""
     if dist.is_initialized():
         return {}
-    # parameters alone do not tell models apart: two files can differ only in forward code
-    key = (graph.fingerprint, type(model).__module__, type(model).__qualname__)
+    # parameters alone do not tell models apart (two files can differ only in forward code),
+    # and what the probe runs depends on how the model is called
+    key = (graph.fingerprint, type(model).__module__, type(model).__qualname__, len(args),
+           tuple(sorted(kwargs)), graph.batch_size, graph.seq_len)
     if key not in _CACHE:
         seq = _probe_seq(graph)
         args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)

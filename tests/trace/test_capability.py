@@ -127,3 +127,22 @@ def test_context_parallel_refused_at_run_time_names_the_module(tmp_path):
     assert graph.context_parallel
     assert "causal SDPA without attn_mask" in graph.refused["cp"]
     assert "layers.0.attn" in graph.refused["cp"], graph.refused["cp"]
+
+
+def test_pipeline_probe_of_keyword_token_ids_calls_the_stage_positionally():
+    # a model file's example_inputs may give {"input_ids": ...}; the pipeline's first stage
+    # takes the ids positionally, as the job's schedule passes them: the probe refused PP
+    # ("unexpected keyword argument 'input_ids'"). The probe cache keys on the call form,
+    # so the positional trace of the same model is probed on its own.
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    by_keyword = trace_model(model, {"input_ids": ids})
+    assert "pp" not in by_keyword.refused, by_keyword.refused["pp"]
+    assert "pp" not in trace_model(model, (ids,)).refused
