@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 import textwrap
 
@@ -71,9 +72,17 @@ def _say_error(kind: str, message: str) -> None:
     click.echo(f"{kind}: {paragraph}", err=True)
 
 
+def _no_failed_meta_kernel(record: logging.LogRecord) -> bool:
+    """False for torch's log of an op that failed under FakeTensorMode (with its traceback):
+    the exception it logs reaches the command, which says what failed in one paragraph."""
+    return not str(record.msg).startswith("failed while attempting to run meta")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
+    if not debug:  # a forward failing on fake tensors is reported as one paragraph, not logged
+        logging.getLogger("torch._subclasses.fake_tensor").addFilter(_no_failed_meta_kernel)
     try:
         cli.main(args=args, prog_name="autoplan", standalone_mode=False)
     except click.exceptions.Exit as exc:

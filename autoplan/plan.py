@@ -33,7 +33,7 @@ FORMAT_VERSION = 3
 # per block path, which version 3 reads as runs of one block each
 READS_VERSIONS = (1, 2, 3)
 
-MODEL_SOURCES = ("catalog", "config", "file")
+MODEL_SOURCES = ("catalog", "config", "transformers", "file")
 _POSITIVE_INTS = ("world_size", "gpus_per_node", "global_batch", "seq_len", "dp", "dp_replicate",
                   "tp", "pp", "cp", "ep", "micro_batch", "vpp")
 # The config's fields a plan file holds as top-level keys (the per-block ones it writes by path).
@@ -51,7 +51,7 @@ class PlanFormatError(ValueError):
 class ModelRef:
     """How to build the model again: a catalog name, an HF config.json, or a Python file."""
 
-    source: str  # "catalog" | "config" | "file"
+    source: str  # "catalog" | "config" | "transformers" (config.json, its HF class) | "file"
     name: str  # catalog name, or a display name (file stem)
     path: str | None = None  # config.json or model.py path, as the user gave it
     fingerprint: str = ""  # sha256 over the model's parameter names, shapes and dtypes

@@ -60,7 +60,9 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     from autoplan.trace.tracer import trace_model
 
     plan = read_plan(path)
-    spec = model_spec or plan.model.path or plan.model.name
+    own = plan.model.path or plan.model.name
+    # a config built with its transformers class is named as it was given: hf:config.json
+    spec = model_spec or (f"hf:{own}" if plan.model.source == "transformers" else own)
     loaded = load_model(spec, seq_len=plan.seq_len)
     check_same_model(plan, loaded.ref, spec, path)
     cluster = resolve_cluster(gpu or plan.gpu, None, plan.world_size, plan.gpus_per_node,

@@ -25,10 +25,12 @@ def test_analyze_image_model_at_its_image_size(run_cli, vit_file):
     assert [b["count"] for b in data["blocks"]] == [2]
 
 
-def test_image_size_that_the_model_cannot_take_is_one_paragraph(run_cli, vit_file):
+def test_image_size_that_the_model_cannot_take_is_one_paragraph(run_cli, vit_file, caplog):
     code, _, err = run_cli("analyze", vit_file, "--image-size", "48")
     assert code == 2
     assert "fails when run on fake meta tensors" in err and "Traceback" not in err
+    # torch logs a failed meta kernel with its traceback (to the terminal, beside the paragraph)
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
 
 
 def test_image_size_on_a_token_model_is_refused(run_cli):

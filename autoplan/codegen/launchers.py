@@ -76,6 +76,8 @@ def generate_command(plan: Plan) -> str:
     import shlex
 
     model = plan.model.name if plan.model.source == "catalog" else (plan.model.path or plan.model.name)
+    if plan.model.source == "transformers":
+        model = f"hf:{model}"
     fixed = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero_stage,
              "micro_batch": plan.micro_batch, "schedule": plan.schedule, "vpp": plan.vpp, "offload": plan.offload}
     parts = ["autoplan", "generate", model, "--gpu", plan.gpu, "--gpus", str(plan.world_size),

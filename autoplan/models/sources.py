@@ -154,8 +154,9 @@ def _build_config(config: dict[str, Any], where: str) -> nn.Module:
     if model_type not in MODEL_TYPES:
         raise UserError(
             f"{where}: model_type {model_type!r} is not one autoplan builds "
-            f"({', '.join(sorted(MODEL_TYPES))}). Set model_type to one of these, or give a Python "
-            "model file (.py) for other architectures."
+            f"({', '.join(sorted(MODEL_TYPES))}). Set model_type to one of these, give it as "
+            "hf:PATH to build its Hugging Face transformers class, or give a Python model file "
+            "(.py) for other architectures."
         )
     try:
         with torch.device("meta"):
@@ -176,13 +177,25 @@ def _check_seq_len(config: dict[str, Any], seq_len: int | None, where: str) -> N
                         "that field in the config")
 
 
+def _default_seq_len(config: dict[str, Any], stated: int | None) -> int | None:
+    """The stated training length, else the model's positions where the fallback exceeds them."""
+    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    if stated is None and isinstance(limit, int) and limit < FALLBACK_SEQ_LEN:
+        return limit
+    return stated
+
+
+def _seq2seq_inputs(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """An encoder-decoder's keyword inputs: source and target token ids of one length."""
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.int64, device="meta")
+    return {"input_ids": ids, "decoder_input_ids": ids.clone()}
+
+
 def _loaded_from_config(config: dict[str, Any], ref: ModelRef, where: str,
                         default_seq_len: int | None, seq_len: int | None) -> LoadedModel:
     check_config_sizes(config, where)
     _check_seq_len(config, seq_len, where)
-    limit = config.get("max_position_embeddings", config.get("n_positions"))
-    if default_seq_len is None and isinstance(limit, int) and limit < FALLBACK_SEQ_LEN:
-        default_seq_len = limit  # the fallback would exceed the model's positions
+    default_seq_len = _default_seq_len(config, default_seq_len)
     model = _build_config(config, where)
     ref = ModelRef(ref.source, ref.name, ref.path, fingerprint(model, config))
     return LoadedModel(model, ref, config, default_seq_len, _token_inputs)
@@ -226,7 +239,8 @@ def _load_config_file(path: Path, spec: str, seq_len: int | None, *,
         _check_seq_len(config, seq_len, spec)
         model = _build_transformers(config, spec)
         ref = ModelRef("transformers", name, spec, fingerprint(model, config))
-        return LoadedModel(model, ref, config, extra.get("seq_len"), _token_inputs)
+        inputs = _seq2seq_inputs if getattr(model.config, "is_encoder_decoder", False) else _token_inputs
+        return LoadedModel(model, ref, config, _default_seq_len(config, extra.get("seq_len")), inputs)
     return _loaded_from_config(config, ModelRef("config", name, spec), spec, extra.get("seq_len"),
                                seq_len)
 

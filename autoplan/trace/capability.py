@@ -9,7 +9,7 @@ tensors. The first exception is the reason the axis is refused, naming the modul
 the runtime says so. The same model without any axis runs first: when that fails (a
 model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
 the graph facts give them. Token inputs are cut to a short sequence every probed degree
-divides; results are cached per model fingerprint and call convention.
+divides; results are cached per model (fingerprint, class) and call (inputs, shape).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from autoplan.trace.routing import BalancedRouting, RoutingContext
 
 # probe results by model and call convention: running the runtime on fake tensors takes
 # seconds, and a process traces one model many times (validation traces it per published run
-# and sequence length); what the runtime can apply depends on the model (its fingerprint) and
-# on how it is called (positional or keyword inputs), not on a cost
-_CACHE: dict[tuple[str, int, tuple[str, ...]], dict[str, str | None]] = {}
+# and sequence length); what the runtime can apply depends on the model (its fingerprint and
+# class: two files can differ only in forward code) and on how it is called, not on a cost
+_CACHE: dict[tuple, dict[str, str | None]] = {}
 
 
 def _smallest_tp(graph: ModelGraph) -> int:
@@ -62,8 +62,11 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
     plans = {}
     tp = _smallest_tp(graph) if graph.tensor_parallel else 0
     if tp:
+        # a block class that shares its list with another (T5's first block) is keyed by
+        # each block path; keep the keys of the blocks the probed copy still has
+        styles = {k: dict(v) for k, v in graph.tp_styles.items() if k == "" or "*" in k or k in blocks}
         plans["tp"] = base.with_(world_size=tp, gpus_per_node=tp, tp=tp, sequence_parallel=True,
-                                 tp_styles={k: dict(v) for k, v in graph.tp_styles.items()})
+                                 tp_styles=styles)
     if graph.context_parallel and seq_len % 4 == 0:
         plans["cp"] = base.with_(world_size=2, gpus_per_node=2, cp=2,
                                  cp_modules=[m for m in graph.context_parallel if inside(m)],
@@ -237,8 +240,9 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     try:
         with fake_process_group(plan.world_size):
             _apply(copy_, plan, args, kwargs, run, routing)
-    except UserError as exc:
-        return str(exc)
+    except UserError as exc:  # the runtime's own words; name the module it ran if they do not
+        where = next((p for p in reversed(running) if p), "")
+        return f"{where}: {exc}" if where and where not in str(exc) else str(exc)
     except Exception as exc:  # the runtime's own failure is the fact to report
         where = next((p for p in reversed(running) if p), "the root module")
         return f"{where} fails under autoplan.runtime: {type(exc).__name__}: " \
@@ -257,7 +261,10 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
     already has a process group (a training job)."""
     if dist.is_initialized():
         return {}
-    key = (graph.fingerprint, len(args), tuple(sorted(kwargs)))  # how the model is called matters
+    # parameters alone do not tell models apart (two files can differ only in forward code),
+    # and what the probe runs depends on how the model is called
+    key = (graph.fingerprint, type(model).__module__, type(model).__qualname__, len(args),
+           tuple(sorted(kwargs)), graph.batch_size, graph.seq_len)
     if key not in _CACHE:
         seq = _probe_seq(graph)
         args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)

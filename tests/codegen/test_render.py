@@ -218,5 +218,30 @@ def test_transformers_config_job_builds_the_transformers_class(tmp_path):
     assert type(model) is transformers.LlamaForCausalLM
 
 
+def test_plan_file_of_a_transformers_config_is_read_back(tmp_path, run_cli):
+    # plan -o plan.json, then generate/estimate --plan plan.json: the plan's model source
+    # "transformers" was not in the plan file schema, so every reader refused the file
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    src = tmp_path / "llama" / "config.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(config))
+    plan = tmp_path / "plan.json"
+    code, stdout, stderr = run_cli("plan", f"hf:{src}", *TINY, "--gpus", "2", "-o", str(plan))
+    assert code == 0, stdout + stderr
+    assert json.loads(plan.read_text())["model"]["source"] == "transformers"
+    from autoplan.codegen.launchers import generate_command
+
+    assert f"generate hf:{src} " in generate_command(Plan.load(plan))  # as the report prints it
+    code, stdout, stderr = run_cli("estimate", "--plan", str(plan))  # the plan's own model: hf:
+    assert code == 0, stdout + stderr
+    out = tmp_path / "job"
+    code, stdout, stderr = generate(f"hf:{src}", "--plan", str(plan), "-o", str(out))
+    assert code == 0, stdout + stderr
+    assert "build_transformers_model" in (out / "train.py").read_text()
+
+
 def test_reference_config_job_does_not_import_transformers(tiny_job):
     assert "transformers" not in (tiny_job / "train.py").read_text()

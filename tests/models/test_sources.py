@@ -352,3 +352,35 @@ def test_transformers_source_without_transformers_is_one_paragraph(tmp_path, mon
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     with pytest.raises(UserError, match="pip install 'transformers"):
         load_model(str(_hf_config(tmp_path, model_source="transformers")))
+
+
+def test_unknown_transformers_family_is_one_short_paragraph(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "florbnet", "hidden_size": 64}))
+    with pytest.raises(UserError) as info:
+        load_model(f"hf:{path}")
+    message = str(info.value)
+    assert "does not know model_type 'florbnet'" in message
+    # transformers' own error lists every family it knows (over 10,000 characters)
+    assert len(message) < 400, len(message)
+
+
+def test_transformers_config_defaults_to_its_positions_and_feeds_encoder_decoders(tmp_path):
+    # hf: kept the 2048-token fallback past GPT-2's 1024 positions (traced silently beyond the
+    # position table: FLOPs 2.3x), and called T5 with input_ids alone (its forward refused)
+    pytest.importorskip("transformers")
+    gpt2 = tmp_path / "gpt2" / "config.json"
+    gpt2.parent.mkdir()
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                "vocab_size": 256, "n_positions": 128, "n_embd": 64, "n_layer": 2,
+                                "n_head": 4}))
+    assert load_model(f"hf:{gpt2}").default_seq_len == 128
+    t5 = tmp_path / "t5" / "config.json"
+    t5.parent.mkdir()
+    t5.write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
+                              "vocab_size": 256, "d_model": 64, "d_kv": 16, "d_ff": 128,
+                              "num_layers": 2, "num_heads": 4}))
+    inputs = load_model(f"hf:{t5}").example_inputs(2, 16)
+    assert sorted(inputs) == ["decoder_input_ids", "input_ids"]
+    assert inputs["decoder_input_ids"].shape == (2, 16)

@@ -92,22 +92,6 @@ def test_hugging_face_llama_tensor_parallelism_passes_the_probe():
     assert graph.tensor_parallel and "tp" not in graph.refused, graph.refused
 
 
-def test_pipeline_probe_of_a_model_called_with_keyword_ids_passes():
-    # example inputs given as {"input_ids": ...} (Hugging Face style): the pipeline schedule
-    # hands stage 0 its input positionally, and so must the probe, or PP is refused for
-    # every such model although the runtime trains it (test_parity.py hf_llama_pp2_*)
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    import hf_models
-
-    with torch.device("meta"):
-        model = hf_models.build("hf_llama")
-    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
-    graph = trace_model(model, {"input_ids": ids})
-    assert "pp" not in graph.refused and "tp" not in graph.refused, graph.refused
-
-
 @pytest.mark.parametrize("name, refused", [("neox_frac", True), ("moe_loop", False)])
 def test_context_parallelism_is_refused_where_forward_numbers_the_local_shard(name, refused):
     # neox_frac's rotary takes torch.arange(x.shape[-2]): under CP that is the rank's shard,
@@ -125,3 +109,60 @@ def test_context_parallelism_is_refused_where_forward_numbers_the_local_shard(na
         assert "layers.0.attention" in graph.refused["cp"]
     else:
         assert "cp" not in graph.refused, graph.refused
+
+
+def test_t5_tensor_parallelism_is_probed_on_the_blocks_the_copy_keeps():
+    # T5's first block (relative position bias) is another class than the rest of its list,
+    # so its styles are keyed by block path; the probe keeps two copies per class, and keys
+    # of the blocks it drops refused TP as "the plan names module paths this model does
+    # not have" instead of the runtime's own reason
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=4,
+                                   num_decoder_layers=4, num_heads=4)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    graph = trace_model(model, (), example_kwargs={"input_ids": ids, "decoder_input_ids": ids.clone()})
+    assert "encoder.block.3" in graph.tp_styles  # keyed per block path
+    reason = graph.refused.get("tp") or ""
+    assert "matches no block" not in reason
+    # the runtime's own reason: the relative position bias holds every head
+    assert "tp" not in graph.refused or "encoder.block.0.layer.0.SelfAttention" in reason, reason
+
+
+def test_context_parallel_refused_at_run_time_names_the_module(tmp_path):
+    # ring attention refuses a masked SDPA when the forward calls it, in its own words;
+    # the refusal names the module that called it
+    source = (MODELS / "fixed_heads.py").read_text().replace(
+        "F.scaled_dot_product_attention(q, k, v, is_causal=True)",
+        "F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(s, s, dtype=torch.bool, device=x.device))")
+    assert "attn_mask=" in source
+    path = tmp_path / "masked.py"
+    path.write_text(source)
+    loaded = load_model(str(path))
+    graph = trace_model(loaded.module, loaded.example_inputs(1, 32))
+    assert graph.context_parallel
+    assert "causal SDPA without attn_mask" in graph.refused["cp"]
+    assert "layers.0.attn" in graph.refused["cp"], graph.refused["cp"]
+
+
+def test_pipeline_probe_of_keyword_token_ids_calls_the_stage_positionally():
+    # a model file's example_inputs may give {"input_ids": ...}; the pipeline's first stage
+    # takes the ids positionally, as the job's schedule passes them: the probe refused PP
+    # ("unexpected keyword argument 'input_ids'"). The probe cache keys on the call form,
+    # so the positional trace of the same model is probed on its own.
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    by_keyword = trace_model(model, {"input_ids": ids})
+    assert "pp" not in by_keyword.refused, by_keyword.refused["pp"]
+    assert "pp" not in trace_model(model, (ids,)).refused

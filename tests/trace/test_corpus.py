@@ -182,6 +182,19 @@ def test_moe_model_given_positional_ids_traces_exactly(name):
     _check_facts(entry, model, graph, reference, "tiny")
 
 
+@pytest.mark.parametrize("name", sorted(n for n, e in corpus.ENTRIES.items() if not e.hf and e.inputs == "tokens"))
+def test_plain_torch_token_model_given_positional_ids_traces_exactly(name):
+    # the command line passes token ids positionally, so a model torch.fx can trace is
+    # traced symbolically there (keyword inputs always run the forward): the facts must
+    # not depend on the path (nn.TransformerEncoder was one opaque fx leaf, without blocks)
+    entry = corpus.ENTRIES[name]
+    model = entry.build("tiny")
+    inputs = entry.example_inputs("tiny", batch=2, seq=16, device="cpu")
+    reference = corpus.reference_flops(model, inputs)
+    graph = trace_model(model, (inputs["input_ids"].to("meta"),), name=name)
+    _check_facts(entry, model, graph, reference, "tiny")
+
+
 def test_full_mixtral_config_plans_with_tp_fixed(run_cli, tmp_path):
     # the command-line path: a config.json built with its transformers class traces with
     # positional token ids; --fix tp=2 exited 2 ("no column/row linear pairs") before

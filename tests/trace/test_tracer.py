@@ -220,3 +220,31 @@ def test_gated_moe_routing_is_measured_as_one_expert_op():
     assert core <= moe.saved_bytes <= 1.25 * core
     assert not any(name.startswith("layers.0.mlp.") for name in graph.graph.nodes)
     assert graph.fallback_modules == ["layers.0.mlp"]
+
+
+def test_blocks_inside_a_torch_nn_container_are_found_with_positional_inputs():
+    # fx treats every torch.nn module as a leaf, so nn.TransformerEncoder was one opaque op
+    # when the model was traced symbolically (token ids given positionally, as the CLI
+    # does): no blocks, no pipeline cut points. A module that holds blocks is traced into.
+    class EncoderLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(256, 64)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 256)
+
+        def forward(self, input_ids):
+            return self.head(self.encoder(self.embed(input_ids)))
+
+    torch.manual_seed(0)
+    model = EncoderLM()
+    ids = torch.randint(0, 256, (2, 16))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # the math kernel: its matmuls are counted (CPU flash attention has no FLOP formula)
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(ids)
+    graph = trace_model(model, (ids.to("meta"),), probe_runtime=False)
+    assert [(b.name, b.count) for b in graph.blocks] == [("encoder.layers", 3)]
+    assert graph.forward_flops() == pytest.approx(counter.get_total_flops(), rel=0.01)
