@@ -113,7 +113,10 @@ def _expert_gemms(op, block: BlockInfo) -> list[Gemm]:
     """A MoE module costed from its structure: routed-expert GEMMs + router/shared experts.
 
     Routed FLOPs = tokens x top_k x 2 x (parameters of one expert) (fallback.py); the rest of
-    the op's FLOPs (router, shared experts) sees every token once.
+    the op's FLOPs (router, shared experts) sees every token once, each GEMM at the shape it
+    ran with (`OpInfo.inner_gemms`): a 256-expert router is a (tokens, 256, hidden) GEMM and a
+    shared expert three (tokens, ffn, hidden) ones (DeepSeek-V3 tech report arXiv:2412.19437
+    §2.1.2), not one GEMM of the summed FLOPs.
     """
     m, n, k = op.gemm_mnk if op.gemm_mnk else (1, block.ffn or block.hidden, block.hidden)
     tokens = 1
@@ -123,8 +126,13 @@ def _expert_gemms(op, block: BlockInfo) -> list[Gemm]:
     routed = 2.0 * tokens * block.top_k * per_expert
     routed = min(routed, float(op.flops)) if routed else float(op.flops)
     out = [Gemm(m, n, k, routed, expert=True)]
-    if float(op.flops) - routed > 0:
-        out.append(Gemm(tokens, max(block.ffn, 1), block.hidden, float(op.flops) - routed))
+    rest = float(op.flops) - routed
+    for gm, gn, gk, flops in op.inner_gemms:
+        if 0 < flops <= rest:
+            out.append(Gemm(gm, gn, gk, float(flops)))
+            rest -= flops
+    if rest > 0:
+        out.append(Gemm(tokens, max(block.ffn, 1), block.hidden, rest))
     return out
 
 

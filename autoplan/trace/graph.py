@@ -43,6 +43,9 @@ class OpInfo:
     gemm_mnk: tuple[int, int, int] | None = None  # (M, N, K) of a matmul-like op
     fallback: bool = False  # one op for a whole MoE module (run and measured); the cost
     # model splits its FLOPs into routed-expert GEMMs (M = routed tokens per expert) and the rest
+    # (M, N, K, FLOPs) of each GEMM a fallback MoE op ran outside its routed experts (router,
+    # shared experts), so the cost model prices each at its own shape
+    inner_gemms: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

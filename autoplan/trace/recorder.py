@@ -27,6 +27,7 @@ from autoplan.trace.graph import OpInfo
 from autoplan.trace.ops import function_kind, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.routing import RoutingContext
 
+_NON_ROUTED_GEMM_KINDS = ("linear", "matmul", "moe_router")
 _ROUTING_FIELDS = ("tokens", "experts", "top_k", "module", "expert_ids")
 _LAYER_KINDS = {"linear", "embedding", "conv", "norm"}
 _FLASH_SAVED = {"scaled_dot_product_attention"}
@@ -219,6 +220,8 @@ class FunctionRecorder(TorchFunctionMode):
         matrices, _ = expert_matrices(module, experts)
         gemm = (max(1, routed // max(experts, 1)), *matrices[0]) if matrices else None
         first, last = inner[0], inner[-1]
+        others = tuple((*op.gemm_mnk, op.flops) for op in inner
+                       if op.kind in _NON_ROUTED_GEMM_KINDS and op.gemm_mnk and op.flops > 0)
         self.rec.ops.append(OpInfo(
             name=path, module=path, kind="expert", target=type(module).__name__,
             input_shapes=first.input_shapes[:1], output_shape=last.output_shape, dtype=last.dtype,
@@ -226,6 +229,7 @@ class FunctionRecorder(TorchFunctionMode):
             bytes_read=_numel(first.input_shapes[0]) * 2 if first.input_shapes else 0,
             bytes_written=_numel(last.output_shape) * 2,
             saved_bytes=sum(op.saved_bytes for op in inner), gemm_mnk=gemm, fallback=True,
+            inner_gemms=others,
         ))
 
     def _gemm(self, kind, name, inputs, out, flops):

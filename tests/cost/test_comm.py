@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
-from autoplan.cost import comm, hw
+from autoplan.config import ParallelConfig
+from autoplan.cost import comm, hw, layers
+from autoplan.paths import cost_models_dir
+from autoplan.trace.tracer import graph_for_config
 
 
 def test_ring_allreduce_textbook():
@@ -51,3 +57,38 @@ def test_alltoall_cannot_aggregate_nics(h100_cluster):
     remote = 1e9 * 8 / 16 / (fabric.nic_bytes_per_s * fabric.inter_alltoall_fraction)
     assert t >= remote
     assert t == pytest.approx(remote, rel=0.01)
+
+
+def test_ep64_all_to_all_spans_eight_nodes_and_moves_each_routed_copy(h100_cluster):
+    """EP 64 on 8-GPU nodes (DeepSeek-V3 report §3.2: EP64 over 8 nodes): the group crosses
+    the network; on a 72-GPU NVLink domain it stays on NVLink. Bytes per dispatch are tokens x
+    top_k x hidden x 2 (bf16): routed copies to the 7 node peers over NVLink, and one copy per
+    remote node holding one of the token's experts over the NIC (node-aware forwarding)."""
+    fabric = hw.fabric(h100_cluster(512))
+    groups = comm.config_groups(tp=1, cp=1, dp=512, pp=1, ep=64, fabric=fabric)
+    assert groups.ep == comm.GroupSpan(64, 8, 8)
+    nvl72 = comm.config_groups(1, 1, 72, 1, 64, replace(fabric, scaleup_domain=72))
+    assert nvl72.ep == comm.GroupSpan(64, 64, 1)
+    tokens, top_k, token_bytes = 4096, 8, 7168 * 2
+    local = tokens * top_k * 7 / 64 * token_bytes / (fabric.intra_bytes_per_s * fabric.intra_busbw_fraction)
+    remote_nodes = 7 * (1 - (7 / 8) ** top_k)  # expected remote nodes among a token's 8 experts
+    remote = tokens * remote_nodes * token_bytes / (fabric.nic_bytes_per_s * fabric.inter_alltoall_fraction)
+    assert remote > local  # the NIC, not NVLink, bounds a cross-node dispatch
+    expected = remote + fabric.base_latency_s + fabric.inter_step_latency_s
+    assert comm.moe_dispatch_time_s(tokens, top_k, token_bytes, groups.ep, fabric) == pytest.approx(expected)
+
+
+def test_ep_comm_is_dispatch_and_combine_in_forward_and_backward(h100_cluster):
+    """Four all-to-alls per micro-batch (GShard §2.2: dispatch + combine, each again in
+    backward), six when full recomputation replays the forward's two."""
+    raw = json.loads((cost_models_dir() / "models" / "tiny-moe.json").read_text())
+    graph = graph_for_config({k: v for k, v in raw.items() if not k.startswith("_")}, 1, 128,
+                             probe_runtime=False)
+    block = next(b for b in graph.blocks if b.experts)
+    fabric = hw.fabric(h100_cluster(32))
+    config = ParallelConfig(global_batch=32, seq_len=128, dp=32, ep=4, micro_batch=2)
+    groups = comm.config_groups(1, 1, 32, 1, 4, fabric)
+    one = comm.moe_dispatch_time_s(2 * 128, block.top_k, block.hidden * 2, groups.ep, fabric)
+    assert one > 0
+    assert layers.ep_comm_s(graph, block, config, fabric, groups, "none") == pytest.approx(4 * one)
+    assert layers.ep_comm_s(graph, block, config, fabric, groups, "full") == pytest.approx(6 * one)
