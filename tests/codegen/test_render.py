@@ -199,14 +199,20 @@ def test_config_json_is_copied_and_built_from(tmp_path):
         runpy.run_path(str(out / "train.py"), run_name="not_main")["build_model"]()
 
 
-def test_transformers_config_job_builds_the_transformers_class(tmp_path):
-    transformers = pytest.importorskip("transformers")
+def _tiny_llama_config(tmp_path: Path) -> Path:
+    """A transformers Llama config.json of the tiny size."""
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
     src = tmp_path / "llama" / "config.json"
     src.parent.mkdir()
     src.write_text(json.dumps(config))
+    return src
+
+
+def test_transformers_config_job_builds_the_transformers_class(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    src = _tiny_llama_config(tmp_path)
     out = tmp_path / "job"
     code, stdout, stderr = generate(f"hf:{src}", *TINY, "--gpus", "2", "-o", str(out))
     assert code == 0, stdout + stderr
@@ -222,12 +228,7 @@ def test_plan_file_of_a_transformers_config_is_read_back(tmp_path, run_cli):
     # plan -o plan.json, then generate/estimate --plan plan.json: the plan's model source
     # "transformers" was not in the plan file schema, so every reader refused the file
     pytest.importorskip("transformers")
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
-              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    src = tmp_path / "llama" / "config.json"
-    src.parent.mkdir()
-    src.write_text(json.dumps(config))
+    src = _tiny_llama_config(tmp_path)
     plan = tmp_path / "plan.json"
     code, stdout, stderr = run_cli("plan", f"hf:{src}", *TINY, "--gpus", "2", "-o", str(plan))
     assert code == 0, stdout + stderr

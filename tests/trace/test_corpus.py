@@ -169,24 +169,17 @@ def test_value_branch_outside_routing_is_a_user_error_naming_the_module():
         trace_model(model, (torch.empty(2, 8, device="meta"),), example_kwargs={"scale": 3.0})
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_moe_model_given_positional_ids_traces_exactly(name):
-    # token ids as a positional argument, as `autoplan plan hf:config.json` traces: the
-    # CausalLM root states the expert count for its aux loss but is no MoE layer (folded
-    # as one, Mixtral-8x7B's forward FLOPs came out 6.8x too low)
-    entry = corpus.ENTRIES[name]
-    model = entry.build("tiny")
-    inputs = entry.example_inputs("tiny", batch=2, seq=16, device="cpu")
-    reference = corpus.reference_flops(model, inputs)
-    graph = trace_model(model, (inputs["input_ids"].to("meta"),), name=name)
-    _check_facts(entry, model, graph, reference, "tiny")
+POSITIONAL = ["mixtral", "qwen2_moe"] + sorted(n for n, e in corpus.ENTRIES.items()
+                                               if not e.hf and e.inputs == "tokens")
 
 
-@pytest.mark.parametrize("name", sorted(n for n, e in corpus.ENTRIES.items() if not e.hf and e.inputs == "tokens"))
-def test_plain_torch_token_model_given_positional_ids_traces_exactly(name):
-    # the command line passes token ids positionally, so a model torch.fx can trace is
-    # traced symbolically there (keyword inputs always run the forward): the facts must
-    # not depend on the path (nn.TransformerEncoder was one opaque fx leaf, without blocks)
+@pytest.mark.parametrize("name", POSITIONAL)
+def test_model_given_positional_ids_traces_exactly(name):
+    # the command line passes token ids positionally: a model torch.fx can trace is traced
+    # symbolically there (keyword inputs always run the forward), and the facts must not
+    # depend on the path. nn.TransformerEncoder was one opaque fx leaf, without blocks; the
+    # transformers MoE CausalLM root states the expert count for its aux loss but is no MoE
+    # layer (folded as one, Mixtral-8x7B's forward FLOPs came out 6.8x too low)
     entry = corpus.ENTRIES[name]
     model = entry.build("tiny")
     inputs = entry.example_inputs("tiny", batch=2, seq=16, device="cpu")
