@@ -74,7 +74,8 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     if unknown:
         raise UserError(f"plan {path} names blocks the model does not have ({', '.join(unknown[:3])}); "
                         "was it made for another model?")
-    layers = [[(by_path[b], plan.recompute.get(b, "none")) for b in stage] for stage in stages]
+    modes = plan.recompute  # derived from the plan's config on each access
+    layers = [[(by_path[b], modes.get(b, "none")) for b in stage] for stage in stages]
     est = estimate_partition(graph, plan.parallel, cluster, layers)
     return CheckedPlan(replace(plan, estimate=stored_estimate(est)), loaded, est, graph)
 

@@ -98,8 +98,9 @@ def _recompute(plan: Plan) -> list[tuple[str, str | None]]:
 
 def _full_per_stage(plan: Plan) -> list[int]:
     """Blocks recomputed fully in each (virtual) stage."""
-    stages = plan.stages or [list(plan.recompute)]
-    return [sum(1 for block in stage if plan.recompute.get(block) == "full") for stage in stages]
+    modes = plan.recompute  # derived from the plan's config on each access
+    stages = plan.stages or [list(plan.blocks)]
+    return [sum(1 for block in stage if modes[block] == "full") for stage in stages]
 
 
 def _precision(plan: Plan) -> list[tuple[str, str | None]]:
@@ -158,8 +159,9 @@ def _recompute_notes(plan: Plan) -> list[str]:
 
 def _full_blocks_lead(plan: Plan) -> bool:
     """Whether every stage recomputes its first blocks (what --recompute-method block does)."""
-    for stage in plan.stages or [list(plan.recompute)]:
-        modes = [plan.recompute.get(block, "none") for block in stage]
+    per_block = plan.recompute  # derived from the plan's config on each access
+    for stage in plan.stages or [list(plan.blocks)]:
+        modes = [per_block[block] for block in stage]
         full = modes.count("full")
         if modes[:full] != ["full"] * full:
             return False

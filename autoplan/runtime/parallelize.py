@@ -90,12 +90,6 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
         raise UserError(f"zero_stage {plan.zero_stage} must be 0, 1, 2 or 3.")
 
 
-def _blocks(plan: Plan) -> list[str]:
-    if plan.stages:
-        return [p for stage in plan.stages for p in stage]
-    return [p for p, _ in plan.recompute.items()]
-
-
 def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
                data_parallel: bool = True, ddp: bool = True) -> Parallelized:
     """Parallelise a materialised, initialised model in place for this rank.
@@ -136,7 +130,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
     for index, part in enumerate(parts):
         if plan.zero_stage >= 2:
             parts[index] = dp_mod.apply_fsdp(
-                part, _blocks(plan), mesh, reshard=plan.zero_stage == 3,
+                part, list(plan.blocks), mesh, reshard=plan.zero_stage == 3,
                 param_dtype=compute_dtype(plan.precision),
                 offload_params=plan.offload in ("params", "both") and not device_is_cpu,
                 ignored=ignored)
