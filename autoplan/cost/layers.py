@@ -340,10 +340,14 @@ def _activation_bytes(block: BlockInfo, graph: ModelGraph, config: ParallelConfi
                       flash_attention: bool, runtime: Runtime) -> float:
     if runtime.selective_policy == sac.OP_SAC and recompute == "selective":
         return sac.op_sac_activation_bytes(graph, block, config)
-    # for "none" and "full" any selective policy keeps the same; torchtitan's is "op"'s then
-    policy = "op" if runtime.selective_policy == sac.OP_SAC else runtime.selective_policy
-    return memory.block_activation_bytes(graph, block, config, recompute, flash_attention, policy,
-                                         runtime.sp_saves_gathered_inputs)
+    return memory.block_activation_bytes(graph, block, config, recompute, flash_attention,
+                                         _memory_policy(runtime), runtime.sp_saves_gathered_inputs)
+
+
+def _memory_policy(runtime: Runtime) -> str:
+    """The selective policy memory.py and compute.py cost. torchtitan's op SAC is costed in
+    sac.py; for "none" and "full" any policy keeps the same, so it is "op"'s there."""
+    return "op" if runtime.selective_policy == sac.OP_SAC else runtime.selective_policy
 
 
 def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
@@ -379,10 +383,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     profile = cached_block_profile(graph, block, cache)
     times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel, cache)
     rc = recompute if block.kind not in ("pre", "post") else "none"
-    # torchtitan's op SAC is costed in sac.py; for "none" and "full" any policy keeps the same
-    torchtitan_sac = runtime.selective_policy == sac.OP_SAC
-    policy = "op" if torchtitan_sac else runtime.selective_policy
-    op_sac = torchtitan_sac and rc == "selective"
+    policy = _memory_policy(runtime)
+    op_sac = runtime.selective_policy == sac.OP_SAC and rc == "selective"
     recompute_s = compute.recompute_time_s(times, rc, policy)
     rc_flops = compute.recompute_flops(times, profile, config, graph.batch_size, rc, policy)
     if op_sac:

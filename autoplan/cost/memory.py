@@ -221,19 +221,19 @@ def loss_bytes(graph: ModelGraph, config: ParallelConfig, *, keeps_logits: bool 
       an fp32 zero-filled gradient and _log_softmax_backward_data a second fp32 one beside it
       (8 B, temporaries). Under loss_parallel (tp > 1: vocab-sharded DTensor logits,
       torch/distributed/tensor/parallel/loss.py) the log-softmax backward also materialises
-      exp(output) in fp32 (12 B). `keeps_logits`: the runtime still holds the model's
-      16-bit logits (2 B; 4 in fp32) through the backward, as autoplan's loop holds `output`;
-      torchtitan frees them first (train.py: "need to free to before bwd to avoid peaking
-      memory", `del pred`).
+      exp(output) in fp32 (12 B). `keeps_logits`: the step still holds the model's
+      16-bit logits (2 B; 4 in fp32) through the backward, as a pipeline schedule holds the
+      last stage's output; autoplan's loop and torchtitan free them first (torchtitan
+      train.py: "need to free to before bwd to avoid peaking memory", `del pred`).
     - Megatron's fused vocab-parallel cross entropy (`fused_vocab_cross_entropy`;
       megatron/core/tensor_parallel/cross_entropy.py): the fp32 copy of the logits is turned
       into the softmax in place and saved (4 B, Korthikanti et al. 2022 App. B's 4sbV); its
       backward computes the gradient in that buffer, and casting it back to 16 bits adds a
       2-byte gradient (temporaries).
 
-    Measured on the 8B example by `autoplan check` (fake tensors): 6 + 8 B per logit, the
-    same moment and tensors (the 16-bit logits, the fp32 log-probabilities, two fp32
-    gradients)."""
+    Measured by `autoplan check` (fake tensors) on the 8B example's dp8 plan while the loop
+    still held the logits: 6 + 8 B per logit, the same moment and tensors (the 16-bit
+    logits, the fp32 log-probabilities, two fp32 gradients)."""
     tokens = config.micro_batch * graph.seq_len / config.cp
     logits = tokens * graph.vocab / config.tp
     act = FP32_BYTES if config.precision == "fp32" else 2

@@ -17,8 +17,8 @@ from autoplan.cost.cache import or_no_cache
 from autoplan.cost import memory as cost_memory
 from autoplan.cost import pipeline as cost_pipeline
 from autoplan.cost.layers import DEFAULT_RUNTIME
-from autoplan.cost.stages import (StageCost, last_stage_loss_bytes, num_virtual_stages, partition, pp_p2p_s,
-                                  stage_cost)
+from autoplan.cost.stages import (StageCost, last_stage_loss_bytes, num_virtual_stages, partition,
+                                  pp_p2p_s, stage_cost)
 from autoplan.cost.step import dp_sync_s, optimizer_s, step_time_s
 from autoplan.cost import hw as cost_hw
 from autoplan.trace.graph import ModelGraph
@@ -104,7 +104,8 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     fixed_state[0] += pre.state_bytes
     fixed_act[0] += pre.activation_bytes
     last_rank = (chunks - 1) % config.pp
-    fixed_state[last_rank] += post.state_bytes + sum(last_stage_loss_bytes(graph, config, DEFAULT_RUNTIME).values())
+    loss = last_stage_loss_bytes(graph, config, DEFAULT_RUNTIME)
+    fixed_state[last_rank] += post.state_bytes + sum(loss.values())
     fixed_act[last_rank] += post.activation_bytes
     m = config.num_microbatches
     in_flight = [cost_pipeline.microbatches_in_flight(config.schedule, config.pp, r, m, config.vpp)
