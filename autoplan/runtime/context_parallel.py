@@ -4,10 +4,12 @@ Each CP rank holds the tokens at `zigzag_positions(seq, cp, rank)` (chunks r and
 so every rank does the same amount of causal work. Inside the attention modules the plan
 names, `F.scaled_dot_product_attention` is replaced by `RingAttention`: K and V travel
 around the cp ring (cp-1 hops, each overlapped with the attention of the block already
-here); partial outputs are merged with their log-sum-exp (online softmax). The backward
-passes K, V and their gradient accumulators around the ring again, so dK/dV arrive back
-at their owner after cp hops. Grouped-query K/V (fewer heads than Q, SDPA's enable_gqa)
-travel at their own size and are expanded to Q's heads only for each block's scores.
+here). Each hop runs the fused flash kernel SDPA itself uses on one block (the scores are
+never materialised, so memory grows with the sequence, not its square) and the partial
+outputs are merged with their log-sum-exp (online softmax), as torch's own ring attention
+does. The backward passes K, V and their gradient accumulators around the ring again, so
+dK/dV arrive back at their owner after cp hops. Grouped-query K/V (fewer heads than Q,
+SDPA's enable_gqa) travel at their own size and are expanded to Q's heads per block.
 torch's own context_parallel() has no CPU SDPA sharding rule (torch 2.13), so this is used
 on every device.
 """
@@ -52,76 +54,155 @@ def _sum_head_groups(t: torch.Tensor, repeat: int) -> torch.Tensor:
     return t.unflatten(-3, (-1, repeat)).sum(-3) if repeat > 1 else t
 
 
-def _block_scores(q, k, q_pos, k_pos, scale):
-    """Masked scaled scores (B, H, Sq, Sk) in fp32; causal by absolute position."""
+def _fused_kernel(q: torch.Tensor) -> bool:
+    """Whether the fused flash kernel takes these blocks: always on CPU; on CUDA for 16-bit
+    inputs with a head size it supports (torch's sdp_utils: FlashAttention-2 needs fp16/bf16
+    and head dim <= 256)."""
+    if q.device.type == "cpu":
+        return True
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
+def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One block's attention output and fp32 log-sum-exp (B, H, Sq), by the kernel SDPA itself
+    uses: O(S) memory, the scores never materialised. The unfused fallback (fp32 on CUDA)
+    holds one block's fp32 scores while it runs."""
+    if not _fused_kernel(q):
+        scores = _unfused_scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+        return torch.matmul(probs, v.float()).to(q.dtype), lse, []
+    if q.is_cuda:
+        out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, scale=scale)
+        return out, lse, rest
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                         scale=scale)
+    return out, lse, []
+
+
+def _block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, rest: list):
+    """(dq, dk, dv) of one block given the merged output and log-sum-exp of all blocks (the
+    softmax normaliser of the whole row, so each block's share comes out right)."""
+    if not _fused_kernel(q):
+        scores = _unfused_scores(q, k, causal, scale)
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+        grad_out, v = grad_out.float(), v.float()
+        delta = (grad_out * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
+        grad_scores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)
+        return (torch.matmul(grad_scores, k.float()) * scale,
+                torch.matmul(grad_scores.transpose(-1, -2), q.float()) * scale,
+                torch.matmul(probs.transpose(-1, -2), grad_out))
+    if q.is_cuda:
+        # as torch's own ring attention does: the first block's varlen/rng outputs serve every
+        # block (unused without dropout and with dense batches)
+        cum_q, cum_k, _, _, seed, offset, _ = rest
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, cum_q, cum_k, q.shape[-2], k.shape[-2], 0.0, causal,
+            seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _unfused_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores (B, H, Sq, Sk) in fp32, causal over the block's own positions."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    mask = k_pos[None, :] > q_pos[:, None]
-    return scores.masked_fill(mask, float("-inf"))
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+def _ring_blocks(hop: int, rank: int) -> tuple[bool, str]:
+    """Which part of the zig-zag layout attends at this hop: (causal, part).
+
+    A rank holds chunks (r, 2cp-1-r) of the sequence. Its own K/V (hop 0): both chunks,
+    causal. K/V from an earlier ring rank s < r: every local query sees their first chunk
+    (s < r) and none sees their second (2cp-1-s > 2cp-1-r > r): "first kv". From a later
+    rank s > r: only the second local chunk of queries attends, to both chunks: "second q".
+    """
+    if hop == 0:
+        return True, "all"
+    return False, "first kv" if hop <= rank else "second q"
+
+
+def _merged(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running fp32 (out, lse) with one block's (output, lse) folded in; the sigmoid form
+    of the online-softmax update is the numerically stable one (ring-flash-attention, as
+    torch's ring attention merges). Out of place: selective recompute may hold the block's
+    tensors."""
+    block_out, block_lse = block_out.float(), block_lse.float()
+    return (out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out),
+            lse - F.logsigmoid(lse - block_lse))
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of local q (positions q_pos) against all ranks' k/v."""
+    """Causal attention of local q (zig-zag chunks) against all ranks' k/v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, seq_len, scale):
+    def forward(ctx, q, k, v, group, scale):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        q_pos = zigzag_positions(seq_len, size, rank).to(q.device)
-        repeat = q.shape[-3] // k.shape[-3]
+        repeat, half = q.shape[-3] // k.shape[-3], q.shape[-2] // 2
         kv = torch.stack([k, v])
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out = lse = first_rest = None
         for hop in range(size):
             pending = _ring_exchange(kv, group) if hop < size - 1 else None
-            src = (rank - hop) % size
-            k_pos = zigzag_positions(seq_len, size, src).to(q.device)
-            scores = _block_scores(q, _expand_heads(kv[0], repeat), q_pos, k_pos, scale)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            block_out = torch.matmul(torch.exp(scores - block_lse[..., None]).nan_to_num(0.0),
-                                     _expand_heads(kv[1], repeat).float())
-            new_lse = torch.logaddexp(lse, block_lse)
-            out = (out * torch.exp(lse - new_lse).nan_to_num(0.0)[..., None]
-                   + block_out * torch.exp(block_lse - new_lse).nan_to_num(0.0)[..., None])
-            lse = new_lse
+            causal, part = _ring_blocks(hop, rank)
+            kk, vv = _expand_heads(kv[0], repeat), _expand_heads(kv[1], repeat)
+            if part == "first kv":
+                kk, vv = kk[..., :half, :], vv[..., :half, :]
+            qq = q[..., half:, :] if part == "second q" else q
+            block_out, block_lse, rest = _block_forward(qq.contiguous(), kk.contiguous(),
+                                                        vv.contiguous(), causal, scale)
+            if out is None:
+                out, lse, first_rest = block_out.float(), block_lse.float(), rest
+            elif part == "second q":
+                tail_out, tail_lse = _merged(out[..., half:, :], lse[..., half:], block_out,
+                                             block_lse)
+                out = torch.cat([out[..., :half, :], tail_out], dim=-2)
+                lse = torch.cat([lse[..., :half], tail_lse], dim=-1)
+            else:
+                out, lse = _merged(out, lse, block_out, block_lse)
             if pending is not None:
                 kv_next, works = pending
                 for work in works:
                     work.wait()
                 kv = kv_next
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.seq_len, ctx.scale = group, seq_len, scale
-        return out.to(q.dtype)
+        ctx.group, ctx.scale, ctx.rest = group, scale, first_rest
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, seq_len, scale = ctx.group, ctx.seq_len, ctx.scale
+        group, scale = ctx.group, ctx.scale
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        q_pos = zigzag_positions(seq_len, size, rank).to(q.device)
-        repeat = q.shape[-3] // k.shape[-3]
-        grad_out = grad_out.float()
-        delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+        repeat, half = q.shape[-3] // k.shape[-3], q.shape[-2] // 2
+        grad_out = grad_out.contiguous()
         grad_q = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
         grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for hop in range(size):
-            src = (rank - hop) % size
-            k_pos = zigzag_positions(seq_len, size, src).to(q.device)
-            k_full, v_full = _expand_heads(kv[0], repeat).float(), _expand_heads(kv[1], repeat).float()
-            scores = _block_scores(q, k_full, q_pos, k_pos, scale)
-            probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-            grad_kv[1] += _sum_head_groups(torch.matmul(probs.transpose(-1, -2), grad_out), repeat)
-            grad_scores = probs * (torch.matmul(grad_out, v_full.transpose(-1, -2)) - delta)
-            grad_q += torch.matmul(grad_scores, k_full) * scale
-            grad_kv[0] += _sum_head_groups(torch.matmul(grad_scores.transpose(-1, -2), q.float()) * scale,
-                                           repeat)
+            causal, part = _ring_blocks(hop, rank)
+            kk, vv = _expand_heads(kv[0], repeat), _expand_heads(kv[1], repeat)
+            rows = slice(half, None) if part == "second q" else slice(None)
+            cols = slice(None, half) if part == "first kv" else slice(None)
+            dq, dk, dv = _block_backward(
+                grad_out[..., rows, :].contiguous(), q[..., rows, :].contiguous(),
+                kk[..., cols, :].contiguous(), vv[..., cols, :].contiguous(),
+                out[..., rows, :].contiguous(), lse[..., rows].contiguous(), causal, scale,
+                ctx.rest)
+            grad_q[..., rows, :] += dq
+            grad_kv[0][..., cols, :] += _sum_head_groups(dk.float(), repeat)
+            grad_kv[1][..., cols, :] += _sum_head_groups(dv.float(), repeat)
             # K/V go on to the next rank with their gradient accumulators (one message);
             # the accumulators are home again after `size` hops.
             both, works = _ring_exchange(torch.cat([kv.float(), grad_kv]), group)
             for work in works:
                 work.wait()
             kv, grad_kv = both[:2].to(kv.dtype), both[2:]
-        return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype),
-                None, None, None)
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
 def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -130,7 +211,7 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     if state is None:
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    group, seq_len = state
+    group = state
     if attn_mask is not None or dropout_p or not is_causal:
         raise UserError("context parallelism supports causal SDPA without attn_mask or dropout; "
                         "pass is_causal=True and no mask, or use cp=1 for this model.")
@@ -139,7 +220,7 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
                         "enable_gqa=True to scaled_dot_product_attention (Q heads a multiple of "
                         "K/V heads), or repeat the K/V heads before the call.")
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    return RingAttention.apply(query, key, value, group, seq_len, scale)
+    return RingAttention.apply(query, key, value, group, scale)
 
 
 def context_parallel_supported(module: nn.Module) -> str | None:
@@ -187,7 +268,7 @@ def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: 
     modules = dict(model.named_modules())
 
     def enter(module, args, kwargs):
-        _ACTIVE.state = (group, seq_len)
+        _ACTIVE.state = group
         return args, without_fake_causal_mask(module, kwargs)
 
     def leave(_module, _args, _out):
