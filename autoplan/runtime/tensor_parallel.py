@@ -4,17 +4,22 @@ Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, 
 sequence parallelism one reduce-scatter + all-gather, per pair). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
-logits are never gathered.
+logits are never gathered. The token embedding is vocab-sharded too and looks up and
+differentiates its own rows only (VocabParallelEmbedding), so its gradient is 1/tp of the
+table, as the cost model counts it.
 """
 
 from __future__ import annotations
 
 import re
+import types
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import (DTensor, Partial, Placement, Replicate, Shard,
+                                      distribute_module, distribute_tensor)
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
@@ -40,6 +45,64 @@ class GatherFirstInput(ParallelStyle):
 
         module.register_forward_pre_hook(_on_first_input(gather), with_kwargs=True)
         return module
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """An nn.Embedding with its rows (the vocabulary) sharded over the tp group: each rank
+    looks its tokens up in its own rows, zeroes the tokens it does not own and the partial
+    sums are reduced into `output_layout` (Megatron's VocabParallelEmbedding).
+
+    The weight is the same Shard(0) DTensor as RowwiseParallel's, and the forward the same
+    arithmetic as DTensor's rowwise embedding (torch/distributed/tensor/_ops/
+    _embedding_ops.py, embedding_strategy's _MaskPartial). The lookup runs on the local
+    shard because DTensor's backward would not: embedding_dense_backward_strategy (same file)
+    has no Shard(0) weight-gradient strategy, so with the replicated gradient and token ids
+    the backward gets, sharding propagation picks the all-replicate one and every rank
+    builds the full (vocab, hidden) gradient in the compute dtype before it is cut to its
+    rows. Here the backward of `to_local` hands the local row gradient back as the
+    parameter's Shard(0) gradient.
+
+    Modules that override nn.Embedding.forward (scaled embeddings) keep RowwiseParallel."""
+
+    def __init__(self, output_layout: Placement):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module).forward is not nn.Embedding.forward:
+            return RowwiseParallel(input_layouts=Replicate(),
+                                   output_layouts=self.output_layout)._apply(module, device_mesh)
+
+        def shard_rows(name, mod, mesh):
+            mod.register_parameter("weight", nn.Parameter(
+                distribute_tensor(mod.weight, mesh, [Shard(0)])))
+
+        distribute_module(module, device_mesh, shard_rows)
+        module.forward = types.MethodType(
+            lambda mod, ids: _vocab_parallel_lookup(mod, ids, device_mesh, self.output_layout),
+            module)
+        return module
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor, mesh: DeviceMesh,
+                           output_layout: Placement) -> torch.Tensor:
+    """This rank's share of the embedding of (replicated) token `ids`, reduced over the
+    tp group into `output_layout`; a plain tensor, as RowwiseParallel's use_local_output."""
+    weight = module.weight  # FSDP's gathered parameter inside a fully_shard unit
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    vocab = weight.shape[0]
+    # Shard(0) splits as torch.chunk: every rank but the last ceil(vocab / tp) rows
+    start = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
+    rows = local.shape[0]
+    foreign = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(foreign, 0)
+    padding = module.padding_idx
+    padding = padding - start if padding is not None and start <= padding < start + rows else None
+    out = F.embedding(local_ids, local, padding, module.max_norm, module.norm_type,
+                      module.scale_grad_by_freq, module.sparse)
+    out = out.masked_fill(foreign.unsqueeze(-1), 0.0)
+    out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+    return out.redistribute(mesh, [output_layout]).to_local()
 
 
 def _on_first_input(transform):
@@ -72,7 +135,7 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "prepare_input":
         return GatherFirstInput() if sequence_parallel else None
     if name == "vocab_embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        return VocabParallelEmbedding(output_layout=seq)
     if name == "vocab_head":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     raise ValueError(f"unknown TP style {name!r}")
