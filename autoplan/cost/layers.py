@@ -326,12 +326,13 @@ def activation_bytes(block: BlockInfo, graph: ModelGraph, config: ParallelConfig
                      flash_attention: bool, runtime: Runtime, cache: CostCache | None = None) -> float:
     """Bytes one copy of `block` keeps per micro-batch in flight under `recompute`
     (memory.block_activation_bytes; sac.py's under torchtitan's op SAC). With a `cache`, kept
-    under the fields they read: not dp, pp, ZeRO or offload, which a search varies most."""
+    under the fields they read: not dp, pp or offload, which a search varies most, and ZeRO only
+    as whether autocast computes from fp32 weights."""
     cache = or_no_cache(cache)
     c = config  # every field read by memory.block_activation_bytes and sac.op_sac_activation_bytes
     key = ("activation_bytes", id(graph), block.name, c.micro_batch, c.cp, c.tp, c.precision,
            c.sequence_parallel, recompute, flash_attention, runtime.selective_policy,
-           runtime.sp_saves_gathered_inputs)
+           runtime.sp_saves_gathered_inputs, _autocasts(c, runtime))
     return cache.get(key, lambda: _activation_bytes(block, graph, config, recompute, flash_attention, runtime),
                      graph)
 
@@ -341,7 +342,13 @@ def _activation_bytes(block: BlockInfo, graph: ModelGraph, config: ParallelConfi
     if runtime.selective_policy == sac.OP_SAC and recompute == "selective":
         return sac.op_sac_activation_bytes(graph, block, config)
     return memory.block_activation_bytes(graph, block, config, recompute, flash_attention,
-                                         _memory_policy(runtime), runtime.sp_saves_gathered_inputs)
+                                         _memory_policy(runtime), runtime.sp_saves_gathered_inputs,
+                                         _autocasts(config, runtime))
+
+
+def _autocasts(config: ParallelConfig, runtime: Runtime) -> bool:
+    return memory.autocasts_fp32_weights(config.precision, config.zero_stage,
+                                         runtime.fp32_module_weights)
 
 
 def _memory_policy(runtime: Runtime) -> str:

@@ -31,6 +31,8 @@ from autoplan.trace.graph import BlockInfo, ModelGraph
 ADAM_MIXED_OPTIMIZER_BYTES = 12  # ZeRO §3: fp32 master + momentum + variance
 ADAM_FP32_OPTIMIZER_BYTES = 8  # momentum + variance; the fp32 weights are the master copy
 FP32_BYTES = 4
+# 16-bit casts autocast makes, and the fp32-over-16-bit growth of an activation it leaves in fp32
+AUTOCAST_BYTES = 2
 
 
 def weight_bytes_per_param(precision: str) -> int:
@@ -101,7 +103,7 @@ def host_state_bytes(params: float, precision: str, zero_stage: int, shard_degre
     return sum(without.values()) - sum(on_gpu.values())
 
 
-def _autocasts_fp32_weights(precision: str, zero_stage: int, fp32_module_weights: bool) -> bool:
+def autocasts_fp32_weights(precision: str, zero_stage: int, fp32_module_weights: bool) -> bool:
     """Unsharded fp32 module weights under torch.autocast: mixed precision below ZeRO-2 on a
     runtime with fp32 module weights (model_state_bytes)."""
     return fp32_module_weights and zero_stage < 2 and precision != "fp32"
@@ -110,7 +112,7 @@ def _autocasts_fp32_weights(precision: str, zero_stage: int, fp32_module_weights
 def synced_weight_bytes_per_param(precision: str, zero_stage: int, fp32_module_weights: bool) -> int:
     """Bytes per parameter a ZeRO-1/2 step all-gathers after the sharded update: the module's
     weights, fp32 where the runtime autocasts from fp32 weights (model_state_bytes)."""
-    if _autocasts_fp32_weights(precision, zero_stage, fp32_module_weights):
+    if autocasts_fp32_weights(precision, zero_stage, fp32_module_weights):
         return FP32_BYTES
     return weight_bytes_per_param(precision)
 
@@ -169,13 +171,40 @@ def replicated_saved_bytes(graph: ModelGraph, block: BlockInfo) -> float:
 
 def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
                            recompute: str, flash_attention: bool = True,
-                           selective_policy: str = "op", sp_saves_gathered_inputs: bool = False) -> float:
+                           selective_policy: str = "op", sp_saves_gathered_inputs: bool = False,
+                           autocast_fp32_weights: bool = False) -> float:
     """Activation bytes one block copy keeps per micro-batch in flight on one rank: the
     traced bytes of `recompute` (trace/activations.py) rescaled, TP/SP-divided.
     `sp_saves_gathered_inputs`: under sequence parallelism the runtime's column-parallel
     linears keep their all-gathered full-sequence input for backward (DTensor
     parallelize_module, as autoplan's runtime and torchtitan run; measured by `autoplan
-    check`), where Megatron keeps the 1/tp shard and gathers it again in backward."""
+    check`), where Megatron keeps the 1/tp shard and gathers it again in backward.
+    `autocast_fp32_weights`: torch.autocast computes from fp32 module weights
+    (autocast_extra_bytes)."""
+    extra = autocast_extra_bytes(graph, block, config, recompute) if autocast_fp32_weights else 0.0
+    return extra + _traced_activation_bytes(graph, block, config, recompute, flash_attention,
+                                            selective_policy, sp_saves_gathered_inputs)
+
+
+def autocast_extra_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
+                         recompute: str) -> float:
+    """Bytes one block copy keeps per micro-batch beyond the traced 16-bit ones when
+    torch.autocast runs it from fp32 module weights (trace/activations.py
+    autocast_extra_elements: fp32 norm inputs, one 16-bit input cast per matmul, 16-bit
+    weight casts). A checkpointed block keeps its input only, fp32 here: 2 B more per
+    element. Under sequence parallelism the norm inputs are sequence shards and each column
+    linear casts the gathered full sequence."""
+    norm_inputs, casts, weights = activations.autocast_extra_elements(graph, block)
+    per_element = AUTOCAST_BYTES * config.micro_batch / graph.batch_size / config.cp
+    shard = config.tp if config.sequence_parallel else 1
+    if recompute != "none":
+        return block.input_bytes / graph.dtype_bytes * per_element / shard
+    return (norm_inputs / shard + casts) * per_element + weights * AUTOCAST_BYTES / config.tp
+
+
+def _traced_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
+                             recompute: str, flash_attention: bool, selective_policy: str,
+                             sp_saves_gathered_inputs: bool) -> float:
     scale = _scale(graph, config)
     tp = config.tp
     saved = saved_bytes_by_mode(graph, block, selective_policy=selective_policy,

@@ -86,6 +86,55 @@ def _through_views(g, name: str) -> str | None:
     return preds[0] if len(preds) == 1 else None
 
 
+def _segment_nodes(graph: ModelGraph, block: BlockInfo) -> list[str]:
+    """Graph nodes of the block's first copy; for "pre" / "post" the top-level nodes before /
+    after the first block's (the split trace/blocks.py makes)."""
+    g = graph.graph
+    if block.kind not in ("pre", "post"):
+        prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
+        return [n for n in g.nodes if prefix and n.startswith(prefix)]
+    prefixes = tuple(b.paths[0] + "." for b in graph.blocks if b.paths and b.paths[0])
+    nodes = list(g.nodes)
+    first = next((i for i, n in enumerate(nodes) if n.startswith(prefixes)), len(nodes))
+    top = [(i, n) for i, n in enumerate(nodes) if not n.startswith(prefixes)]
+    return [n for i, n in top if (i < first) == (block.kind == "pre")]
+
+
+def autocast_extra_elements(graph: ModelGraph, block: BlockInfo) -> tuple[int, int, int]:
+    """(norm-input elements, extra-cast elements, both at the traced batch; weight elements):
+    what one block copy keeps for backward at 2 B each beyond its traced bytes when torch.autocast runs it in 16 bits from
+    fp32 module weights (autoplan's runtime below ZeRO-2; measured by `autoplan check`):
+
+    - the residual stream stays fp32 (an fp32 embedding starts it, fp32 + 16-bit adds keep
+      it), so each norm saves its input at 4 B, 2 B more per element than in 16 bits;
+    - autocast casts an fp32 activation to 16 bits once per matmul that reads it (its cast
+      cache holds leaf tensors only: torch/csrc/autograd/autocast_mode.h `cached_cast`), so
+      a norm output read by q, k and v is saved as three 16-bit copies where the traced
+      graph shares one;
+    - every linear saves the 16-bit cast of its weight (cached once per forward) for its
+      input gradient, whatever the batch."""
+    g = graph.graph
+    names = _segment_nodes(graph, block)
+    readers: dict[str, int] = {}
+    weights = 0
+    for name in names:
+        op = g.nodes[name]["op"]
+        if op.kind != "linear":
+            continue
+        weights += op.parameters
+        source = _through_views(g, name)
+        if source is not None and g.nodes[source]["op"].kind == "norm":
+            readers[source] = readers.get(source, 0) + 1
+    norm_inputs = casts = 0
+    for name in names:
+        op = g.nodes[name]["op"]
+        if op.kind == "norm" and op.input_shapes and op.input_shapes[0]:
+            numel = _numel(op.input_shapes[0])
+            norm_inputs += numel
+            casts += numel * max(0, readers.get(name, 0) - 1)
+    return norm_inputs, casts, weights
+
+
 def sac_output_bytes(op: OpInfo, dtype_bytes: int) -> float:
     """Bytes the selective checkpoint caches for one op it must save: its output (and the
     attention kernel's log-sum-exp, one per row of (batch, heads, seq))."""

@@ -20,7 +20,8 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 GRAPHS = {"dense": dict(model_type="llama", **TINY),
           "moe": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **TINY)}
 COMPUTE_KEY = {"tp", "cp", "ep", "micro_batch", "precision", "sequence_parallel"}
-ACTIVATION_KEY = {"tp", "cp", "micro_batch", "precision", "sequence_parallel"}
+ACTIVATION_KEY = {"tp", "cp", "micro_batch", "precision", "sequence_parallel",
+                  "zero_stage"}  # keyed as whether autocast computes from fp32 weights
 LAYER_KEY = {"global_batch", "seq_len", "dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "micro_batch",
              "precision", "sequence_parallel", "dp_replicate",
              "dp_shard",  # = dp // dp_replicate
