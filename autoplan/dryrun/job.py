@@ -14,6 +14,8 @@ import multiprocessing
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
 from autoplan.dryrun.rank import Boundary, RankRun, representative_ranks, run_rank
 from autoplan.errors import UserError
 from autoplan.models.sources import build_from_ref
@@ -24,7 +26,16 @@ def _run_in_worker(plan_dict: dict, rank: int, boundary: Boundary) -> tuple[Rank
     start = time.perf_counter()
     plan = Plan.from_dict(plan_dict)
     build = lambda: build_from_ref(plan.model, seq_len=plan.seq_len, verify=False)  # noqa: E731
-    return run_rank(plan, build, build(), rank, boundary), time.perf_counter() - start
+    try:
+        return run_rank(plan, build, build(), rank, boundary), time.perf_counter() - start
+    except DynamicOutputShapeException as exc:
+        raise RuntimeError(
+            f"the model computes a tensor's shape from its values ({exc.func}; MoE routing "
+            "counts do), which fake tensors cannot run, so `autoplan check` cannot dry-run "
+            "this model; `autoplan estimate` gives the cost model's memory") from exc
+    except Exception as exc:
+        # an exception holding torch objects does not pickle back to the parent process
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def dry_run(plan: Plan, workers: int = 2) -> list[tuple[RankRun, float]]:

@@ -200,3 +200,18 @@ def test_only_what_a_micro_batch_keeps_is_multiplied_by_those_in_flight():
     assert rows["activations"]["dry_run_gib"] * GIB == 700 + held - 300
     assert rows["total at peak"]["dry_run_gib"] * GIB == 2000 + held - 300  # > the drained 2500
     assert rows["activations"]["at_peak_gib"] * GIB == 700 + held - 300
+
+
+def test_a_model_routing_by_its_values_is_refused_in_one_paragraph(tmp_path):
+    # MoE routing counts (bincount) size the tokens each expert takes: fake tensors have no
+    # values, so the dry run says so instead of a worker's unpicklable torch exception
+    plan = tmp_path / "moe.json"
+    made = CliRunner().invoke(cli, ["plan", "tiny-moe", "--gpu", "cpu", "--gpus", "2",
+                                    "--global-batch", "4", "--seq-len", "64", "-o", str(plan)])
+    assert made.exit_code == 0, made.output
+    from autoplan.errors import UserError
+
+    out = CliRunner().invoke(cli, ["check", str(plan)])
+    assert isinstance(out.exception, UserError), out.exception  # the CLI's exit 2, no traceback
+    text = " ".join(str(out.exception).split())
+    assert "computes a tensor's shape from its values (aten.bincount" in text
