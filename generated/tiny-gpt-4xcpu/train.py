@@ -90,10 +90,10 @@ PLAN = {
         'hfu': 0.014107201547409803,
         'tflops_per_gpu': 0.0214429463520629,
         'bubble_fraction': 0.0,
-        'memory_gib_per_gpu': 1.0025277137756348,
+        'memory_gib_per_gpu': 1.0028634071350098,
         'memory_breakdown_gib': {
             'parameters': 0.0003979206085205078, 'gradients': 0.0003979206085205078,
-            'optimizer': 0.0007958412170410156, 'activations': 0.0006918907165527344,
+            'optimizer': 0.0007958412170410156, 'activations': 0.0010275840759277344,
             'buffers': 0.0, 'temporaries': 0.000244140625, 'overhead': 1.0,
         },
         'time_breakdown_s': {
@@ -109,10 +109,10 @@ PLAN = {
                 'stage': 0,
                 'blocks': 2,
                 'time_per_microbatch_s': 0.0027216921705619846,
-                'memory_gib': 1.0025277137756348,
+                'memory_gib': 1.0028634071350098,
                 'memory_breakdown_gib': {
                     'parameters': 0.0003979206085205078, 'gradients': 0.0003979206085205078,
-                    'optimizer': 0.0007958412170410156, 'activations': 0.0006918907165527344,
+                    'optimizer': 0.0007958412170410156, 'activations': 0.0010275840759277344,
                     'buffers': 0.0, 'temporaries': 0.000244140625, 'overhead': 1.0,
                 },
                 'in_flight': 1.0,
