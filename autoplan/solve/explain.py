@@ -185,7 +185,17 @@ def infeasible_report(job) -> str:
     lines = [f"No plan fits: {r.configurations_considered} configurations searched on "
              f"{job.cluster.num_gpus} x {job.cluster.gpu.key}."]
     frugal = _most_frugal_estimate(job)
-    if frugal is not None and r.least_memory_gib <= capacity - headroom < frugal[1]:
+    fixed = job.request.fixed
+    if fixed and r.least_memory_gib <= capacity - headroom and (frugal is None
+                                                                or frugal[1] <= capacity - headroom):
+        # the search's bound fits, so the fixed choices are what does not
+        choices = " ".join(f"--fix {key.replace('_', '-')}={value}" for key, value in fixed.items())
+        lines.append(f"No configuration with {choices} fits; {has}. The search's lower bound "
+                     f"({r.least_memory_gib:.1f} GiB) and the most frugal layout fit, so it is "
+                     f"the fixed choices together that do not: drop or change a --fix (a "
+                     f"smaller micro-batch, more recomputation or a higher ZeRO stage each "
+                     f"needs less).")
+    elif frugal is not None and r.least_memory_gib <= capacity - headroom < frugal[1]:
         # the search's bound is below the usable memory, yet no whole plan fits: say what the
         # closest plan needs, not the bound
         lines.append(f"The most memory-frugal configuration ({frugal[0]}, every block recomputed) "

@@ -84,6 +84,18 @@ def test_nothing_fits_exits_1_with_numbers(run_cli):
     assert "No plan fits" in err and "GiB" in err and "smallest count" in err
 
 
+def test_nothing_fits_because_of_the_fixes_names_them(run_cli):
+    # selective recompute at micro-batch 2 and seq 8192 on dp8 needs more than 72 GiB while
+    # the unfixed search fits: the report blames the fixes, not the GPU
+    code, _, err = run_cli("plan", "llama3.1-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32",
+                           "--seq-len", "8192", "--fix", "recompute=selective", "--fix", "pp=1",
+                           "--fix", "tp=1", "--fix", "cp=1", "--fix", "micro-batch=2")
+    text = " ".join(err.split())
+    assert code == 1, err
+    assert "No configuration with --fix recompute=selective" in text and "--fix micro-batch=2" in text
+    assert "drop or change a --fix" in text
+
+
 def test_output_not_overwritten_without_force(run_cli, tmp_path):
     target = tmp_path / "plan.json"
     target.write_text("mine")
