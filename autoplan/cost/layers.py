@@ -103,6 +103,9 @@ class LayerCost:
     expert_params: float  # routed-expert parameters on this rank (after EP)
     zero3_gather_params: float = 0.0  # parameters gathered per block under ZeRO-3
     host_bytes: float = 0.0  # model states CPU offload keeps in host memory for this rank
+    # the 16-bit casts of the block's weights torch.autocast caches while a micro-batch runs
+    # (memory.autocast_weight_bytes): activations by the allocator's account, once per rank
+    cast_weight_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -110,7 +113,7 @@ class LayerCost:
 
     @property
     def state_bytes(self) -> float:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.cast_weight_bytes
 
 
 def _frozen(d: dict) -> Mapping[str, float]:
@@ -483,6 +486,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
         zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
         host_bytes=host_bytes,
+        cast_weight_bytes=(memory.autocast_weight_bytes(graph, block, config)
+                           if _autocasts(config, runtime) else 0.0),
     )
 
 

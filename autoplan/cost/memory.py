@@ -180,7 +180,7 @@ def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: Parallel
     parallelize_module, as autoplan's runtime and torchtitan run; measured by `autoplan
     check`), where Megatron keeps the 1/tp shard and gathers it again in backward.
     `autocast_fp32_weights`: torch.autocast computes from fp32 module weights
-    (autocast_extra_bytes)."""
+    (autocast_extra_bytes; the weight casts are the layer cost's, held once)."""
     extra = autocast_extra_bytes(graph, block, config, recompute) if autocast_fp32_weights else 0.0
     return extra + _traced_activation_bytes(graph, block, config, recompute, flash_attention,
                                             selective_policy, sp_saves_gathered_inputs)
@@ -193,13 +193,23 @@ def autocast_extra_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelCo
     autocast_extra_elements: fp32 norm inputs, one 16-bit input cast per matmul, 16-bit
     weight casts). A checkpointed block keeps its input only, fp32 here: 2 B more per
     element. Under sequence parallelism the norm inputs are sequence shards and each column
-    linear casts the gathered full sequence."""
-    norm_inputs, casts, weights = activations.autocast_extra_elements(graph, block)
+    linear casts the gathered full sequence. The weight casts are autocast_weight_bytes."""
+    norm_inputs, casts, _ = activations.autocast_extra_elements(graph, block)
     per_element = AUTOCAST_BYTES * config.micro_batch / graph.batch_size / config.cp
     shard = config.tp if config.sequence_parallel else 1
     if recompute != "none":
         return block.input_bytes / graph.dtype_bytes * per_element / shard
-    return (norm_inputs / shard + casts) * per_element + weights * AUTOCAST_BYTES / config.tp
+    return (norm_inputs / shard + casts) * per_element
+
+
+def autocast_weight_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig) -> float:
+    """The 16-bit casts of one block copy's matmul weights on one rank when torch.autocast
+    computes from fp32 module weights: autocast caches the cast of every leaf tensor for the
+    rest of its region (torch/csrc/autograd/autocast_mode.h `cached_cast`), which in autoplan's
+    runtime spans a micro-batch's forward and backward (runtime/loop.py), so they are held at
+    the step's peak whatever the recomputation, once, not per micro-batch in flight (measured
+    by `autoplan check`: 6.4 GiB of a Llama-8B TP2 selective step)."""
+    return activations.autocast_extra_elements(graph, block)[2] * AUTOCAST_BYTES / config.tp
 
 
 def _traced_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,

@@ -111,7 +111,8 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
         comm_s["pp"] = comm_total["pp"] = p2p
     in_flight = pipeline.microbatches_in_flight(config.schedule, config.pp, physical,
                                                 config.num_microbatches, config.vpp)
-    activations = sum(c.activation_bytes for c in costs) * in_flight
+    activations = (sum(c.activation_bytes for c in costs) * in_flight
+                   + sum(c.cast_weight_bytes for c in costs))
     temporaries = 0.0
     if stage_index == stages - 1:
         loss = last_stage_loss_bytes(graph, config, runtime)

@@ -134,3 +134,29 @@ def test_dtensor_sequence_parallelism_keeps_the_gathered_linear_inputs():
     assert pairs == 2  # attention (q/k/v -> o) and MLP (gate/up -> down)
     assert sp_gathered_input_bytes(graph, block) == 2 * block.input_bytes
     assert dtensor - megatron == pytest.approx(2 * block.input_bytes * (1 - 1 / 4))
+
+
+def test_autocast_weight_casts_are_held_once_whatever_the_recomputation():
+    # below ZeRO-2 autoplan's runtime autocasts from fp32 weights: the 16-bit casts of every
+    # linear's weight stay in autocast's cache for the micro-batch, recomputed or not; FSDP
+    # (ZeRO-2/3) casts the parameters themselves, so there are none
+    import torch.nn as nn
+
+    from autoplan.cost import layer_cost
+    from autoplan.hardware import load_gpu, make_cluster
+    from autoplan.models.llama import build_llama
+    from autoplan.trace.tracer import graph_for_config
+
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                  max_position_embeddings=128)
+    graph = graph_for_config(config, 1, 64)
+    linears = sum(m.weight.numel() for m in build_llama(config).layers[0].modules()
+                  if isinstance(m, nn.Linear))
+    cluster = make_cluster(load_gpu("h100"), 8)
+    for zero, expected in ((1, 2 * linears / 2), (3, 0.0)):
+        parallel = ParallelConfig(global_batch=8, seq_len=64, dp=4, tp=2, zero_stage=zero,
+                                  micro_batch=1, precision="bf16")
+        for mode in ("none", "selective", "full"):
+            cost = layer_cost(graph.blocks[0], graph, parallel, cluster, mode)
+            assert cost.cast_weight_bytes == expected, (zero, mode)

@@ -192,7 +192,7 @@ def test_inter_node_bandwidth_from_the_command_line(run_cli, tmp_path):
     # sync of a dp-across-nodes layout, and a plan made with it keeps it for estimate --plan.
     # --memory-headroom 0 and full recomputation: only this layout's bandwidth is under test
     config = ["llama3.1-8b", "--gpu", "h100", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
-              "--dp", "16", "--zero", "1", "--recompute", "full", "--memory-headroom", "0", "--json"]
+              "--dp", "16", "--zero", "2", "--recompute", "full", "--memory-headroom", "0", "--json"]
     code, out, err = run_cli("estimate", *config)
     assert code == 0, err
     default = json.loads(out)
