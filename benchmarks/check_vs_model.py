@@ -1,7 +1,9 @@
 """Dry-run (`autoplan check`) vs cost-model memory per rank, for small variants of the tiny
-plan (one a two-stage pipeline with ZeRO-2 over two micro-batches) and the 8B and 70B example
-plans: each category's dry-run maximum, the cost model's, their ratio, the category at the
-rank's worst moment, and the wall time of each check (the 70B one takes minutes).
+plan (one a two-stage pipeline with ZeRO-2 over two micro-batches), Llama 3.1 8B plans on 8
+H100 at 8K tokens where activations dominate (each made by `autoplan plan` with the axis or
+mode fixed: context parallelism, selective and full recomputation, TP + SP over ZeRO-1 and
+ZeRO-3), and the 8B and 70B example plans: each category's dry-run maximum, the cost model's,
+their ratio, the category at the rank's worst moment, and the wall time of each check.
 
     python benchmarks/check_vs_model.py [PLAN ...]
 """
@@ -9,6 +11,7 @@ rank's worst moment, and the wall time of each check (the 70B one takes minutes)
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +24,12 @@ VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "zero3": {"z
             "pp2 zero2": {"zero_stage": 2, "pp": 2, "dp": 2,
                           "stages": [["layers.0"], ["layers.1"]]}}
 EXAMPLES = ["llama3.1-8b-8xh100-sxm-80gb", "llama3.1-70b-64xh100-sxm-80gb"]
+LLAMA_8B = ["llama3.1-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32", "--seq-len", "8192"]
+FIXED_8B = {"8B dp4 cp2": "cp=2 pp=1 tp=1",
+            "8B dp8 selective": "recompute=selective pp=1 tp=1 cp=1 offload=none",
+            "8B dp8 full mb2": "recompute=full pp=1 tp=1 cp=1 micro-batch=2 offload=none",
+            "8B dp4 tp2 sp zero1": "tp=2 pp=1 cp=1 zero=1",
+            "8B dp4 tp2 sp zero3": "tp=2 pp=1 cp=1 zero=3 micro-batch=1"}
 
 
 def variant_files(directory: Path) -> list[tuple[str, str]]:
@@ -33,9 +42,20 @@ def variant_files(directory: Path) -> list[tuple[str, str]]:
     return files
 
 
+def planned_files(directory: Path) -> list[tuple[str, str]]:
+    files = []
+    for name, fixes in FIXED_8B.items():
+        path = directory / f"{name.replace(' ', '-')}.json"
+        args = [arg for fix in fixes.split() for arg in ("--fix", fix)]
+        subprocess.run([sys.executable, "-m", "autoplan", "plan", *LLAMA_8B, *args, "-o", str(path)],
+                       check=True, capture_output=True)
+        files.append((name, str(path)))
+    return files
+
+
 def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [(p, p) for p in argv] or variant_files(Path(tmp)) + [
+        cases = [(p, p) for p in argv] or variant_files(Path(tmp)) + planned_files(Path(tmp)) + [
             (name, str(ROOT / "generated" / name)) for name in EXAMPLES]
         print(f"{'case':30} {'rank':>4} {'in flight':>9} {'category':18} {'dry GiB':>9} "
               f"{'model GiB':>9} {'ratio':>6} {'at peak':>9}  wall s")
