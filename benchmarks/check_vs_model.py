@@ -1,5 +1,6 @@
 """Dry-run (`autoplan check`) vs cost-model memory per rank, for small variants of the tiny
-plan (one a two-stage pipeline with ZeRO-2 over two micro-batches) and the 8B and 70B example
+plan (one a two-stage pipeline with ZeRO-2 over two micro-batches, one with CPU offload,
+whose host memory is a row of its own) and the 8B and 70B example
 plans: each category's dry-run maximum, the cost model's, their ratio, the category at the
 rank's worst moment, and the wall time of each check (the 70B one takes minutes).
 
@@ -18,6 +19,7 @@ from autoplan.commands.check import check_plan
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "generated" / "tiny-gpt-4xcpu" / "plan.json"
 VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
+            "zero2 offload": {"zero_stage": 2, "offload": "both"},
             "pp2 zero2": {"zero_stage": 2, "pp": 2, "dp": 2,
                           "stages": [["layers.0"], ["layers.1"]]}}
 EXAMPLES = ["llama3.1-8b-8xh100-sxm-80gb", "llama3.1-70b-64xh100-sxm-80gb"]
