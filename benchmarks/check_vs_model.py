@@ -1,9 +1,10 @@
 """Dry-run (`autoplan check`) vs cost-model memory per rank, for small variants of the tiny
-plan (one a two-stage pipeline with ZeRO-2 over two micro-batches), Llama 3.1 8B plans on 8
-H100 at 8K tokens where activations dominate (each made by `autoplan plan` with the axis or
-mode fixed: context parallelism, selective and full recomputation, TP + SP over ZeRO-1 and
-ZeRO-3), and the 8B and 70B example plans: each category's dry-run maximum, the cost model's,
-their ratio, the category at the rank's worst moment, and the wall time of each check.
+plan (one a two-stage pipeline with ZeRO-2 over two micro-batches, one with CPU offload,
+whose host memory is a row of its own), Llama 3.1 8B plans on 8 H100 at 8K tokens where
+activations dominate (each made by `autoplan plan` with the axis or mode fixed: context
+parallelism, selective and full recomputation, TP + SP over ZeRO-1 and ZeRO-3, CPU offload),
+and the 8B and 70B example plans: each category's dry-run maximum, the cost model's, their
+ratio, the category at the rank's worst moment, and the wall time of each check.
 
     python benchmarks/check_vs_model.py [PLAN ...]
 """
@@ -21,6 +22,7 @@ from autoplan.commands.check import check_plan
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "generated" / "tiny-gpt-4xcpu" / "plan.json"
 VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
+            "zero2 offload": {"zero_stage": 2, "offload": "both"},
             "pp2 zero2": {"zero_stage": 2, "pp": 2, "dp": 2,
                           "stages": [["layers.0"], ["layers.1"]]}}
 EXAMPLES = ["llama3.1-8b-8xh100-sxm-80gb", "llama3.1-70b-64xh100-sxm-80gb"]
@@ -29,7 +31,8 @@ FIXED_8B = {"8B dp4 cp2": "cp=2 pp=1 tp=1",
             "8B dp8 selective": "recompute=selective pp=1 tp=1 cp=1 offload=none",
             "8B dp8 full mb2": "recompute=full pp=1 tp=1 cp=1 micro-batch=2 offload=none",
             "8B dp4 tp2 sp zero1": "tp=2 pp=1 cp=1 zero=1",
-            "8B dp4 tp2 sp zero3": "tp=2 pp=1 cp=1 zero=3 micro-batch=1"}
+            "8B dp4 tp2 sp zero3": "tp=2 pp=1 cp=1 zero=3 micro-batch=1",
+            "8B dp8 offload": "offload=both pp=1 cp=1"}
 
 
 def variant_files(directory: Path) -> list[tuple[str, str]]:

@@ -14,7 +14,9 @@ count the cost model uses (whole-stage micro-batches, as interleaved schedules c
 What a stage allocates after its blocks (the last stage's logits and loss) is held for the
 running micro-batch only and is not multiplied. The gradient reduction and optimizer step,
 after the schedule has drained, are a moment of their own. The CUDA context and allocator
-overhead, which fake tensors cannot see, is the cost model's.
+overhead, which fake tensors cannot see, is the cost model's. With CPU offload, what the
+offload policy keeps in host memory is not in the GPU's categories but on a row of its own,
+beside the cost model's host memory per GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from autoplan.planfile import load_checked_plan
 
 GIB = 2**30
 ROWS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries")
+HOST_ROW = "host (CPU offload)"  # not GPU memory: after the total
 
 
 def plan_path_of(target: str) -> str:
@@ -40,8 +43,10 @@ def plan_path_of(target: str) -> str:
     return str(path / "plan.json") if path.is_dir() else target
 
 
-def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float) -> dict:
-    """One rank's dry-run beside the cost model's estimate of its pipeline stage (GiB)."""
+def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float,
+                host_model_gib: float | None = None) -> dict:
+    """One rank's dry-run beside the cost model's estimate of its pipeline stage (GiB);
+    `host_model_gib`: the cost model's host memory of this rank under CPU offload."""
     from autoplan.dryrun.collectives import summarise
 
     model = dict(stage_estimate.get("memory_breakdown_gib", {}))
@@ -61,6 +66,10 @@ def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float) -> 
     model_total = stage_estimate.get("memory_gib")
     rows.append({"category": "total at peak", "dry_run_gib": total, "model_gib": model_total,
                  "ratio": _ratio(total, model_total), "at_peak_gib": total})
+    if run.host_peak_bytes or host_model_gib:
+        host = run.host_peak_bytes / GIB
+        rows.append({"category": HOST_ROW, "dry_run_gib": host, "model_gib": host_model_gib,
+                     "ratio": _ratio(host, host_model_gib), "at_peak_gib": host})
     return {"rank": run.rank, "pipeline_rank": run.pp_rank, "stages": run.stage_ids,
             "in_flight_microbatches": in_flight, "held_activations_gib": held / GIB,
             "activations_by_stage": _activations_by_stage(run),
@@ -110,7 +119,9 @@ def check_plan(target: str, workers: int) -> dict:
     stages = est.get("per_stage") or [{"memory_gib": est.get("memory_gib_per_gpu"),
                                        "memory_breakdown_gib": est.get("memory_breakdown_gib", {})}]
     runs = dry_run(plan, workers)
-    ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], gpu_bytes)
+    # the cost model's host memory is its fullest rank's; with one pipeline stage, every rank's
+    host = est.get("host_memory_gib_per_gpu") if plan.pp == 1 else None
+    ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], gpu_bytes, host)
              for run, secs in runs]
     worst = max(ranks, key=lambda r: r["peak_gib"])
     return {"plan": plan_path_of(target), "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,

@@ -13,6 +13,10 @@ accumulated and the parameters gathered, as the step's last one does. Optimizer 
 step outside the tracked one, so the tracked step sees it resident, as every step after the
 first does. Tensors are fake CPU tensors: the runtime builds its mesh on the fake group with
 device "cpu"; no memory is allocated.
+
+CPU offload (FSDP2's CPUOffloadPolicy) needs CUDA, so the runtime does not apply it here; its
+data flow on the GPU is the same but for the host copies, and the dry run books in host
+memory what the policy keeps there (`_book_offloaded_states`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class RankRun:
     # (the head's logits and loss on the last stage) lives only while its micro-batch runs
     microbatches: list[tuple[int, Window]] = field(default_factory=list)
     reduction: Window = field(default_factory=Window)  # gradient sync and optimizer step
+    host_peak_bytes: int = 0  # what CPU offload keeps in host memory, at its peak
+    host_at_peak: dict[str, int] = field(default_factory=dict)
 
 
 def representative_ranks(plan: Plan) -> list[int]:
@@ -279,6 +285,51 @@ def _track_fsdp_param(tracker: StepMemoryTracker, fsdp_param, ref) -> None:
                                                 ref.GRAD)
 
 
+def offloads_to_host(plan: Plan) -> bool:
+    """Whether the runtime applies FSDP2's CPUOffloadPolicy on a GPU (parallelize.py: offload
+    of parameters, or of both, at ZeRO-2/3)."""
+    return plan.offload in ("params", "both") and plan.zero_stage >= 2
+
+
+def _book_offloaded_states(tracker: StepMemoryTracker, trainer) -> list:
+    """Book as host memory what FSDP2's CPUOffloadPolicy keeps there (torch/distributed/fsdp/
+    _fully_shard): each FSDPParam's padded sharded parameter (`_sharded_param_data`, moved
+    `.cpu()` in FSDPParam._init_sharded_param) with the optimizer states made from it, and its
+    sharded gradient (foreach_reduce in _fsdp_collectives.py copies the reduce-scatter output
+    `.to("cpu")` and accumulates it there). The GPU keeps what offload does not move: the
+    all-gathered parameters (all_gather_inputs copies the shard `.to(device)` first) and the
+    unsharded gradients until their reduce-scatter. Gradients made by the tracked step are
+    booked when FSDP2 hands them to the sharded parameter's post-accumulate-grad hooks, which
+    it calls after assigning them. Parameters FSDP ignores (experts) stay on the GPU. Returns
+    the hook handles, to be removed after the step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded: dict[int, nn.Parameter] = {}
+    for part in trainer.par.parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        sharded[id(fsdp_param.sharded_param)] = fsdp_param.sharded_param
+                        tracker.to_host(fsdp_param._sharded_param_data)
+    for opt in trainer.optimizers:
+        for param, state in opt.state.items():
+            if id(param) in sharded:
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        tracker.to_host(value)
+
+    def book_grad(param: nn.Parameter) -> None:
+        tracker.to_host(param.grad)
+
+    handles = []
+    for param in sharded.values():
+        if param.grad is not None:  # accumulated by the micro-batches before this one
+            tracker.to_host(param.grad)
+        handles.append(param.register_post_accumulate_grad_hook(book_grad))
+    return handles
+
+
 def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, rank: int,
              boundary: Boundary) -> RankRun:
     """Dry-run one step of `plan` as global rank `rank`; `boundary`: stage 0's outputs (empty
@@ -298,6 +349,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             tracker, log = StepMemoryTracker(), CollectiveLog()
             tracker.track_external(*trainer.par.parts, *trainer.optimizers)
             _track_fsdp_state(tracker, trainer.par.parts)
+            hooks = _book_offloaded_states(tracker, trainer) if offloads_to_host(plan) else []
             held: list[int] = []
             with tracker, log:
                 for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
@@ -309,14 +361,18 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
                     for part in trainer.par.parts:
                         _reduce_grads(part)
                 trainer._finish_grads()
-                for opt in trainer.optimizers:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                with tracker.host_step():  # an offloaded step runs on the host's states
+                    for opt in trainer.optimizers:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            for hook in hooks:
+                hook.remove()
         peak, at_peak = tracker.peak()
+        host_peak, host_at_peak = tracker.host_peak()
         return RankRun(rank, mesh.pp_rank, list(trainer.par.stage_ids), peak, at_peak,
                        dict(tracker.category_max), log.calls, boundary,
                        _microbatch_windows(tracker, trainer.par.stage_ids, held),
-                       tracker.windows["reduction"])
+                       tracker.windows["reduction"], host_peak, host_at_peak)
 
 
 def _microbatch_windows(tracker: StepMemoryTracker, stage_ids: list[int],

@@ -82,6 +82,25 @@ def test_command_prints_the_comparison_and_json(tmp_path):
 
 
 # A tiny plan split into two pipeline stages: ranks 0 and 2 are the first and last stage.
+def test_offload_keeps_the_sharded_states_in_host_memory(tmp_path, counts):
+    # FSDP2's CPUOffloadPolicy (which needs CUDA, so the runtime does not apply it here) keeps
+    # each rank's fp32 parameter shard, its fp32 gradient shard and Adam's two fp32 moments in
+    # host memory, 16 bytes a parameter / dp, and runs the optimizer step there. The GPU keeps
+    # ZeRO-2's gathered bf16 parameters (2 bytes a parameter) and no optimizer state, as the
+    # cost model counts it. The host's peak adds the step's temporaries: single-tensor AdamW
+    # on CPU tensors frees each parameter's before the next, so they stay below one fp32 copy
+    # of the rank's shards (4 bytes a parameter / dp).
+    total, _ = counts
+    path = _plan_file(tmp_path, zero_stage=2, offload="both")
+    dp = Plan.load(path).dp
+    rows = {row["category"]: row for row in check_plan(path, workers=1)["ranks"][0]["memory"]}
+    assert rows["parameters"]["dry_run_gib"] * 2**30 == 2 * total == rows["parameters"]["model_gib"] * 2**30
+    assert rows["optimizer"]["dry_run_gib"] == 0 == rows["optimizer"]["model_gib"]
+    host = rows["host (CPU offload)"]
+    assert host["model_gib"] * 2**30 == pytest.approx(16 * total / dp)
+    assert 16 * total / dp <= host["dry_run_gib"] * 2**30 < 20 * total / dp
+
+
 _PIPELINE = {"pp": 2, "dp": 2, "stages": [["layers.0"], ["layers.1"]]}
 _TP_STYLES = {
     "": {"embed_tokens": "vocab_embedding", "norm": "sequence_parallel", "lm_head": "vocab_head"},
