@@ -12,7 +12,8 @@ one untracked micro-batch runs first, so that the measured one starts with the g
 accumulated and the parameters gathered, as the step's last one does. Optimizer state is created by a
 step outside the tracked one, so the tracked step sees it resident, as every step after the
 first does. Tensors are fake CPU tensors: the runtime builds its mesh on the fake group with
-device "cpu"; no memory is allocated.
+device "cpu"; no memory is allocated. MoE layers route balanced, every expert taking
+tokens * top_k / experts (autoplan.dryrun.routing), as the cost model assumes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn as nn
 from autoplan.dryrun.collectives import Collective, CollectiveLog
 from autoplan.dryrun.kernels import cuda_saved_tensors
 from autoplan.dryrun.memory import StepMemoryTracker, Window
+from autoplan.dryrun.routing import balanced_routing
 from autoplan.plan import Plan
 from autoplan.runtime.args import TrainArgs
 from autoplan.runtime.loop import Trainer, token_loss
@@ -289,7 +291,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             _sharding_propagation_in_its_own_fake_mode(), cuda_saved_tensors():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing():
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
                               ddp=False)
             _warm_optimizers(trainer)
