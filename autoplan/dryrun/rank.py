@@ -58,6 +58,7 @@ class RankRun:
     # (the head's logits and loss on the last stage) lives only while its micro-batch runs
     microbatches: list[tuple[int, Window]] = field(default_factory=list)
     reduction: Window = field(default_factory=Window)  # gradient sync and optimizer step
+    balanced_routings: int = 0  # MoE routings made balanced (autoplan.dryrun.routing)
 
 
 def representative_ranks(plan: Plan) -> list[int]:
@@ -291,7 +292,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             _sharding_propagation_in_its_own_fake_mode(), cuda_saved_tensors():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
-        with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing():
+        with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing() as routing:
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
                               ddp=False)
             _warm_optimizers(trainer)
@@ -318,7 +319,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
         return RankRun(rank, mesh.pp_rank, list(trainer.par.stage_ids), peak, at_peak,
                        dict(tracker.category_max), log.calls, boundary,
                        _microbatch_windows(tracker, trainer.par.stage_ids, held),
-                       tracker.windows["reduction"])
+                       tracker.windows["reduction"], routing.routed)
 
 
 def _microbatch_windows(tracker: StepMemoryTracker, stage_ids: list[int],

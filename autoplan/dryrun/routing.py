@@ -57,7 +57,12 @@ def _is_all_to_all(func) -> bool:
 
 class BalancedRouting(TorchDispatchMode):
     """Inside a FakeTensorMode: `bincount` of fake expert ids -> real balanced counts, and
-    ops on those counts run for real (see the module docstring)."""
+    ops on those counts run for real (see the module docstring). `routed`: how many times a
+    layer's routing was made balanced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,12 +77,12 @@ class BalancedRouting(TorchDispatchMode):
                 args[0].copy_(args[1])
         return _mark(out)
 
-    @staticmethod
-    def _bincount(func, values, weights=None, minlength=0):
+    def _bincount(self, func, values, weights=None, minlength=0):
         if not isinstance(values, FakeTensor) or weights is not None or minlength <= 0:
             return func(values, weights, minlength)  # the bins need values: fake mode refuses
         with unset_fake_temporarily():
             counts = torch.tensor(balanced_counts(values.numel(), minlength), dtype=torch.long)
+        self.routed += 1
         return _mark(counts)
 
 
@@ -85,5 +90,5 @@ class BalancedRouting(TorchDispatchMode):
 def balanced_routing():
     """Enter inside the dry run's FakeTensorMode, before modes that should see the routing's
     ops (the collectives log, the memory tracker)."""
-    with BalancedRouting():
-        yield
+    with BalancedRouting() as mode:
+        yield mode
