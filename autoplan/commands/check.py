@@ -16,7 +16,8 @@ running micro-batch only and is not multiplied. The gradient reduction and optim
 after the schedule has drained, are a moment of their own. The CUDA context and allocator
 overhead, which fake tensors cannot see, is the cost model's. With CPU offload, what the
 offload policy keeps in host memory is not in the GPU's categories but on a row of its own,
-beside the cost model's host memory per GPU.
+beside the cost model's host memory per GPU. MoE layers route balanced, as the cost model
+assumes (autoplan.dryrun.routing); the report says so when a layer was routed.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def _ratio(dry: float, model) -> float | None:
     return dry / model if model else None
 
 
+BALANCED = ("balanced, every expert takes tokens x top_k / experts of each micro-batch, as the "
+            "cost model assumes; real routing is uneven, and the fullest expert's rank holds more")
+
+
 def check_plan(target: str, workers: int) -> dict:
     from autoplan.dryrun.job import dry_run
 
@@ -128,6 +133,7 @@ def check_plan(target: str, workers: int) -> dict:
             "world_size": plan.world_size, "device": "fake cpu tensors (no memory allocated)",
             "fits": worst["spare_gib"] >= 0, "worst_rank": worst["rank"],
             "spare_gib": worst["spare_gib"], "ranks": ranks,
+            "routing": BALANCED if any(run.balanced_routings for run, _ in runs) else None,
             "wall_s": time.perf_counter() - start}
 
 
@@ -155,6 +161,8 @@ def render(report: dict, console) -> None:
     console.print(f"{verdict} on the worst rank ({report['worst_rank']}) of "
                   f"{report['gpu_memory_gib']:.0f} GiB {report['gpu']} (dry run on "
                   f"{report['device']}; {report['wall_s']:.0f} s)")
+    if report.get("routing"):
+        console.print(f"MoE routing: {report['routing']}")
 
 
 def _gib(value) -> str:

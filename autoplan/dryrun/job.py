@@ -30,9 +30,10 @@ def _run_in_worker(plan_dict: dict, rank: int, boundary: Boundary) -> tuple[Rank
         return run_rank(plan, build, build(), rank, boundary), time.perf_counter() - start
     except DynamicOutputShapeException as exc:
         raise RuntimeError(
-            f"the model computes a tensor's shape from its values ({exc.func}; MoE routing "
-            "counts do), which fake tensors cannot run, so `autoplan check` cannot dry-run "
-            "this model; `autoplan estimate` gives the cost model's memory") from exc
+            f"the model computes a tensor's shape from its values ({exc.func}), which fake "
+            "tensors cannot run (the dry run makes only autoplan's MoE routing counts "
+            "concrete, balanced), so `autoplan check` cannot dry-run this model; `autoplan "
+            "estimate` gives the cost model's memory") from exc
     except Exception as exc:
         # an exception holding torch objects does not pickle back to the parent process
         raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc

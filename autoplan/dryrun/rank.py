@@ -12,7 +12,8 @@ one untracked micro-batch runs first, so that the measured one starts with the g
 accumulated and the parameters gathered, as the step's last one does. Optimizer state is created by a
 step outside the tracked one, so the tracked step sees it resident, as every step after the
 first does. Tensors are fake CPU tensors: the runtime builds its mesh on the fake group with
-device "cpu"; no memory is allocated.
+device "cpu"; no memory is allocated. MoE layers route balanced, every expert taking
+tokens * top_k / experts (autoplan.dryrun.routing), as the cost model assumes.
 
 CPU offload (FSDP2's CPUOffloadPolicy) needs CUDA, so the runtime does not apply it here; its
 data flow on the GPU is the same but for the host copies, and the dry run books in host
@@ -32,6 +33,7 @@ import torch.nn as nn
 from autoplan.dryrun.collectives import Collective, CollectiveLog
 from autoplan.dryrun.kernels import cuda_saved_tensors
 from autoplan.dryrun.memory import StepMemoryTracker, Window
+from autoplan.dryrun.routing import balanced_routing
 from autoplan.plan import Plan
 from autoplan.runtime.args import TrainArgs
 from autoplan.runtime.loop import Trainer, token_loss
@@ -62,6 +64,7 @@ class RankRun:
     reduction: Window = field(default_factory=Window)  # gradient sync and optimizer step
     host_peak_bytes: int = 0  # what CPU offload keeps in host memory, at its peak
     host_at_peak: dict[str, int] = field(default_factory=dict)
+    balanced_routings: int = 0  # MoE routings made balanced (autoplan.dryrun.routing)
 
 
 def representative_ranks(plan: Plan) -> list[int]:
@@ -340,7 +343,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             _sharding_propagation_in_its_own_fake_mode(), cuda_saved_tensors():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing() as routing:
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
                               ddp=False)
             _warm_optimizers(trainer)
@@ -372,7 +375,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
         return RankRun(rank, mesh.pp_rank, list(trainer.par.stage_ids), peak, at_peak,
                        dict(tracker.category_max), log.calls, boundary,
                        _microbatch_windows(tracker, trainer.par.stage_ids, held),
-                       tracker.windows["reduction"], host_peak, host_at_peak)
+                       tracker.windows["reduction"], host_peak, host_at_peak, routing.routed)
 
 
 def _microbatch_windows(tracker: StepMemoryTracker, stage_ids: list[int],

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from autoplan.cli import cli
@@ -221,16 +222,53 @@ def test_only_what_a_micro_batch_keeps_is_multiplied_by_those_in_flight():
     assert rows["activations"]["at_peak_gib"] * GIB == 700 + held - 300
 
 
-def test_a_model_routing_by_its_values_is_refused_in_one_paragraph(tmp_path):
-    # MoE routing counts (bincount) size the tokens each expert takes: fake tensors have no
-    # values, so the dry run says so instead of a worker's unpicklable torch exception
-    plan = tmp_path / "moe.json"
-    made = CliRunner().invoke(cli, ["plan", "tiny-moe", "--gpu", "cpu", "--gpus", "2",
-                                    "--global-batch", "4", "--seq-len", "64", "-o", str(plan)])
-    assert made.exit_code == 0, made.output
-    from autoplan.errors import UserError
+def _moe_layers_on(plan: Plan, stage_ids: list[int]) -> int:
+    blocks = [b for s in stage_ids for b in plan.stages[s]] if plan.stages else list(plan.blocks)
+    return sum(f"{block}.mlp" in plan.ep_modules for block in blocks)
 
-    out = CliRunner().invoke(cli, ["check", str(plan)])
-    assert isinstance(out.exception, UserError), out.exception  # the CLI's exit 2, no traceback
-    text = " ".join(str(out.exception).split())
-    assert "computes a tensor's shape from its values (aten.bincount" in text
+
+def test_a_moe_plan_with_expert_parallelism_dry_runs_with_balanced_routing(tmp_path):
+    # balanced routing (every expert takes tokens x top_k / experts): each all-to-all of a
+    # rank's MoE layer moves all of its micro-batch's routed slots, tokens x top_k x hidden.
+    # ZeRO-0 autocasts from fp32 weights, so the dispatch sends the fp32 residual stream
+    # (and its backward the fp32 gradient), the combine the experts' bf16 outputs (and their
+    # bf16 gradient); the counts' all-to-all sends one int64 per expert
+    path = tmp_path / "moe.json"
+    made = CliRunner().invoke(cli, ["plan", "tiny-moe", "--gpu", "cpu", "--gpus", "4",
+                                    "--global-batch", "8", "--seq-len", "64", "--fix", "ep=2",
+                                    "--fix", "zero=0", "-o", str(path)])
+    assert made.exit_code == 0, made.output
+    plan = Plan.load(str(path))
+    assert (plan.ep, plan.zero_stage, plan.tp, plan.cp, plan.precision) == (2, 0, 1, 1, "bf16")
+    model = build_from_ref(plan.model, verify=False)
+    layer = model.get_submodule(plan.ep_modules[0])
+    experts, top_k, hidden = layer.num_experts, layer.top_k, layer.gate.in_features
+    slots = plan.micro_batch * plan.seq_len * top_k
+    out = CliRunner().invoke(cli, ["check", str(path), "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    assert "balanced" in report["routing"]
+    for rank in report["ranks"]:
+        layers = _moe_layers_on(plan, rank["stages"])
+        assert layers >= 1, rank["stages"]
+        assert _bytes(rank, "all_to_all", "float32") == 2 * layers * slots * hidden * 4
+        assert _bytes(rank, "all_to_all", "bfloat16") == 2 * layers * slots * hidden * 2
+        assert _bytes(rank, "all_to_all", "int64") == layers * experts * 8
+
+
+def test_a_model_sizing_tensors_from_their_values_is_refused_in_one_paragraph(monkeypatch):
+    # fake tensors have no values: an op whose output shape depends on them (nonzero in a
+    # model's own routing, say) is one paragraph, not a worker's unpicklable torch exception
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    from autoplan.dryrun import job
+
+    def refuse(*_args, **_kwargs):
+        raise DynamicOutputShapeException(torch.ops.aten.nonzero.default)
+
+    monkeypatch.setattr(job, "run_rank", refuse)
+    with pytest.raises(RuntimeError) as caught:
+        job._run_in_worker(json.loads(TINY.read_text()), 0, [])
+    text = " ".join(str(caught.value).split())
+    assert "computes a tensor's shape from its values (aten.nonzero" in text
+    assert "autoplan estimate" in text
