@@ -35,7 +35,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens sorted by (local) expert; counts: tokens per local expert."""
-        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        # the tokens' dtype: expert-parallel experts are outside FSDP's mixed-precision cast
+        w_gate, w_up, w_down = (_local(w).to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         outputs = []
         for index, chunk in enumerate(torch.split(x, counts)):
             hidden = F.silu(chunk @ w_gate[index].t()) * (chunk @ w_up[index].t())

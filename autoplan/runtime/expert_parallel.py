@@ -128,7 +128,8 @@ def _fused_expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup)
     """experts(hidden_states, top_k_index, top_k_weights) with this rank's experts only."""
 
     def run_local(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+        # FSDP's mixed-precision cast skips these (ignored) parameters: compute in the tokens' dtype
+        gate_up, down = (w.to_local().to(tokens.dtype) for w in (experts.gate_up_proj, experts.down_proj))
         outputs = []
         for index, chunk in enumerate(torch.split(tokens, counts)):
             gate, up = F.linear(chunk, gate_up[index]).chunk(2, dim=-1)

@@ -84,6 +84,10 @@ CONFIGS = {
         "hf_mixtral_dp2_tp2_sp_ep2": ("hf_mixtral", P("hf_mixtral", dp=2, tp=2, ep=2)),
         "hf_mixtral_pp2_dp2_ep2": ("hf_mixtral", P("hf_mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         "hf_qwen2moe_ep2_of_dp4": ("hf_qwen2moe", P("hf_qwen2moe", dp=4, ep=2, zero_stage=2)),
+        # expert-parallel experts sit outside FSDP's bf16 parameter cast
+        "ep2_of_dp4_bf16_zero2": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2, precision="bf16")),
+        "hf_mixtral_ep2_of_dp4_bf16_zero3": ("hf_mixtral", P("hf_mixtral", dp=4, ep=2, zero_stage=3,
+                                                             precision="bf16")),
         # TP styles as the planner derives them from the traced model (a generated job's)
         "hf_qwen2moe_dp2_tp2_sp_traced": ("hf_qwen2moe", functools.partial(
             traced_plan_dict, "hf_qwen2moe", dp=2, tp=2)),
