@@ -22,6 +22,11 @@ from autoplan.models.sources import build_from_ref
 from autoplan.plan import Plan
 
 
+class RankFailed(Exception):
+    """A rank's failure as plain text: "Type: message" of what the worker raised (an exception
+    holding torch objects does not pickle back to the parent process)."""
+
+
 def _run_in_worker(plan_dict: dict, rank: int, boundary: Boundary) -> tuple[RankRun, float]:
     start = time.perf_counter()
     plan = Plan.from_dict(plan_dict)
@@ -29,14 +34,13 @@ def _run_in_worker(plan_dict: dict, rank: int, boundary: Boundary) -> tuple[Rank
     try:
         return run_rank(plan, build, build(), rank, boundary), time.perf_counter() - start
     except DynamicOutputShapeException as exc:
-        raise RuntimeError(
+        raise RankFailed(
             f"the model computes a tensor's shape from its values ({exc.func}), which fake "
             "tensors cannot run (the dry run makes only autoplan's MoE routing counts "
             "concrete, balanced), so `autoplan check` cannot dry-run this model; `autoplan "
             "estimate` gives the cost model's memory") from exc
     except Exception as exc:
-        # an exception holding torch objects does not pickle back to the parent process
-        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        raise RankFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
 def dry_run(plan: Plan, workers: int = 2) -> list[tuple[RankRun, float]]:
@@ -62,6 +66,10 @@ def _result(future: Future, plan: Plan, rank: int) -> tuple[RankRun, float]:
             cause = cause[:400] + " ..."
         raise UserError(
             f"the dry run of rank {rank} (pipeline rank {rank // (plan.world_size // plan.pp)} "
-            f"of {plan.pp}) failed: {type(exc).__name__}: {cause}. It was raised while the "
+            f"of {plan.pp}) failed: {_named(exc, cause)}. It was raised while the "
             f"plan's runtime ran one step on fake tensors (a bug of the plan, of the runtime or "
             f"of the dry run itself); `autoplan --debug check PLAN` shows the traceback.") from exc
+
+
+def _named(exc: Exception, cause: str) -> str:
+    return cause if isinstance(exc, RankFailed) else f"{type(exc).__name__}: {cause}"

@@ -10,6 +10,11 @@ autograd saves the fp32 upcast input and the fp32 normalised result instead: fou
 16-bit input, where the GPU keeps it once. The dry run measures the GPU's job, so it runs the
 norm as the fused kernel keeps it: output computed the composite way, saved tensors those
 of `_fused_rms_norm`. A weight of another dtype stays on the composite path, as in ATen.
+
+Matmul dtypes: the fake (meta) kernels of mm/addmm/bmm/baddbmm promote mixed dtypes where
+the real CPU and CUDA kernels refuse them ("expected m1 and m2 to have the same dtype"), so
+the dry run checks them as the real kernels do: a plan whose runtime would stop at its
+first step stops the dry run too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _reduced_dims(x: torch.Tensor, normalized_shape) -> list[int]:
@@ -75,3 +81,20 @@ def cuda_saved_tensors():
         yield
     finally:
         F.rms_norm = composite
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default}
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Refuse a matmul of tensors of different dtypes, as ATen's real kernels do."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _MATMULS:
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            if len(dtypes) > 1:
+                names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+                raise RuntimeError(f"{func} of {names} tensors: the real kernel refuses mixed "
+                                   "dtypes (expected m1 and m2 to have the same dtype)")
+        return func(*args, **(kwargs or {}))

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.dryrun.collectives import Collective, CollectiveLog
-from autoplan.dryrun.kernels import cuda_saved_tensors
+from autoplan.dryrun.kernels import MatmulDtypes, cuda_saved_tensors
 from autoplan.dryrun.memory import StepMemoryTracker, Window
 from autoplan.dryrun.routing import balanced_routing
 from autoplan.plan import Plan
@@ -343,7 +343,8 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             _sharding_propagation_in_its_own_fake_mode(), cuda_saved_tensors():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
-        with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing() as routing:
+        with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing() as routing, \
+                MatmulDtypes():
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
                               ddp=False)
             _warm_optimizers(trainer)
