@@ -190,9 +190,8 @@ def autocast_extra_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelCo
                          recompute: str) -> float:
     """Bytes one block copy keeps per micro-batch beyond the traced 16-bit ones when
     torch.autocast runs it from fp32 module weights (trace/activations.py
-    autocast_extra_elements: fp32 norm inputs, one 16-bit input cast per matmul, 16-bit
-    weight casts). A checkpointed block keeps its input only, fp32 here: 2 B more per
-    element. Under sequence parallelism the norm inputs are sequence shards and each column
+    autocast_extra_elements: fp32 norm inputs, one 16-bit input cast per matmul). A
+    checkpointed block keeps its input only, fp32 here: 2 B more per element. Under sequence parallelism the norm inputs are sequence shards and each column
     linear casts the gathered full sequence. The weight casts are autocast_weight_bytes."""
     norm_inputs, casts, _ = activations.autocast_extra_elements(graph, block)
     per_element = AUTOCAST_BYTES * config.micro_batch / graph.batch_size / config.cp
