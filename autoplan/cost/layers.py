@@ -64,6 +64,10 @@ class Runtime:
     the step keeps the 16-bit logits through the loss backward (autoplan's loop and torchtitan
     free them first; a pipeline schedule keeps them regardless); Megatron's in-place fused
     vocab-parallel cross entropy.
+    experts_outside_fsdp: expert-parallel experts are kept out of DDP/FSDP (autoplan's runtime:
+    runtime/parallelize.py passes them as FSDP's ignored parameters) and hold their model
+    states whole or ZeRO-1 sharded over their replicas (expert_state_layout); Megatron's
+    distributed optimizer and torchtitan's FSDP on its expert mesh shard them as dense ones.
     """
 
     tp_comm_overlap: bool = False
@@ -77,6 +81,7 @@ class Runtime:
     fsdp_copy_out: bool = True
     loss_keeps_logits: bool = False
     fused_vocab_cross_entropy: bool = False
+    experts_outside_fsdp: bool = True
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -221,6 +226,34 @@ def expert_shard_degree(config: ParallelConfig) -> int:
     """Ranks a routed expert's model states are sharded over under ZeRO: its replicas
     (comm.expert_dp_degree), less HSDP's replication, which keeps a full set per replica."""
     return max(1, comm.expert_dp_degree(config.tp, config.cp, config.dp, config.ep) // config.dp_replicate)
+
+
+def expert_state_layout(config: ParallelConfig, runtime: Runtime) -> tuple[int, int, str]:
+    """(ZeRO stage, shard degree, offload) the routed experts' model states are kept under on
+    one rank (memory.model_state_bytes).
+
+    As the dense ones, sharded over the experts' replicas (expert_shard_degree), where the
+    runtime shards them with the rest (Megatron's distributed optimizer over the expert-DP
+    group, torchtitan's fully_shard on its expert mesh) or where ep is 1. autoplan's runtime
+    (Runtime.experts_outside_fsdp) keeps expert-parallel experts out of FSDP and DDP
+    (runtime/parallelize.py: FSDP's ignored parameters; runtime/expert_parallel.py
+    sync_expert_grads all-reduces their gradients over the ranks holding the same experts):
+    fp32 weights and gradients whole on every rank, never gathered in 16 bits, so not
+    offloaded by FSDP's CPUOffloadPolicy either; their AdamW moments are sharded only at
+    ZeRO-1, by ZeroRedundancyOptimizer over those ranks, dp_replicate x ep_rest = dp x cp / ep
+    (runtime/mesh.py ep_replica, runtime/data_parallel.py Zero1), and whole otherwise (a
+    plain AdamW at ZeRO-0/2/3, runtime/loop.py make_optimizer)."""
+    if not (runtime.experts_outside_fsdp and config.ep > 1):
+        return config.zero_stage, expert_shard_degree(config), config.offload
+    if config.zero_stage == 1:
+        return 1, max(1, config.dp * config.cp // config.ep), config.offload
+    return 0, 1, "none" if config.zero_stage >= 2 else config.offload
+
+
+def fsdp_expert_params(params: memory.BlockParams, config: ParallelConfig, runtime: Runtime) -> float:
+    """The routed-expert parameters of `params` that FSDP manages (all but autoplan's
+    expert-parallel ones, expert_state_layout)."""
+    return 0.0 if runtime.experts_outside_fsdp and config.ep > 1 else params.expert
 
 
 def fsdp_pipeline_unsharded(config: ParallelConfig) -> bool:
@@ -450,29 +483,32 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                             config.dp_shard * config.cp, config.offload,
                                             runtime.fp32_module_weights)
     # HSDP: states are sharded over dp_shard only, replicated over dp_replicate
-    expert_shard = expert_shard_degree(config)
-    expert_states = memory.model_state_bytes(params.expert, config.precision, config.zero_stage, expert_shard,
-                                             config.offload, runtime.fp32_module_weights)
+    expert_zero, expert_shard, expert_offload = expert_state_layout(config, runtime)
+    expert_states = memory.model_state_bytes(params.expert, config.precision, expert_zero, expert_shard,
+                                             expert_offload, runtime.fp32_module_weights)
+    fsdp_experts = fsdp_expert_params(params, config, runtime)
     if fsdp_pipeline_unsharded(config):
-        unsharded = params.dense + params.expert
+        unsharded = params.dense + fsdp_experts
         # the unsharded fp32 sums accumulate over the micro-batches; the end-of-step
         # reduce-scatter frees each group's sum as it makes its shard, so the peak is the sums
         # (measured by `autoplan check`: 4 bytes per parameter, not 4 + 4/dp)
         dense_states["gradients"] = unsharded * memory.grad_reduce_bytes_per_param(config.precision)
-        expert_states["gradients"] = 0.0
+        if fsdp_experts:
+            expert_states["gradients"] = 0.0
         if config.zero_stage >= 3:
             # the 16-bit gathered weights stay for the whole step, offloaded or not (FSDP2
             # all-gathers into GPU tensors); fp32 master shards stay too unless offloaded
             # (then model_state_bytes leaves none on the GPU; a 16-bit shard is part of the
             # gathered copy)
-            shards = (dense_states["parameters"] + expert_states["parameters"]
+            shards = (dense_states["parameters"] + (expert_states["parameters"] if fsdp_experts else 0.0)
                       if runtime.fp32_module_weights else 0.0)
             dense_states["parameters"] = shards + unsharded * memory.weight_bytes_per_param(config.precision)
-            expert_states["parameters"] = 0.0
+            if fsdp_experts:
+                expert_states["parameters"] = 0.0
     host_bytes = (memory.host_state_bytes(params.dense, config.precision, config.zero_stage,
                                           config.dp_shard * config.cp, config.offload, runtime.fp32_module_weights)
-                  + memory.host_state_bytes(params.expert, config.precision, config.zero_stage, expert_shard,
-                                            config.offload, runtime.fp32_module_weights))
+                  + memory.host_state_bytes(params.expert, config.precision, expert_zero, expert_shard,
+                                            expert_offload, runtime.fp32_module_weights))
     activation = activation_bytes(block, graph, config, rc, flash_attention, runtime, cache)
     return LayerCost(
         name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
@@ -484,7 +520,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         grad_bytes=dense_states["gradients"] + expert_states["gradients"],
         optimizer_bytes=dense_states["optimizer"] + expert_states["optimizer"],
         activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
-        zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
+        zero3_gather_params=(params.dense + fsdp_experts) if config.zero_stage >= 3 else 0.0,
         host_bytes=host_bytes,
         cast_weight_bytes=(memory.autocast_weight_bytes(graph, block, config)
                            if _autocasts(config, runtime) else 0.0),

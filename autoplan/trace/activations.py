@@ -137,7 +137,17 @@ def autocast_extra_elements(graph: ModelGraph, block: BlockInfo) -> tuple[int, i
 
 def sac_output_bytes(op: OpInfo, dtype_bytes: int) -> float:
     """Bytes the selective checkpoint caches for one op it must save: its output (and the
-    attention kernel's log-sum-exp, one per row of (batch, heads, seq))."""
+    attention kernel's log-sum-exp, one per row of (batch, heads, seq)).
+
+    A MoE module traced as one op (trace/recorder.py merge_moe) is the GEMMs it ran: every
+    routed expert's gate, up and down outputs for each routed token slot (tokens x top_k),
+    the router's logits and any shared expert's outputs (its inner GEMMs, M x N each), as
+    the runtime's policy saves every mm (runtime/recompute.py; the experts run one mm per
+    matrix, autoplan.models.moe.GroupedExperts and runtime/expert_parallel.py). The module's
+    combined output is an index_add, recomputed."""
+    if op.kind == "expert" and op.routed_gemm_output_elements:
+        inner = sum(m * n for m, n, _, _ in op.inner_gemms)
+        return float((op.routed_gemm_output_elements + inner) * dtype_bytes)
     if not op.output_shape:
         return float(op.saved_bytes) if op.kind == "expert" else 0.0
     out = _numel(op.output_shape) * dtype_bytes

@@ -46,6 +46,10 @@ class OpInfo:
     # (M, N, K, FLOPs) of each GEMM a fallback MoE op ran outside its routed experts (router,
     # shared experts), so the cost model prices each at its own shape
     inner_gemms: tuple[tuple[int, int, int, int], ...] = ()
+    # elements the routed experts' GEMMs of a fallback MoE op write: routed token slots x the
+    # output features of one expert's matrices (gate + up + down), what a selective
+    # checkpoint that saves every matmul output keeps (trace/activations.py sac_output_bytes)
+    routed_gemm_output_elements: int = 0
 
 
 @dataclass(frozen=True)

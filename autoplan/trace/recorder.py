@@ -230,6 +230,7 @@ class FunctionRecorder(TorchFunctionMode):
             bytes_written=_numel(last.output_shape) * 2,
             saved_bytes=sum(op.saved_bytes for op in inner), gemm_mnk=gemm, fallback=True,
             inner_gemms=others,
+            routed_gemm_output_elements=routed * sum(out for out, _ in matrices),
         ))
 
     def _gemm(self, kind, name, inputs, out, flops):

@@ -49,6 +49,9 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # Megatron's fused vocab-parallel cross entropy unless the family runs torch's eager one
     out["fused_vocab_cross_entropy"] = bool(traits.get("fused_vocab_cross_entropy", True))
     out["loss_keeps_logits"] = bool(traits.get("loss_keeps_logits", False))
+    # expert-parallel experts sharded with the rest (Megatron's distributed optimizer over the
+    # expert-DP group, torchtitan's fully_shard on its expert mesh), not autoplan's layout
+    out["experts_outside_fsdp"] = bool(traits.get("experts_outside_fsdp", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

@@ -160,3 +160,70 @@ def test_autocast_weight_casts_are_held_once_whatever_the_recomputation():
         for mode in ("none", "selective", "full"):
             cost = layer_cost(graph.blocks[0], graph, parallel, cluster, mode)
             assert cost.cast_weight_bytes == expected, (zero, mode)
+
+
+def _moe_layer_states(zero: int, dp: int, ep: int, runtime, tp: int = 1, offload: str = "none"):
+    """The LayerCost of tiny-moe's MoE block on dp x tp H100s."""
+    import json
+
+    from autoplan.cost.layers import layer_cost
+    from autoplan.hardware import load_gpu, make_cluster
+    from autoplan.trace.tracer import graph_for_config
+    from autoplan.paths import cost_models_dir
+
+    raw = json.loads((cost_models_dir() / "models" / "tiny-moe.json").read_text())
+    graph = graph_for_config({k: v for k, v in raw.items() if not k.startswith("_")}, 1, 64,
+                             probe_runtime=False)
+    block = next(b for b in graph.blocks if b.experts)
+    config = ParallelConfig(global_batch=8, seq_len=64, dp=dp, tp=tp, ep=ep, micro_batch=1,
+                            zero_stage=zero, offload=offload)
+    cost = layer_cost(block, graph, config, make_cluster(load_gpu("h100"), dp * tp),
+                      runtime=runtime)
+    return cost
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_autoplan_keeps_expert_parallel_experts_whole_outside_fsdp(zero):
+    # autoplan's runtime passes the expert-parallel experts to FSDP as ignored parameters
+    # (runtime/parallelize.py) and steps them with a plain AdamW (runtime/loop.py): fp32
+    # weights (4 B), fp32 gradients all-reduced over their replicas (4 B) and Adam's two
+    # moments (8 B), whole on every rank, never gathered in 16 bits, out of CPU offload.
+    # dp8 ep2: four replicas, over which FSDP would have sharded them. Exact: bytes per
+    # parameter times parameters.
+    from autoplan.cost.layers import Runtime
+
+    cost = _moe_layer_states(zero, dp=8, ep=2, runtime=Runtime())
+    experts, n = cost.expert_params, 8
+    assert experts > 0
+    dense_w = cost.dense_params * (4 / n + (2 if zero == 2 else 0))
+    assert cost.weight_bytes == pytest.approx(dense_w + 4 * experts)
+    assert cost.grad_bytes == pytest.approx(cost.dense_params * 4 / n + 4 * experts)
+    assert cost.optimizer_bytes == pytest.approx(cost.dense_params * 8 / n + 8 * experts)
+    assert cost.zero3_gather_params == (cost.dense_params if zero == 3 else 0.0)
+    offloaded = _moe_layer_states(zero, dp=8, ep=2, runtime=Runtime(), offload="both")
+    assert offloaded.weight_bytes + offloaded.grad_bytes + offloaded.optimizer_bytes >= 16 * experts
+
+
+def test_autoplan_zero1_shards_expert_moments_over_the_ranks_holding_the_same_experts():
+    # ZeRO-1: ZeroRedundancyOptimizer over dp_replicate x ep_rest = dp x cp / ep ranks
+    # (runtime/mesh.py ep_replica, runtime/data_parallel.py Zero1), not over the TP ranks,
+    # which hold the same experts too (expert-TP 1); weights and gradients whole. dp4 tp2 ep2:
+    # over 2 ranks, not the 4 replicas
+    from autoplan.cost.layers import Runtime
+
+    cost = _moe_layer_states(1, dp=4, ep=2, tp=2, runtime=Runtime())
+    experts = cost.expert_params
+    assert cost.optimizer_bytes == pytest.approx(cost.dense_params * 8 / 4 + experts * 8 / 2)
+    assert cost.weight_bytes == pytest.approx((cost.dense_params + experts) * 4)
+
+
+def test_runtimes_that_shard_experts_keep_them_as_fsdp_parameters():
+    # Megatron's distributed optimizer (expert-DP group) and torchtitan's FSDP on its expert
+    # mesh shard the experts' states over their replicas: 4/4 + 2 gathered at ZeRO-2, dp8 ep2
+    from autoplan.cost.layers import Runtime
+
+    cost = _moe_layer_states(2, dp=8, ep=2, runtime=Runtime(experts_outside_fsdp=False))
+    ours = _moe_layer_states(2, dp=8, ep=2, runtime=Runtime())
+    experts = cost.expert_params
+    assert cost.weight_bytes - ours.weight_bytes == pytest.approx(experts * (4 / 4 + 2 - 4))
+    assert cost.optimizer_bytes - ours.optimizer_bytes == pytest.approx(experts * (8 / 4 - 8))

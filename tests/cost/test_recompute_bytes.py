@@ -1,5 +1,6 @@
 """The cost model's activation bytes per recomputation mode against what autoplan's runtime
-really keeps: a small Llama block run on CPU under runtime/recompute.py's wrappers, the bytes
+really keeps: a small Llama block (and one whose MLP is autoplan's MoE) run on CPU under
+runtime/recompute.py's wrappers, the bytes
 of every storage created in forward that is still alive when forward returns (saved for
 backward or cached by the selective checkpoint), deduplicated by storage."""
 
@@ -14,11 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoplan.config import ParallelConfig
 from autoplan.cost.memory import block_activation_bytes
 from autoplan.models.llama import Attention, DecoderBlock, SwiGLU, rope_tables
+from autoplan.models.moe import MoE
 from autoplan.runtime.recompute import apply_recompute
 from autoplan.trace.activations import saved_bytes_by_mode
 from autoplan.trace.tracer import trace_model
 
 H, HEADS, FFN, BATCH, SEQ = 96, 4, 256, 2, 64  # hidden != seq: no (b, s, s)-shaped residual
+EXPERTS, TOP_K = 4, 2
 
 
 class _Storages(TorchDispatchMode):
@@ -38,10 +41,11 @@ class _Storages(TorchDispatchMode):
 
 
 class _Blocks(nn.Module):
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, moe: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(
-            DecoderBlock(H, Attention(H, HEADS, HEADS, H // HEADS, False), SwiGLU(H, FFN), 1e-5)
+            DecoderBlock(H, Attention(H, HEADS, HEADS, H // HEADS, False),
+                         MoE(H, FFN, EXPERTS, TOP_K) if moe else SwiGLU(H, FFN), 1e-5)
             for _ in range(layers))
         cos, sin = rope_tables(H // HEADS, SEQ, 1e4)
         self.register_buffer("cos", cos)
@@ -53,16 +57,16 @@ class _Blocks(nn.Module):
         return x
 
 
-def measured_kept_bytes(mode: str, fused_norm: bool = False) -> int:
+def measured_kept_bytes(mode: str, fused_norm: bool = False, moe: bool = False) -> int:
     """Bytes one block keeps from forward to backward under the runtime's wrapper (bf16, CPU);
     `fused_norm`: RMSNorm keeps what the fused CUDA kernel saves (the dry run's shim)."""
     if fused_norm:
         from autoplan.dryrun.kernels import cuda_saved_tensors
 
         with cuda_saved_tensors():
-            return measured_kept_bytes(mode)
+            return measured_kept_bytes(mode, moe=moe)
     torch.manual_seed(0)
-    model = _Blocks(1).to(torch.bfloat16)
+    model = _Blocks(1, moe).to(torch.bfloat16)
     apply_recompute(model, {"layers.0": mode})
     x0 = torch.randn(BATCH, SEQ, H, dtype=torch.bfloat16, requires_grad=True)
     outside = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers(), x0)}
@@ -83,6 +87,26 @@ def traced_block():
         model = _Blocks(2)
     graph = trace_model(model, (torch.empty(BATCH, SEQ, H, device="meta"),))
     return graph, graph.segment("layers")
+
+
+@pytest.fixture(scope="module")
+def traced_moe_block():
+    with torch.device("meta"):
+        model = _Blocks(2, moe=True)
+    graph = trace_model(model, (torch.empty(BATCH, SEQ, H, device="meta"),))
+    return graph, graph.segment("layers")
+
+
+def test_selective_moe_bytes_are_every_expert_gemm_output(traced_moe_block):
+    # The selective checkpoint saves every mm output inside the MoE: each routed token slot's
+    # gate, up and down outputs (2 x FFN + H) and the router's logits, however the router
+    # spreads the tokens; the trace folds the MoE into one op, whose T x H output alone was
+    # what the cost model counted. Equal up to float rounding.
+    graph, block = traced_moe_block
+    measured = measured_kept_bytes("selective", moe=True)
+    expert_outputs = BATCH * SEQ * (TOP_K * (2 * FFN + H) + EXPERTS) * 2  # bf16
+    assert expert_outputs > measured / 2  # the experts dominate what this block keeps
+    assert saved_bytes_by_mode(graph, block)["selective"] == pytest.approx(measured, rel=1e-9)
 
 
 def test_selective_and_full_bytes_are_what_the_runtime_keeps(traced_block):

@@ -72,7 +72,11 @@ def test_torchtitan_runtime_traits():
                                                    "optimizer_kernels": "fused",
                                                    "fsdp_copy_out": False,
                                                    "fused_vocab_cross_entropy": True,
-                                                   "loss_keeps_logits": False}
+                                                   "loss_keeps_logits": False,
+                                                   "experts_outside_fsdp": False}
+    # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts
+    # with the rest; only autoplan's runtime keeps them out of FSDP (layers.Runtime default)
+    assert traits["experts_outside_fsdp"] is False
 
 
 def test_llm_foundry_adamw_runs_op_by_op():
