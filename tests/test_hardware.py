@@ -39,7 +39,7 @@ REQUIRED_EFFICIENCY_KEYS = (
 )
 # The list: every gpu_key of published_runs.json plus v100, h100-pcie, mi300x, l40s and cpu.
 REQUIRED_GPUS = (
-    "a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm-80gb", "h100-sxm-96gb", "h100-sxm-96gb-hbm2e-500w",
+    "a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm-80gb", "h100-sxm-96gb", "h100-96gb-500w",
     "h800", "h200-sxm-141gb", "b200", "gb200", "gb300", "v100-sxm2-32gb", "h100-pcie-80gb", "mi300x", "l40s",
     "cpu",
 )
