@@ -3,8 +3,9 @@ plan (one a two-stage pipeline with ZeRO-2 over two micro-batches, one with CPU 
 whose host memory is a row of its own), Llama 3.1 8B plans on 8 H100 at 8K tokens where
 activations dominate (each made by `autoplan plan` with the axis or mode fixed: context
 parallelism, selective and full recomputation, TP + SP over ZeRO-1 and ZeRO-3, CPU offload),
-and the 8B and 70B example plans: each category's dry-run maximum, the cost model's, their
-ratio, the category at the rank's worst moment, and the wall time of each check.
+and the 8B, 70B and Mixtral-8x7B example plans (MoE routed balanced): each category's
+dry-run maximum, the cost model's, their ratio, the category at the rank's worst moment,
+and the wall time of each check.
 
     python benchmarks/check_vs_model.py [PLAN ...]
 """
@@ -25,7 +26,8 @@ VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "zero3": {"z
             "zero2 offload": {"zero_stage": 2, "offload": "both"},
             "pp2 zero2": {"zero_stage": 2, "pp": 2, "dp": 2,
                           "stages": [["layers.0"], ["layers.1"]]}}
-EXAMPLES = ["llama3.1-8b-8xh100-sxm-80gb", "llama3.1-70b-64xh100-sxm-80gb"]
+EXAMPLES = ["llama3.1-8b-8xh100-sxm-80gb", "llama3.1-70b-64xh100-sxm-80gb",
+            "mixtral-8x7b-32xh100-sxm-80gb"]
 LLAMA_8B = ["llama3.1-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32", "--seq-len", "8192"]
 FIXED_8B = {"8B dp4 cp2": "cp=2 pp=1 tp=1",
             "8B dp8 selective": "recompute=selective pp=1 tp=1 cp=1 offload=none",
