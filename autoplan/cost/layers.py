@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, host, hw, memory, offload, sac
+from autoplan.cost import comm, compute, host, hw, memory, offload, sac, volume
 from autoplan.cost.cache import NO_CACHE, CostCache, or_no_cache
 from autoplan.cost.profile import BlockProfile, block_profile
 from autoplan.trace.graph import BlockInfo, ModelGraph
@@ -120,15 +120,7 @@ def _frozen(d: dict) -> Mapping[str, float]:
     return MappingProxyType(dict(d))
 
 
-def _tokens_per_rank(graph: ModelGraph, config: ParallelConfig, block: BlockInfo | None = None) -> float:
-    """Tokens of one micro-batch on a rank. A sample of an image model is one image, whose
-    blocks run on its patches (ViT) or window tokens (Swin): read off the block's input
-    (batch, tokens..., hidden) as traced."""
-    tokens = graph.seq_len
-    if graph.image_size and block is not None and block.kind not in ("pre", "post") \
-            and block.hidden and block.input_bytes:
-        tokens = block.input_bytes / (graph.dtype_bytes * graph.batch_size * block.hidden)
-    return config.micro_batch * tokens / config.cp
+_tokens_per_rank = volume.tokens_per_rank
 
 
 def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
@@ -142,19 +134,12 @@ def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
     """
     if config.tp <= 1:
         return 0.0
-    act = compute.activation_dtype_bytes(config.precision)
-    payload = _tokens_per_rank(graph, config, block) * block.hidden * act
+    payload = volume.tp_payload_bytes(graph, block, config)
     if config.sequence_parallel:
         one = 2 * comm.allgather_time_s(payload, groups.tp, fabric)
     else:
         one = comm.allreduce_time_s(payload, groups.tp, fabric)
-    if block.kind == "pre":
-        count = 1
-    elif block.kind == "post":
-        count = 2
-    else:
-        count = 4 + (2 if recompute == "full" else 0)
-    return count * one
+    return volume.tp_collective_count(block, recompute) * one
 
 
 def tp_exposed_s(tp_comm_s: float, tp: int, gemm_s: float) -> float:
@@ -177,12 +162,9 @@ def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
     """
     if config.cp <= 1 or not block.kv_bytes:
         return 0.0, 0.0
-    act = compute.activation_dtype_bytes(config.precision)
-    kv_local = (block.kv_bytes * config.micro_batch / graph.batch_size / config.cp / config.tp
-                * act / graph.dtype_bytes)
-    step = comm.p2p_time_s(kv_local, groups.cp.nodes > 1, fabric)
-    fwd = (config.cp - 1) * step
-    bwd = 2 * fwd
+    step = comm.p2p_time_s(volume.cp_hop_bytes(graph, block, config), groups.cp.nodes > 1, fabric)
+    fwd_hops, bwd_hops = volume.cp_hops(config.cp)
+    fwd, bwd = fwd_hops * step, bwd_hops * step
     attn_bwd = attention_fwd_s * compute.BACKWARD_ATTENTION_FACTOR
     exposed = max(0.0, fwd - attention_fwd_s) + max(0.0, bwd - attn_bwd)
     return fwd + bwd, exposed
@@ -194,11 +176,9 @@ def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
     Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped."""
     if config.ep <= 1 or not block.experts:
         return 0.0
-    act = compute.activation_dtype_bytes(config.precision)
-    # expert-TP 1: the TP ranks split their tokens before dispatch (sequence-parallel shard)
-    tokens = _tokens_per_rank(graph, config) / config.tp
-    one = comm.moe_dispatch_time_s(tokens, block.top_k, block.hidden * act, groups.ep, fabric)
-    return (4 + (2 if recompute == "full" else 0)) * one
+    one = comm.moe_dispatch_time_s(volume.ep_tokens(graph, config), block.top_k,
+                                   volume.ep_token_bytes(block, config), groups.ep, fabric)
+    return volume.ep_alltoall_count(recompute) * one
 
 
 def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,

@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, memory, pipeline
+from autoplan.cost import comm, memory, pipeline, volume
 from autoplan.cost.cache import CostCache
 from autoplan.cost.layers import DEFAULT_RUNTIME, LayerCost, Runtime, fabric_and_groups, layer_cost
 from autoplan.trace.graph import BlockInfo, ModelGraph
@@ -150,12 +150,7 @@ def pp_p2p_s(graph: ModelGraph, config: ParallelConfig, cluster, cache: CostCach
     if config.pp <= 1:
         return 0.0
     fabric, groups = fabric_and_groups(config, cluster, cache)
-    act = compute.activation_dtype_bytes(config.precision)
-    hidden = graph.blocks[0].hidden if graph.blocks else graph.pre.hidden
-    payload = config.micro_batch * graph.seq_len / config.cp * hidden * act
-    if config.sequence_parallel and config.tp > 1:
-        payload /= config.tp
-    return 2 * comm.p2p_time_s(payload, groups.pp_cross_node, fabric)
+    return 2 * comm.p2p_time_s(volume.pp_boundary_bytes(graph, config), groups.pp_cross_node, fabric)
 
 
 def last_stage_loss_bytes(graph: ModelGraph, config: ParallelConfig, runtime: Runtime) -> dict[str, float]:
