@@ -60,6 +60,9 @@ class Runtime:
     fsdp_copy_out: ZeRO-2/3 all-gathers land in a flat buffer that FSDP2 copies out into the
     parameters on the compute stream (compute.fsdp_copy_out_s); FSDP1's flat parameter is the
     gather buffer itself.
+    fsdp_root_regathered: ZeRO-3 gathers the embedding and head again for the backward
+    (volume.fsdp_gathers); autoplan's runtime keeps them, FSDP's root unit, gathered from
+    forward to backward.
     loss_keeps_logits, fused_vocab_cross_entropy: how the loss holds memory (memory.loss_bytes):
     the step keeps the 16-bit logits through the loss backward (autoplan's loop and torchtitan
     free them first; a pipeline schedule keeps them regardless); Megatron's in-place fused
@@ -77,6 +80,7 @@ class Runtime:
     fsdp_copy_out: bool = True
     loss_keeps_logits: bool = False
     fused_vocab_cross_entropy: bool = False
+    fsdp_root_regathered: bool = False
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -171,29 +175,32 @@ def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
 
 
 def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
-              groups: comm.Groups, recompute: str) -> float:
+              groups: comm.Groups, recompute: str, fp32_module_weights: bool = False) -> float:
     """Expert-parallel all-to-all: dispatch + combine in forward and in backward (GShard,
-    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped."""
+    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped; the
+    dispatch in the residual stream's dtype (volume.ep_token_bytes)."""
     if config.ep <= 1 or not block.experts:
         return 0.0
-    one = comm.moe_dispatch_time_s(volume.ep_tokens(graph, config), block.top_k,
-                                   volume.ep_token_bytes(block, config), groups.ep, fabric)
-    return volume.ep_alltoall_count(recompute) * one
+    dispatch, combine = (comm.moe_dispatch_time_s(volume.ep_tokens(graph, config), block.top_k, b,
+                                                  groups.ep, fabric)
+                         for b in volume.ep_token_bytes(block, config, fp32_module_weights))
+    return volume.ep_alltoall_count(recompute) // 2 * (dispatch + combine)
 
 
 def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
-                 groups: comm.Groups, fwd_s: float, bwd_s: float) -> tuple[float, float]:
-    """(total, exposed) ZeRO-3 per micro-batch: all-gather weights in forward and backward,
-    reduce-scatter gradients (Rajbhandari et al. 2020 §5.3), each prefetched under the
-    block's own compute (FSDP); what compute cannot hide is exposed."""
+                 groups: comm.Groups, fwd_s: float, bwd_s: float, gathers: int = 2) -> tuple[float, float]:
+    """(total, exposed) ZeRO-3 per micro-batch: all-gather weights in forward and, but for
+    FSDP's root unit, again in backward (`gathers`, volume.fsdp_gathers), reduce-scatter
+    gradients (Rajbhandari et al. 2020 §5.3), each prefetched under the block's own compute
+    (FSDP); what compute cannot hide is exposed."""
     if config.zero_stage < 3:
         return 0.0, 0.0
     w = memory.weight_bytes_per_param(config.precision)
     g = memory.grad_reduce_bytes_per_param(config.precision)
     gather = comm.dp_allgather_time_s(params.dense, params.expert, w, groups, fabric)
     scatter = comm.dp_allgather_time_s(params.dense, params.expert, g, groups, fabric)
-    total = 2 * gather + scatter  # AG forward, AG backward, RS of the gradients
-    exposed = max(0.0, gather - fwd_s) + max(0.0, gather + scatter - bwd_s)
+    total = gathers * gather + scatter  # AG forward, AG backward, RS of the gradients
+    exposed = max(0.0, gather - fwd_s) + max(0.0, (gathers - 1) * gather + scatter - bwd_s)
     return total, exposed
 
 
@@ -400,14 +407,14 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                  + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
     cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s)
     total["cp"], exposed["cp"] = cp_total, cp_exposed
-    ep = ep_comm_s(graph, block, config, fabric, groups, rc)
+    ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights)
     total["ep"] = ep
     # With pipelining, the all-to-all of one micro-batch runs under another's compute
     # (DeepSeek-V3 DualPipe, §3.2.1; Megatron-Core 1F1B A2A overlap): only what compute
     # cannot hide is exposed. Without PP there is no other micro-batch to hide it under.
     exposed["ep"] = max(0.0, ep - times.fwd_s - times.bwd_s) if config.pp > 1 else ep
     z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, times.fwd_s + recompute_s,
-                                      times.bwd_s)
+                                      times.bwd_s, volume.fsdp_gathers(block, runtime.fsdp_root_regathered))
     if runtime.zero3_flat_gather:
         z_total, z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc, times.fwd_s,
                                                recompute_s, times.bwd_s)

@@ -36,6 +36,16 @@ class Traffic:
     when: str = MICROBATCH
 
 
+def stream_dtype_bytes(config: ParallelConfig, fp32_module_weights: bool = True) -> int:
+    """Bytes per element of the residual stream between blocks: fp32 where torch.autocast
+    computes from fp32 module weights (ZeRO-0/1 in autoplan's runtime: the norms return fp32
+    and the residual sums stay fp32, so the hidden states a block hands on, a pipeline stage
+    sends and an MoE layer dispatches are fp32), else the 16-bit activation dtype."""
+    if memory.autocasts_fp32_weights(config.precision, config.zero_stage, fp32_module_weights):
+        return memory.FP32_BYTES
+    return compute.activation_dtype_bytes(config.precision)
+
+
 def dtype_name(nbytes: int, precision: str) -> str:
     """torch's name of a floating dtype of `nbytes` under `precision` (16 bits: the training's)."""
     if nbytes == 4:
@@ -114,8 +124,12 @@ def ep_tokens(graph: ModelGraph, config: ParallelConfig) -> float:
     return tokens_per_rank(graph, config) / config.tp
 
 
-def ep_token_bytes(block: BlockInfo, config: ParallelConfig) -> float:
-    return block.hidden * compute.activation_dtype_bytes(config.precision)
+def ep_token_bytes(block: BlockInfo, config: ParallelConfig, fp32_module_weights: bool = True) -> tuple[float, float]:
+    """(dispatch, combine) bytes of one routed token: the dispatch moves the layer's input, the
+    residual stream (stream_dtype_bytes), the combine the experts' 16-bit outputs; each one's
+    backward moves a gradient of the same dtype."""
+    return (block.hidden * stream_dtype_bytes(config, fp32_module_weights),
+            block.hidden * compute.activation_dtype_bytes(config.precision))
 
 
 def ep_alltoall_count(recompute: str) -> int:
@@ -124,31 +138,38 @@ def ep_alltoall_count(recompute: str) -> int:
     return 4 + (2 if recompute == "full" else 0)
 
 
-def ep_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str) -> list[Traffic]:
+def ep_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str,
+               fp32_module_weights: bool = True) -> list[Traffic]:
     if config.ep <= 1 or not block.experts:
         return []
     slots = ep_tokens(graph, config) * block.top_k
-    dtype = dtype_name(compute.activation_dtype_bytes(config.precision), config.precision)
     forwards = 2 if recompute == "full" else 1
-    return [Traffic("all_to_all", dtype, ep_alltoall_count(recompute) * slots * ep_token_bytes(block, config)),
-            # every forward exchanges the per-expert token counts before the dispatch
-            Traffic("all_to_all", "int64", forwards * block.experts * INDEX_BYTES)]
+    each = ep_alltoall_count(recompute) // 2  # half dispatches (and their gradients), half combines
+    out = [Traffic("all_to_all", dtype_name(int(b / block.hidden), config.precision), each * slots * b)
+           for b in ep_token_bytes(block, config, fp32_module_weights)]
+    # every forward exchanges the per-expert token counts before the dispatch
+    return out + [Traffic("all_to_all", "int64", forwards * block.experts * INDEX_BYTES)]
 
 
 # -- data parallelism ----------------------------------------------------------------------
 
-def fsdp_gathers(block: BlockInfo) -> int:
+def fsdp_gathers(block: BlockInfo, root_regathered: bool = False) -> int:
     """ZeRO-3 all-gathers of a block's weights per micro-batch: before forward and again
-    before backward (Rajbhandari et al. 2020 §5.3)."""
-    return 2
+    before backward (Rajbhandari et al. 2020 §5.3). Where the embedding and head are FSDP's
+    root unit kept gathered from its forward to its backward (autoplan's runtime shards the
+    root with reshard_after_forward=False, runtime/data_parallel.py apply_fsdp, as FSDP2 does
+    for a root left to choose, torch/distributed/fsdp/_fully_shard/_fsdp_state.py _lazy_init),
+    they are gathered once (Runtime.fsdp_root_regathered)."""
+    return 1 if block.kind in ("pre", "post") and not root_regathered else 2
 
 
-def zero3_traffic(params: memory.BlockParams, block: BlockInfo, config: ParallelConfig) -> list[Traffic]:
+def zero3_traffic(params: memory.BlockParams, block: BlockInfo, config: ParallelConfig,
+                  root_regathered: bool = False) -> list[Traffic]:
     """All-gather the 16-bit weights, reduce-scatter the gradients in the reduce dtype."""
     if config.zero_stage < 3:
         return []
     return _dp_traffic("all_gather", params, memory.weight_bytes_per_param(config.precision), config,
-                       MICROBATCH, fsdp_gathers(block)) + \
+                       MICROBATCH, fsdp_gathers(block, root_regathered)) + \
         _dp_traffic("reduce_scatter", params, memory.grad_reduce_bytes_per_param(config.precision), config, MICROBATCH)
 
 
@@ -193,10 +214,11 @@ def _dp_traffic(kind: str, params: memory.BlockParams, bytes_per_param: int, con
 
 # -- pipeline parallelism ------------------------------------------------------------------
 
-def pp_boundary_bytes(graph: ModelGraph, config: ParallelConfig) -> float:
-    """The activation (and, back, its gradient) one micro-batch hands across a stage boundary:
-    b x s x h, / t with the scatter/gather optimisation (Narayanan et al. 2021 §4.1)."""
-    act = compute.activation_dtype_bytes(config.precision)
+def pp_boundary_bytes(graph: ModelGraph, config: ParallelConfig, fp32_module_weights: bool = True) -> float:
+    """The hidden states (and, back, their gradient) one micro-batch hands across a stage
+    boundary: b x s x h in the residual stream's dtype, / t with the scatter/gather
+    optimisation (Narayanan et al. 2021 §4.1)."""
+    act = stream_dtype_bytes(config, fp32_module_weights)
     hidden = graph.blocks[0].hidden if graph.blocks else graph.pre.hidden
     payload = config.micro_batch * graph.seq_len / config.cp * hidden * act
     if config.sequence_parallel and config.tp > 1:
@@ -204,13 +226,15 @@ def pp_boundary_bytes(graph: ModelGraph, config: ParallelConfig) -> float:
     return payload
 
 
-def pp_traffic(graph: ModelGraph, config: ParallelConfig, stage_index: int, stages: int) -> list[Traffic]:
-    """A stage receives the activation from the one before and sends its gradient back; it
-    sends its own output to the one after and receives that output's gradient."""
+def pp_traffic(graph: ModelGraph, config: ParallelConfig, stage_index: int, stages: int,
+               fp32_module_weights: bool = True) -> list[Traffic]:
+    """A stage receives the hidden states from the one before and sends their gradient back;
+    it sends its own output to the one after and receives that output's gradient. (What
+    else a split model hands on beside them, position tables, is left out.)"""
     if config.pp <= 1:
         return []
-    payload = pp_boundary_bytes(graph, config)
-    dtype = dtype_name(compute.activation_dtype_bytes(config.precision), config.precision)
+    payload = pp_boundary_bytes(graph, config, fp32_module_weights)
+    dtype = dtype_name(stream_dtype_bytes(config, fp32_module_weights), config.precision)
     neighbours = (stage_index > 0) + (stage_index < stages - 1)
     return [Traffic("send", dtype, neighbours * payload), Traffic("recv", dtype, neighbours * payload)]
 
@@ -218,12 +242,14 @@ def pp_traffic(graph: ModelGraph, config: ParallelConfig, stage_index: int, stag
 # -- one rank ------------------------------------------------------------------------------
 
 def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[list[tuple[BlockInfo, str]]],
-                 physical_stage: int, fp32_module_weights: bool = True) -> list[Traffic]:
+                 physical_stage: int, runtime=None) -> list[Traffic]:
     """Every collective a rank of `physical_stage` issues in a step, as the cost model counts
-    them; `stages_layers`: (block, recompute) of every virtual stage (stages.partition)."""
+    them; `stages_layers`: (block, recompute) of every virtual stage (stages.partition);
+    `runtime`: layers.Runtime, autoplan's own by default."""
     # layers.py costs its times on this module's payloads: a real import cycle
-    from autoplan.cost.layers import block_params, fsdp_pipeline_unsharded
+    from autoplan.cost.layers import DEFAULT_RUNTIME, block_params, fsdp_pipeline_unsharded
 
+    runtime = runtime or DEFAULT_RUNTIME
     per_microbatch_scatter = not fsdp_pipeline_unsharded(config)
     out: list[Traffic] = []
     dense = expert = 0.0
@@ -240,12 +266,12 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
             dense, expert = dense + params.dense, expert + params.expert
             out += tp_traffic(graph, block, config, rc)
             out += cp_traffic(graph, block, config)
-            out += ep_traffic(graph, block, config, rc)
-            out += zero3_traffic(params, block, config)
+            out += ep_traffic(graph, block, config, rc, runtime.fp32_module_weights)
+            out += zero3_traffic(params, block, config, runtime.fsdp_root_regathered)
             out += zero2_traffic(params, config, per_microbatch_scatter)
-        out += pp_traffic(graph, config, index, len(stages_layers))
+        out += pp_traffic(graph, config, index, len(stages_layers), runtime.fp32_module_weights)
     out += dp_sync_traffic(memory.BlockParams(dense, expert), config,
-                           config.zero_stage == 2 and per_microbatch_scatter, fp32_module_weights)
+                           config.zero_stage == 2 and per_microbatch_scatter, runtime.fp32_module_weights)
     return out
 
 

@@ -66,13 +66,16 @@ def test_torchtitan_runtime_traits():
     assert traits["allocator_reserve_fraction"] == families.allocator_reserve_fraction() > 0
     # torch's eager cross entropy, logits freed before the backward (train.py `del pred`)
     assert traits["fused_vocab_cross_entropy"] is False and traits["loss_keeps_logits"] is False
+    # torchtitan shards tok_embeddings as an FSDP unit of its own, gathered again for backward
+    assert traits["fsdp_root_regathered"] is True
     assert families.runtime_traits("megatron") == {"fp32_module_weights": False,
                                                    "selective_policy": "attention_core",
                                                    "sp_saves_gathered_inputs": False,
                                                    "optimizer_kernels": "fused",
                                                    "fsdp_copy_out": False,
                                                    "fused_vocab_cross_entropy": True,
-                                                   "loss_keeps_logits": False}
+                                                   "loss_keeps_logits": False,
+                                                   "fsdp_root_regathered": True}
 
 
 def test_llm_foundry_adamw_runs_op_by_op():
