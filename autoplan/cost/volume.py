@@ -76,11 +76,14 @@ def tp_payload_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig
 def tp_collective_count(block: BlockInfo, recompute: str) -> int:
     """TP all-reduces (with SP: all-gather + reduce-scatter pairs) per micro-batch: 2 in forward
     and 2 in backward per transformer layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022
-    §4.2.2), the forward ones again under full recomputation; embedding 1, output layer 2."""
-    if block.kind == "pre":
+    §4.2.2), the forward ones again under full recomputation. The embedding reduces its
+    partial lookups in forward (with SP a reduce-scatter, whose backward is an all-gather): 1.
+    The vocabulary-parallel output layer keeps its logits sharded for the parallel cross
+    entropy, so only its input crosses: with SP gathered in forward and its gradient
+    reduce-scattered in backward, without SP its gradient all-reduced in backward (Megatron
+    copy_to_tensor_model_parallel_region; autoplan's runtime, `autoplan check`): 1."""
+    if block.kind in ("pre", "post"):
         return 1
-    if block.kind == "post":
-        return 2
     return 4 + (2 if recompute == "full" else 0)
 
 
