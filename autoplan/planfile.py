@@ -19,6 +19,7 @@ class CheckedPlan:
     loaded: object  # autoplan.models.sources.LoadedModel
     estimate: object  # autoplan.cost.estimate.Estimate, recomputed
     graph: object  # autoplan.trace.graph.ModelGraph at the plan's sequence length
+    stages_layers: list | None = None  # (BlockInfo, recompute) of every virtual stage, as estimated
 
 
 def read_plan(path: str) -> Plan:
@@ -77,7 +78,7 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     modes = plan.recompute  # derived from the plan's config on each access
     layers = [[(by_path[b], modes.get(b, "none")) for b in stage] for stage in stages]
     est = estimate_partition(graph, plan.parallel, cluster, layers)
-    return CheckedPlan(replace(plan, estimate=stored_estimate(est)), loaded, est, graph)
+    return CheckedPlan(replace(plan, estimate=stored_estimate(est)), loaded, est, graph, layers)
 
 
 def does_not_fit(est, plan_file: str) -> str:

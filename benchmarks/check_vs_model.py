@@ -5,7 +5,9 @@ activations dominate (each made by `autoplan plan` with the axis or mode fixed: 
 parallelism, selective and full recomputation, TP + SP over ZeRO-1 and ZeRO-3, CPU offload),
 and the 8B, 70B and Mixtral-8x7B example plans (MoE routed balanced): each category's
 dry-run maximum, the cost model's, their ratio, the category at the rank's worst moment,
-and the wall time of each check.
+and the wall time of each check. Then, per case and rank, each collective kind and dtype:
+the dry run's bytes, the cost model's (autoplan.cost.volume, over the same window) and their
+ratio; the tiny MoE plan with expert parallelism over two pipeline stages is a case here too.
 
     python benchmarks/check_vs_model.py [PLAN ...]
 """
@@ -25,6 +27,8 @@ TINY = ROOT / "generated" / "tiny-gpt-4xcpu" / "plan.json"
 VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
             "zero2 offload": {"zero_stage": 2, "offload": "both"},
             "pp2 zero2": {"zero_stage": 2, "pp": 2, "dp": 2,
+                          "stages": [["layers.0"], ["layers.1"]]},
+            "pp2 zero0": {"zero_stage": 0, "pp": 2, "dp": 2,
                           "stages": [["layers.0"], ["layers.1"]]}}
 EXAMPLES = ["llama3.1-8b-8xh100-sxm-80gb", "llama3.1-70b-64xh100-sxm-80gb",
             "mixtral-8x7b-32xh100-sxm-80gb"]
@@ -35,6 +39,8 @@ FIXED_8B = {"8B dp4 cp2": "cp=2 pp=1 tp=1",
             "8B dp4 tp2 sp zero1": "tp=2 pp=1 cp=1 zero=1",
             "8B dp4 tp2 sp zero3": "tp=2 pp=1 cp=1 zero=3 micro-batch=1",
             "8B dp8 offload": "offload=both pp=1 cp=1"}
+TINY_MOE = ["tiny-moe", "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--seq-len", "64",
+            "--fix", "ep=2", "--fix", "zero=0"]
 
 
 def variant_files(directory: Path) -> list[tuple[str, str]]:
@@ -55,7 +61,10 @@ def planned_files(directory: Path) -> list[tuple[str, str]]:
         subprocess.run([sys.executable, "-m", "autoplan", "plan", *LLAMA_8B, *args, "-o", str(path)],
                        check=True, capture_output=True)
         files.append((name, str(path)))
-    return files
+    path = directory / "tiny-moe-ep2.json"
+    subprocess.run([sys.executable, "-m", "autoplan", "plan", *TINY_MOE, "-o", str(path)],
+                   check=True, capture_output=True)
+    return files + [("tiny-moe ep2 zero0", str(path))]
 
 
 def main(argv: list[str]) -> None:
@@ -64,12 +73,17 @@ def main(argv: list[str]) -> None:
             (name, str(ROOT / "generated" / name)) for name in EXAMPLES]
         print(f"{'case':30} {'rank':>4} {'in flight':>9} {'category':18} {'dry GiB':>9} "
               f"{'model GiB':>9} {'ratio':>6} {'at peak':>9}  wall s")
+        collectives = []
         for name, path in cases:
             report = check_plan(path, workers=2)
             for rank in report["ranks"]:
                 for row in rank["memory"]:
                     print(_line(name, rank, row, report["wall_s"]))
+                collectives += [_collective_line(name, rank, row) for row in rank["collectives"]]
             sys.stdout.flush()
+        print(f"\n{'case':30} {'rank':>4} {'kind':15} {'dtype':9} {'count':>5} {'dry bytes':>14} "
+              f"{'model bytes':>14} {'ratio':>6}")
+        print("\n".join(collectives))
 
 
 def _line(name: str, rank: dict, row: dict, wall_s: float) -> str:
@@ -78,6 +92,13 @@ def _line(name: str, rank: dict, row: dict, wall_s: float) -> str:
     return (f"{name:30} {rank['rank']:>4} {rank['in_flight_microbatches']:9g} {row['category']:18} "
             f"{row['dry_run_gib']:9.4f} {model:>9} {ratio:>6} {row['at_peak_gib']:9.4f}  "
             f"{wall_s:.0f}")
+
+
+def _collective_line(name: str, rank: dict, row: dict) -> str:
+    model = "" if row["model_bytes"] is None else f"{row['model_bytes']:.0f}"
+    ratio = "" if row["ratio"] is None else f"{row['ratio']:.3f}"
+    return (f"{name:30} {rank['rank']:>4} {row['kind']:15} {row['dtype']:9} {row['count']:5d} "
+            f"{row['bytes']:14d} {model:>14} {ratio:>6}")
 
 
 if __name__ == "__main__":

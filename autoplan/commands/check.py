@@ -4,7 +4,10 @@ The ranks that differ (rank 0 of the first, a middle and the last pipeline stage
 plan with autoplan.runtime on torch's fake process group and run one training step on fake
 CPU tensors (autoplan.dryrun). Their peak memory by category and every collective with its
 bytes are set beside the cost model's estimate of the same plan, and the job is said to fit
-or not against the GPU's memory.
+or not against the GPU's memory. The collectives are compared per kind and dtype with the
+cost model's volume (autoplan.cost.volume) over the window the dry run measures: the step's
+last micro-batch (with the once-a-step collectives of its first when it is the only one) and
+the end of the step.
 
 How the dry-run total is formed: the step runs one micro-batch per stage, so the activations
 of the other micro-batches a pipeline schedule keeps in flight are added: in-flight x what one
@@ -45,9 +48,11 @@ def plan_path_of(target: str) -> str:
 
 
 def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float,
-                host_model_gib: float | None = None) -> dict:
+                host_model_gib: float | None = None,
+                model_collectives: dict[tuple[str, str], float] | None = None) -> dict:
     """One rank's dry-run beside the cost model's estimate of its pipeline stage (GiB);
-    `host_model_gib`: the cost model's host memory of this rank under CPU offload."""
+    `host_model_gib`: the cost model's host memory of this rank under CPU offload;
+    `model_collectives`: the cost model's bytes per (kind, dtype) in the dry run's window."""
     from autoplan.dryrun.collectives import summarise
 
     model = dict(stage_estimate.get("memory_breakdown_gib", {}))
@@ -76,7 +81,32 @@ def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float,
             "activations_by_stage": _activations_by_stage(run),
             "seconds": seconds, "memory": rows, "peak_gib": total,
             "spare_gib": gpu_bytes / GIB - total,
-            "collectives": [dict(r, gib=r["bytes"] / GIB) for r in summarise(run.collectives)]}
+            "collectives": collective_rows(summarise(run.collectives), model_collectives or {})}
+
+
+def collective_rows(dry_rows: list[dict], model: dict[tuple[str, str], float]) -> list[dict]:
+    """The dry run's collectives per (kind, dtype) beside the cost model's bytes of the same
+    window, and rows for what only the cost model counts; largest first."""
+    rows = [dict(r, gib=r["bytes"] / GIB, model_bytes=model.get((r["kind"], r["dtype"])))
+            for r in dry_rows]
+    seen = {(r["kind"], r["dtype"]) for r in dry_rows}
+    rows += [{"kind": kind, "dtype": dtype, "count": 0, "bytes": 0, "gib": 0.0, "model_bytes": b}
+             for (kind, dtype), b in model.items() if (kind, dtype) not in seen]
+    for row in rows:
+        row["model_gib"] = None if row["model_bytes"] is None else row["model_bytes"] / GIB
+        row["ratio"] = _ratio(row["bytes"], row["model_bytes"])
+    return sorted(rows, key=lambda r: -max(r["bytes"], r["model_bytes"] or 0))
+
+
+def model_collectives(checked, pp_rank: int) -> dict[tuple[str, str], float]:
+    """The cost model's collective bytes per (kind, dtype) of a rank of pipeline stage
+    `pp_rank` over what the dry run measures: the step's last micro-batch (with the step's
+    first-micro-batch collectives when it is the only one) and the end of the step."""
+    from autoplan.cost.volume import by_kind, rank_traffic
+
+    plan = checked.plan
+    traffic = rank_traffic(checked.graph, plan.parallel, checked.stages_layers, pp_rank)
+    return by_kind(traffic, plan.parallel.num_microbatches, window="last micro-batch")
 
 
 def _activations_by_stage(run) -> dict[str, dict[str, float]]:
@@ -126,7 +156,8 @@ def check_plan(target: str, workers: int) -> dict:
     runs = dry_run(plan, workers)
     # the cost model's host memory is its fullest rank's; with one pipeline stage, every rank's
     host = est.get("host_memory_gib_per_gpu") if plan.pp == 1 else None
-    ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], gpu_bytes, host)
+    ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], gpu_bytes, host,
+                         model_collectives(checked, run.pp_rank))
              for run, secs in runs]
     worst = max(ranks, key=lambda r: r["peak_gib"])
     return {"plan": plan_path_of(target), "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,
@@ -150,11 +181,13 @@ def render(report: dict, console) -> None:
             table.add_row(row["category"], f"{row['dry_run_gib']:.3f}", _gib(row["model_gib"]),
                           "" if row["ratio"] is None else f"{row['ratio']:.2f}")
         console.print(table)
-        comms = Table(title=f"rank {rank['rank']}: collectives in one step")
-        for column in ("kind", "dtype", "count", "GiB"):
+        comms = Table(title=f"rank {rank['rank']}: collectives of its last micro-batch and the "
+                            f"step's end, bytes, dry run vs cost model")
+        for column in ("kind", "dtype", "count", "dry run", "cost model", "ratio"):
             comms.add_column(column, justify="left" if column in ("kind", "dtype") else "right")
         for row in rank["collectives"]:
-            comms.add_row(row["kind"], row["dtype"], str(row["count"]), f"{row['gib']:.3f}")
+            comms.add_row(row["kind"], row["dtype"], str(row["count"]), _size(row["bytes"]),
+                          _size(row["model_bytes"]), "" if row["ratio"] is None else f"{row['ratio']:.2f}")
         console.print(comms)
     verdict = (f"this job fits, with {report['spare_gib']:.1f} GiB to spare" if report["fits"]
                else f"this job does not fit: {-report['spare_gib']:.1f} GiB over")
@@ -167,6 +200,16 @@ def render(report: dict, console) -> None:
 
 def _gib(value) -> str:
     return "" if value is None else f"{value:.3f}"
+
+
+def _size(value) -> str:
+    """Bytes in the largest binary unit that keeps a whole number in front: 208.5 KiB, 14.96 GiB."""
+    if value is None:
+        return ""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
 
 
 @click.command("check")

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, host, hw, memory, offload, sac
+from autoplan.cost import comm, compute, host, hw, memory, offload, sac, volume
 from autoplan.cost.cache import NO_CACHE, CostCache, or_no_cache
 from autoplan.cost.profile import BlockProfile, block_profile
 from autoplan.trace.graph import BlockInfo, ModelGraph
@@ -60,6 +60,9 @@ class Runtime:
     fsdp_copy_out: ZeRO-2/3 all-gathers land in a flat buffer that FSDP2 copies out into the
     parameters on the compute stream (compute.fsdp_copy_out_s); FSDP1's flat parameter is the
     gather buffer itself.
+    fsdp_root_regathered: ZeRO-3 gathers the embedding and head again for the backward
+    (volume.fsdp_gathers); autoplan's runtime keeps them, FSDP's root unit, gathered from
+    forward to backward.
     loss_keeps_logits, fused_vocab_cross_entropy: how the loss holds memory (memory.loss_bytes):
     the step keeps the 16-bit logits through the loss backward (autoplan's loop and torchtitan
     free them first; a pipeline schedule keeps them regardless); Megatron's in-place fused
@@ -82,6 +85,7 @@ class Runtime:
     loss_keeps_logits: bool = False
     fused_vocab_cross_entropy: bool = False
     experts_outside_fsdp: bool = True
+    fsdp_root_regathered: bool = False
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -125,15 +129,7 @@ def _frozen(d: dict) -> Mapping[str, float]:
     return MappingProxyType(dict(d))
 
 
-def _tokens_per_rank(graph: ModelGraph, config: ParallelConfig, block: BlockInfo | None = None) -> float:
-    """Tokens of one micro-batch on a rank. A sample of an image model is one image, whose
-    blocks run on its patches (ViT) or window tokens (Swin): read off the block's input
-    (batch, tokens..., hidden) as traced."""
-    tokens = graph.seq_len
-    if graph.image_size and block is not None and block.kind not in ("pre", "post") \
-            and block.hidden and block.input_bytes:
-        tokens = block.input_bytes / (graph.dtype_bytes * graph.batch_size * block.hidden)
-    return config.micro_batch * tokens / config.cp
+_tokens_per_rank = volume.tokens_per_rank
 
 
 def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
@@ -147,19 +143,12 @@ def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
     """
     if config.tp <= 1:
         return 0.0
-    act = compute.activation_dtype_bytes(config.precision)
-    payload = _tokens_per_rank(graph, config, block) * block.hidden * act
+    payload = volume.tp_payload_bytes(graph, block, config)
     if config.sequence_parallel:
         one = 2 * comm.allgather_time_s(payload, groups.tp, fabric)
     else:
         one = comm.allreduce_time_s(payload, groups.tp, fabric)
-    if block.kind == "pre":
-        count = 1
-    elif block.kind == "post":
-        count = 2
-    else:
-        count = 4 + (2 if recompute == "full" else 0)
-    return count * one
+    return volume.tp_collective_count(block, recompute) * one
 
 
 def tp_exposed_s(tp_comm_s: float, tp: int, gemm_s: float) -> float:
@@ -182,43 +171,41 @@ def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
     """
     if config.cp <= 1 or not block.kv_bytes:
         return 0.0, 0.0
-    act = compute.activation_dtype_bytes(config.precision)
-    kv_local = (block.kv_bytes * config.micro_batch / graph.batch_size / config.cp / config.tp
-                * act / graph.dtype_bytes)
-    step = comm.p2p_time_s(kv_local, groups.cp.nodes > 1, fabric)
-    fwd = (config.cp - 1) * step
-    bwd = 2 * fwd
+    step = comm.p2p_time_s(volume.cp_hop_bytes(graph, block, config), groups.cp.nodes > 1, fabric)
+    fwd_hops, bwd_hops = volume.cp_hops(config.cp)
+    fwd, bwd = fwd_hops * step, bwd_hops * step
     attn_bwd = attention_fwd_s * compute.BACKWARD_ATTENTION_FACTOR
     exposed = max(0.0, fwd - attention_fwd_s) + max(0.0, bwd - attn_bwd)
     return fwd + bwd, exposed
 
 
 def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
-              groups: comm.Groups, recompute: str) -> float:
+              groups: comm.Groups, recompute: str, fp32_module_weights: bool = False) -> float:
     """Expert-parallel all-to-all: dispatch + combine in forward and in backward (GShard,
-    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped."""
+    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped; the
+    dispatch in the residual stream's dtype (volume.ep_token_bytes)."""
     if config.ep <= 1 or not block.experts:
         return 0.0
-    act = compute.activation_dtype_bytes(config.precision)
-    # expert-TP 1: the TP ranks split their tokens before dispatch (sequence-parallel shard)
-    tokens = _tokens_per_rank(graph, config) / config.tp
-    one = comm.moe_dispatch_time_s(tokens, block.top_k, block.hidden * act, groups.ep, fabric)
-    return (4 + (2 if recompute == "full" else 0)) * one
+    dispatch, combine = (comm.moe_dispatch_time_s(volume.ep_tokens(graph, config), block.top_k, b,
+                                                  groups.ep, fabric)
+                         for b in volume.ep_token_bytes(block, config, fp32_module_weights))
+    return volume.ep_alltoall_count(recompute) // 2 * (dispatch + combine)
 
 
 def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
-                 groups: comm.Groups, fwd_s: float, bwd_s: float) -> tuple[float, float]:
-    """(total, exposed) ZeRO-3 per micro-batch: all-gather weights in forward and backward,
-    reduce-scatter gradients (Rajbhandari et al. 2020 §5.3), each prefetched under the
-    block's own compute (FSDP); what compute cannot hide is exposed."""
+                 groups: comm.Groups, fwd_s: float, bwd_s: float, gathers: int = 2) -> tuple[float, float]:
+    """(total, exposed) ZeRO-3 per micro-batch: all-gather weights in forward and, but for
+    FSDP's root unit, again in backward (`gathers`, volume.fsdp_gathers), reduce-scatter
+    gradients (Rajbhandari et al. 2020 §5.3), each prefetched under the block's own compute
+    (FSDP); what compute cannot hide is exposed."""
     if config.zero_stage < 3:
         return 0.0, 0.0
     w = memory.weight_bytes_per_param(config.precision)
     g = memory.grad_reduce_bytes_per_param(config.precision)
     gather = comm.dp_allgather_time_s(params.dense, params.expert, w, groups, fabric)
     scatter = comm.dp_allgather_time_s(params.dense, params.expert, g, groups, fabric)
-    total = 2 * gather + scatter  # AG forward, AG backward, RS of the gradients
-    exposed = max(0.0, gather - fwd_s) + max(0.0, gather + scatter - bwd_s)
+    total = gathers * gather + scatter  # AG forward, AG backward, RS of the gradients
+    exposed = max(0.0, gather - fwd_s) + max(0.0, (gathers - 1) * gather + scatter - bwd_s)
     return total, exposed
 
 
@@ -453,14 +440,14 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                  + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
     cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s)
     total["cp"], exposed["cp"] = cp_total, cp_exposed
-    ep = ep_comm_s(graph, block, config, fabric, groups, rc)
+    ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights)
     total["ep"] = ep
     # With pipelining, the all-to-all of one micro-batch runs under another's compute
     # (DeepSeek-V3 DualPipe, §3.2.1; Megatron-Core 1F1B A2A overlap): only what compute
     # cannot hide is exposed. Without PP there is no other micro-batch to hide it under.
     exposed["ep"] = max(0.0, ep - times.fwd_s - times.bwd_s) if config.pp > 1 else ep
     z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, times.fwd_s + recompute_s,
-                                      times.bwd_s)
+                                      times.bwd_s, volume.fsdp_gathers(block, runtime.fsdp_root_regathered))
     if runtime.zero3_flat_gather:
         z_total, z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc, times.fwd_s,
                                                recompute_s, times.bwd_s)

@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, memory, pipeline
+from autoplan.cost import comm, memory, pipeline, volume
 from autoplan.cost.cache import CostCache
 from autoplan.cost.layers import DEFAULT_RUNTIME, LayerCost, Runtime, fabric_and_groups, layer_cost
 from autoplan.trace.graph import BlockInfo, ModelGraph
@@ -106,7 +106,7 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
             comm_s[k] = comm_s.get(k, 0.0) + v
         for k, v in c.comm_total_s.items():
             comm_total[k] = comm_total.get(k, 0.0) + v
-    p2p = pp_p2p_s(graph, config, cluster, cache)
+    p2p = pp_p2p_s(graph, config, cluster, cache, runtime)
     if p2p:
         comm_s["pp"] = comm_total["pp"] = p2p
     in_flight = pipeline.microbatches_in_flight(config.schedule, config.pp, physical,
@@ -143,19 +143,16 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
     )
 
 
-def pp_p2p_s(graph: ModelGraph, config: ParallelConfig, cluster, cache: CostCache | None = None) -> float:
+def pp_p2p_s(graph: ModelGraph, config: ParallelConfig, cluster, cache: CostCache | None = None,
+             runtime: Runtime = DEFAULT_RUNTIME) -> float:
     """Receive of the activation in forward and of its gradient in backward per micro-batch
     (b*s*h per transfer, /t with the scatter/gather optimisation: Narayanan et al. 2021 §4.1).
     Megatron overlaps them only partly; counted as exposed."""
     if config.pp <= 1:
         return 0.0
     fabric, groups = fabric_and_groups(config, cluster, cache)
-    act = compute.activation_dtype_bytes(config.precision)
-    hidden = graph.blocks[0].hidden if graph.blocks else graph.pre.hidden
-    payload = config.micro_batch * graph.seq_len / config.cp * hidden * act
-    if config.sequence_parallel and config.tp > 1:
-        payload /= config.tp
-    return 2 * comm.p2p_time_s(payload, groups.pp_cross_node, fabric)
+    return 2 * comm.p2p_time_s(volume.pp_boundary_bytes(graph, config, runtime.fp32_module_weights),
+                               groups.pp_cross_node, fabric)
 
 
 def last_stage_loss_bytes(graph: ModelGraph, config: ParallelConfig, runtime: Runtime) -> dict[str, float]:

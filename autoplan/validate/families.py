@@ -52,6 +52,9 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # expert-parallel experts sharded with the rest (Megatron's distributed optimizer over the
     # expert-DP group, torchtitan's fully_shard on its expert mesh), not autoplan's layout
     out["experts_outside_fsdp"] = bool(traits.get("experts_outside_fsdp", False))
+    # ZeRO-3 gathers the embedding and head before backward too unless the family's rule says
+    # its FSDP root keeps them gathered (torchtitan shards tok_embeddings as a unit of its own)
+    out["fsdp_root_regathered"] = bool(traits.get("fsdp_root_regathered", True))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

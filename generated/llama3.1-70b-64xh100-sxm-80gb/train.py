@@ -120,13 +120,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 31.575652286905065,
-        'tokens_per_s': 66416.74353849288,
-        'tokens_per_s_per_gpu': 1037.7616177889513,
-        'mfu': 0.5051714386148252,
-        'hfu': 0.5155580341484058,
-        'tflops_per_gpu': 499.61455279006213,
-        'bubble_fraction': 0.04457052389236753,
+        'step_time_s': 31.537750964158032,
+        'tokens_per_s': 66496.56160908137,
+        'tokens_per_s_per_gpu': 1039.0087751418964,
+        'mfu': 0.505778541694537,
+        'hfu': 0.5161776195928242,
+        'tflops_per_gpu': 500.21497773589704,
+        'bubble_fraction': 0.04457027681254842,
         'memory_gib_per_gpu': 71.98558044433594,
         'memory_breakdown_gib': {
             'parameters': 12.090225219726562, 'gradients': 16.12030029296875,
@@ -134,10 +134,10 @@ PLAN = {
             'temporaries': 0.0, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 26.826874879493936, 'recompute': 0.0, 'exposed_comm': 3.3414340427405373,
-            'bubble': 1.4073433646705915,
+            'compute': 26.631755879003123, 'recompute': 0.08369234771362587,
+            'exposed_comm': 3.4166564469235436, 'bubble': 1.4056462905177394,
         },
-        'comm_breakdown_s': {'tp': 3.084118571503268, 'pp': 0.12328899425352113, 'dp': 0.13402647698374864},
+        'comm_breakdown_s': {'tp': 3.1593409756862743, 'pp': 0.12328899425352113, 'dp': 0.13402647698374864},
         'model_flops_per_token': 481434796032.0,
         'peak_flops_per_gpu': 989000000000000.0,
         'worst_rank_stage': 0,
@@ -181,7 +181,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4691144548901972,
+                'time_per_microbatch_s': 0.46852677985751745,
                 'memory_gib': 60.44564247131348,
                 'memory_breakdown_gib': {
                     'parameters': 12.687932968139648, 'gradients': 16.91724395751953,

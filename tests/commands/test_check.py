@@ -5,7 +5,8 @@ ZeRO-0 all-reduces every fp32 gradient once; ZeRO-3 (FSDP2) reduce-scatters ever
 gradient once and all-gathers every bf16 parameter in the forward and again the blocks'
 in the backward (the root module keeps its parameters gathered after the forward); a pipeline
 stage hands on one micro-batch of fp32 hidden states (micro_batch x seq / tp x hidden x 4 bytes)
-and receives their gradient back.
+and receives their gradient back. They are also checked against the cost model's own bytes
+per kind and dtype (autoplan/cost/volume.py), which must be the dry run's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from autoplan.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "generated" / "tiny-gpt-4xcpu" / "plan.json"
+
+
+_PIPELINE = {"pp": 2, "dp": 2, "stages": [["layers.0"], ["layers.1"]]}
 
 
 def _plan_file(tmp_path: Path, **changes) -> str:
@@ -70,6 +74,45 @@ def test_zero3_gathers_parameters_and_scatters_gradients(tmp_path, counts):
     assert not _bytes(rank, "all_reduce", "float32")
 
 
+def _rope_table_bytes() -> int:
+    """The rotary cos and sin tables, (seq, head_dim / 2) fp32 each, that a pipeline stage of
+    the tiny model hands on beside the hidden states (the cost model counts hidden states only)."""
+    plan = Plan.load(str(TINY))
+    config = build_from_ref(plan.model, verify=False).config
+    return plan.seq_len * config["hidden_size"] // config["num_attention_heads"] * 4
+
+
+def _assert_model_bytes_are_the_dry_runs(rank: dict, stage_outputs_sent: bool) -> None:
+    """Per (kind, dtype), the cost model's bytes (cost/volume.py over the dry run's window)
+    are the dry run's, but for the rope tables the first stage sends and the next receives."""
+    extra = _rope_table_bytes()
+    for row in rank["collectives"]:
+        side = "send" if stage_outputs_sent else "recv"
+        if row["kind"] == side and row["dtype"] == "float32" and row["model_bytes"] is None:
+            assert row["bytes"] == extra, row  # the tables alone, in their own dtype
+        elif row["kind"] == side and row["dtype"] == "float32":
+            assert row["bytes"] == row["model_bytes"] + extra, row  # with the fp32 hidden states
+        else:
+            assert row["bytes"] == row["model_bytes"], (rank["rank"], row)
+
+
+@pytest.mark.parametrize("changes", [{"zero_stage": 0}, {"zero_stage": 2}, {"zero_stage": 3},
+                                     {"zero_stage": 2, **_PIPELINE},
+                                     {"zero_stage": 0, **_PIPELINE}],
+                         ids=["zero0", "zero2", "zero3", "pp2-zero2", "pp2-zero0"])
+def test_the_cost_models_collective_bytes_are_the_dry_runs(tmp_path, changes):
+    # ZeRO-0 all-reduces the fp32 gradients; ZeRO-2 reduce-scatters them and gathers the bf16
+    # weights once a step (in this window: one micro-batch per step); ZeRO-3 gathers every
+    # block twice and the root unit (embedding, head) once; a pipelined ZeRO-2 stage keeps
+    # its gathered weights from the micro-batch before and reduce-scatters at the step's end;
+    # pipeline stages hand on bf16 hidden states under FSDP's bf16 compute, fp32 ones under
+    # ZeRO-0's autocast from fp32 weights
+    report = check_plan(_plan_file(tmp_path, **changes), workers=2)
+    for rank in report["ranks"]:
+        assert rank["collectives"] and all(row["bytes"] for row in rank["collectives"])
+        _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0)
+
+
 def test_command_prints_the_comparison_and_json(tmp_path):
     path = _plan_file(tmp_path, zero_stage=2)
     text = CliRunner().invoke(cli, ["check", path])
@@ -102,7 +145,6 @@ def test_offload_keeps_the_sharded_states_in_host_memory(tmp_path, counts):
     assert 16 * total / dp <= host["dry_run_gib"] * 2**30 < 20 * total / dp
 
 
-_PIPELINE = {"pp": 2, "dp": 2, "stages": [["layers.0"], ["layers.1"]]}
 _TP_STYLES = {
     "": {"embed_tokens": "vocab_embedding", "norm": "sequence_parallel", "lm_head": "vocab_head"},
     "layers.*": {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
@@ -254,6 +296,9 @@ def test_a_moe_plan_with_expert_parallelism_dry_runs_with_balanced_routing(tmp_p
         assert _bytes(rank, "all_to_all", "float32") == 2 * layers * slots * hidden * 4
         assert _bytes(rank, "all_to_all", "bfloat16") == 2 * layers * slots * hidden * 2
         assert _bytes(rank, "all_to_all", "int64") == layers * experts * 8
+        # the cost model's volume: the same all-to-alls, the dense gradients' all-reduce and
+        # the fp32 hidden states across the two pipeline stages
+        _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0)
 
 
 def test_a_model_sizing_tensors_from_their_values_is_refused_in_one_paragraph(monkeypatch):

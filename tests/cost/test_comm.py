@@ -92,3 +92,9 @@ def test_ep_comm_is_dispatch_and_combine_in_forward_and_backward(h100_cluster):
     assert one > 0
     assert layers.ep_comm_s(graph, block, config, fabric, groups, "none") == pytest.approx(4 * one)
     assert layers.ep_comm_s(graph, block, config, fabric, groups, "full") == pytest.approx(6 * one)
+    # torch.autocast from fp32 module weights (ZeRO-0/1 in autoplan's runtime): the dispatch and
+    # its gradient move the fp32 residual stream, the combine and its gradient 16-bit outputs
+    fp32 = comm.moe_dispatch_time_s(2 * 128, block.top_k, block.hidden * 4, groups.ep, fabric)
+    assert fp32 > one
+    assert layers.ep_comm_s(graph, block, config, fabric, groups, "none", fp32_module_weights=True) == \
+        pytest.approx(2 * (fp32 + one))

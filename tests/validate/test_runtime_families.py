@@ -66,6 +66,8 @@ def test_torchtitan_runtime_traits():
     assert traits["allocator_reserve_fraction"] == families.allocator_reserve_fraction() > 0
     # torch's eager cross entropy, logits freed before the backward (train.py `del pred`)
     assert traits["fused_vocab_cross_entropy"] is False and traits["loss_keeps_logits"] is False
+    # torchtitan shards tok_embeddings as an FSDP unit of its own, gathered again for backward
+    assert traits["fsdp_root_regathered"] is True
     assert families.runtime_traits("megatron") == {"fp32_module_weights": False,
                                                    "selective_policy": "attention_core",
                                                    "sp_saves_gathered_inputs": False,
@@ -73,7 +75,8 @@ def test_torchtitan_runtime_traits():
                                                    "fsdp_copy_out": False,
                                                    "fused_vocab_cross_entropy": True,
                                                    "loss_keeps_logits": False,
-                                                   "experts_outside_fsdp": False}
+                                                   "experts_outside_fsdp": False,
+                                                   "fsdp_root_regathered": True}
     # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts
     # with the rest; only autoplan's runtime keeps them out of FSDP (layers.Runtime default)
     assert traits["experts_outside_fsdp"] is False
