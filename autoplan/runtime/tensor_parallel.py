@@ -35,13 +35,18 @@ class GatherFirstInput(ParallelStyle):
     """All-gather the first input (a sequence-sharded activation) along the sequence dim;
     other inputs (RoPE tables, masks) pass untouched. Works whatever the module's arity,
     unlike PrepareModuleInput which needs one layout per input, and whether the activation
-    comes positionally or by keyword (Hugging Face layers call `self_attn(hidden_states=...)`)."""
+    comes positionally or by keyword (Hugging Face layers call `self_attn(hidden_states=...)`).
+
+    The gathered input stays a replicated DTensor (PrepareModuleInput's use_local_output=False,
+    as torchtitan): the column-parallel linears reading it (q, k, v; gate, up) hand back
+    partial input gradients that autograd sums before one reduce-scatter to the sequence
+    shards. Handed on as a plain tensor, each linear all-reduced its own."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(first):
             if not isinstance(first, DTensor):
                 first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
-            return first.redistribute(device_mesh, [Replicate()]).to_local()
+            return first.redistribute(device_mesh, [Replicate()])
 
         module.register_forward_pre_hook(_on_first_input(gather), with_kwargs=True)
         return module

@@ -51,6 +51,7 @@ def main(results: str) -> None:
     if dist.get_rank() == 0:
         with open(results, "w") as f:
             json.dump(errors, f)
+    dist.barrier()  # nobody tears down while a peer still talks
     dist.destroy_process_group()
 
 

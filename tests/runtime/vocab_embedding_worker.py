@@ -58,6 +58,7 @@ def main(results_path: str) -> None:
     if dist.get_rank() == 0:
         with open(results_path, "w") as f:
             json.dump(results, f)
+    dist.barrier()  # nobody tears down while a peer still talks
     dist.destroy_process_group()
 
 
