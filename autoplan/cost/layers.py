@@ -129,9 +129,6 @@ def _frozen(d: dict) -> Mapping[str, float]:
     return MappingProxyType(dict(d))
 
 
-_tokens_per_rank = volume.tokens_per_rank
-
-
 def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
               groups: comm.Groups, recompute: str) -> float:
     """Tensor-parallel collectives of one block per micro-batch, not overlapped.
@@ -388,7 +385,7 @@ def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, 
                                 graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
                                 flash_attention, flash_kernel)
     if block.kind == "post" and not profile.has_loss and graph.vocab:
-        loss_fwd, loss_bwd = compute.loss_times_s(_tokens_per_rank(graph, config), graph.vocab,
+        loss_fwd, loss_bwd = compute.loss_times_s(volume.tokens_per_rank(graph, config), graph.vocab,
                                                   config.tp, gpu)
         times = replace(times, memory_fwd_s=times.memory_fwd_s + loss_fwd,
                         fwd_s=times.fwd_s + loss_fwd, bwd_s=times.bwd_s + loss_bwd)

@@ -151,9 +151,8 @@ def replicated_saved_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     Norm inputs, dropout masks on the residual stream, and the inputs of column-parallel
     linears (the norm outputs): Korthikanti et al. 2022's 10sbh for a GPT block.
     """
-    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
     g = graph.graph
-    names = [n for n in g.nodes if n.startswith(prefix)] if prefix else []
+    names = graph.block_nodes(block)
     if not names:
         return 5.0 * block.input_bytes  # Korthikanti: 10sbh = 5 x the 2sbh block input
     total = 0.0

@@ -38,22 +38,7 @@ class BlockProfile:
 
 
 def _block_ops(graph: ModelGraph, block: BlockInfo) -> list:
-    if block.kind in ("pre", "post"):
-        firsts = {b.paths[0] + "." for b in graph.blocks if b.paths}
-        ops = [data["op"] for _, data in graph.graph.nodes(data=True)]
-        if not ops:
-            return []
-        names = [op.name for op in ops]
-        in_block = [any(n.startswith(p) for p in firsts) for n in names]
-        first = in_block.index(True) if True in in_block else len(ops)
-        last = len(in_block) - 1 - in_block[::-1].index(True) if True in in_block else -1
-        if block.kind == "pre":
-            return [op for i, op in enumerate(ops) if i < first and not in_block[i]]
-        return [op for i, op in enumerate(ops) if i > last and not in_block[i]]
-    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
-    if prefix is None:
-        return []
-    return [data["op"] for name, data in graph.graph.nodes(data=True) if name.startswith(prefix)]
+    return [graph.graph.nodes[n]["op"] for n in graph.segment_nodes(block)]
 
 
 def block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:

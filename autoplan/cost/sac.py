@@ -22,10 +22,7 @@ OP_SAC = "op-every-other-mm"
 
 
 def _ops(graph: ModelGraph, block: BlockInfo) -> list:
-    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
-    if prefix is None:
-        return []
-    return [data["op"] for name, data in graph.graph.nodes(data=True) if name.startswith(prefix)]
+    return [graph.graph.nodes[n]["op"] for n in graph.block_nodes(block)]
 
 
 def _saved_and_recomputed(graph: ModelGraph, block: BlockInfo) -> tuple[float, float, float]:

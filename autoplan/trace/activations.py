@@ -38,11 +38,7 @@ def _numel(shape) -> int:
 
 def block_ops(graph: ModelGraph, block: BlockInfo) -> list[OpInfo]:
     """Ops of the block's first copy in the traced graph (empty for hand-built graphs)."""
-    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
-    if not prefix:
-        return []
-    g = graph.graph
-    return [g.nodes[n]["op"] for n in g.nodes if n.startswith(prefix)]
+    return [graph.graph.nodes[n]["op"] for n in graph.block_nodes(block)]
 
 
 def fused_norm_excess_bytes(ops: list[OpInfo], dtype_bytes: int) -> float:
@@ -61,9 +57,8 @@ def attention_output_reuse_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     `transpose(1, 2).reshape` before the output projection is a view of the tensor the kernel
     already saves, one storage that autograd keeps once (measured by `autoplan check`)."""
     g = graph.graph
-    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
     reused = 0.0
-    for name in [n for n in g.nodes if prefix and n.startswith(prefix)]:
+    for name in graph.block_nodes(block):
         op = g.nodes[name]["op"]
         if op.kind != "linear":
             continue
@@ -86,20 +81,6 @@ def _through_views(g, name: str) -> str | None:
     return preds[0] if len(preds) == 1 else None
 
 
-def _segment_nodes(graph: ModelGraph, block: BlockInfo) -> list[str]:
-    """Graph nodes of the block's first copy; for "pre" / "post" the top-level nodes before /
-    after the first block's (the split trace/blocks.py makes)."""
-    g = graph.graph
-    if block.kind not in ("pre", "post"):
-        prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
-        return [n for n in g.nodes if prefix and n.startswith(prefix)]
-    prefixes = tuple(b.paths[0] + "." for b in graph.blocks if b.paths and b.paths[0])
-    nodes = list(g.nodes)
-    first = next((i for i, n in enumerate(nodes) if n.startswith(prefixes)), len(nodes))
-    top = [(i, n) for i, n in enumerate(nodes) if not n.startswith(prefixes)]
-    return [n for i, n in top if (i < first) == (block.kind == "pre")]
-
-
 def autocast_extra_elements(graph: ModelGraph, block: BlockInfo) -> tuple[int, int, int]:
     """(norm-input elements, extra-cast elements, both at the traced batch; weight elements):
     what one block copy keeps for backward at 2 B each beyond its traced bytes when torch.autocast runs it in 16 bits from
@@ -114,7 +95,7 @@ def autocast_extra_elements(graph: ModelGraph, block: BlockInfo) -> tuple[int, i
     - every linear saves the 16-bit cast of its weight (cached once per forward) for its
       input gradient, whatever the batch."""
     g = graph.graph
-    names = _segment_nodes(graph, block)
+    names = graph.segment_nodes(block)
     readers: dict[str, int] = {}
     weights = 0
     for name in names:

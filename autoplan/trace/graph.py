@@ -137,6 +137,25 @@ class ModelGraph:
     def segment(self, name: str) -> BlockInfo:
         return next(s for s in self.segments if s.name == name)
 
+    def block_nodes(self, block: BlockInfo) -> list[str]:
+        """Graph nodes of the block's first copy (none for "pre", "post" and hand-built graphs)."""
+        prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
+        return [n for n in self.graph.nodes if n.startswith(prefix)] if prefix else []
+
+    def segment_nodes(self, block: BlockInfo) -> list[str]:
+        """block_nodes, and for "pre" / "post" the top-level nodes before the first block node /
+        after the last (the split trace/blocks.py makes)."""
+        if block.kind not in ("pre", "post"):
+            return self.block_nodes(block)
+        firsts = tuple(b.paths[0] + "." for b in self.blocks if b.paths)
+        names = list(self.graph.nodes)
+        in_block = [n.startswith(firsts) for n in names]
+        first = in_block.index(True) if True in in_block else len(names)
+        last = len(in_block) - 1 - in_block[::-1].index(True) if True in in_block else -1
+        if block.kind == "pre":
+            return [n for i, n in enumerate(names) if i < first and not in_block[i]]
+        return [n for i, n in enumerate(names) if i > last and not in_block[i]]
+
     def layer_blocks(self) -> list[BlockInfo]:
         """BlockInfo of every block copy, in execution order (len == num_layers)."""
         by_name = {s.name: s for s in self.segments}

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import corpus  # noqa: E402
 
 from autoplan.config import ParallelConfig  # noqa: E402
-from autoplan.cost.layers import _tokens_per_rank  # noqa: E402
+from autoplan.cost.volume import tokens_per_rank  # noqa: E402
 from autoplan.trace.tracer import trace_model  # noqa: E402
 
 
@@ -23,5 +23,5 @@ def test_vit_blocks_run_on_patches_and_the_class_token():
     config = ParallelConfig(global_batch=8, seq_len=graph.seq_len, dp=2, tp=2, micro_batch=4,
                             sequence_parallel=True)
     tokens = (32 // 8) ** 2 + 1
-    assert _tokens_per_rank(graph, config, graph.blocks[0]) == 4 * tokens
-    assert _tokens_per_rank(graph, config) == 4 * graph.seq_len == 4  # a sample is one image
+    assert tokens_per_rank(graph, config, graph.blocks[0]) == 4 * tokens
+    assert tokens_per_rank(graph, config) == 4 * graph.seq_len == 4  # a sample is one image
