@@ -130,22 +130,18 @@ def _frozen(d: dict) -> Mapping[str, float]:
 
 
 def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
-              groups: comm.Groups, recompute: str) -> float:
-    """Tensor-parallel collectives of one block per micro-batch, not overlapped.
-
-    Megatron TP: 2 all-reduces in forward and 2 in backward per transformer layer (Shoeybi
-    et al. 2019 §3); with sequence parallelism each becomes an all-gather + reduce-scatter
-    of the same volume (Korthikanti et al. 2022 §4.2.2). Full recomputation repeats the
-    forward ones. Embedding: 1 in forward; output layer: 1 each way.
-    """
+              groups: comm.Groups, recompute: str, fp32_module_weights: bool = True) -> float:
+    """Tensor-parallel collectives of one block per micro-batch (volume.tp_collectives), not
+    overlapped."""
     if config.tp <= 1:
         return 0.0
-    payload = volume.tp_payload_bytes(graph, block, config)
-    if config.sequence_parallel:
-        one = 2 * comm.allgather_time_s(payload, groups.tp, fabric)
-    else:
-        one = comm.allreduce_time_s(payload, groups.tp, fabric)
-    return volume.tp_collective_count(block, recompute) * one
+    elements = volume.tp_payload_elements(graph, block, config)
+    total = 0.0
+    for kind, nbytes, count in volume.tp_collectives(block, config, recompute, fp32_module_weights):
+        one = {"all_reduce": comm.allreduce_time_s, "all_gather": comm.allgather_time_s,
+               "reduce_scatter": comm.reduce_scatter_time_s}[kind]
+        total += count * one(elements * nbytes, groups.tp, fabric)
+    return total
 
 
 def tp_exposed_s(tp_comm_s: float, tp: int, gemm_s: float) -> float:
@@ -241,11 +237,12 @@ def fsdp_expert_params(params: memory.BlockParams, config: ParallelConfig, runti
 
 
 def fsdp_pipeline_unsharded(config: ParallelConfig) -> bool:
-    """torch.distributed.pipelining runs every backward but the last of a step with FSDP's
-    gradient sync and reshard-after-backward off (stage.py backward_maybe_with_nosync, torch
-    2.13), reducing once at the end: ZeRO-2/3 stages then hold unsharded gradients
-    (accumulated in the fp32 reduce dtype) and ZeRO-3 stages their gathered weights."""
-    return config.zero_stage >= 2 and config.pp > 1 and config.num_microbatches > 1
+    """torch.distributed.pipelining runs every backward of a step with FSDP's gradient sync
+    and reshard-after-backward off (stage.py backward_maybe_with_nosync, torch 2.13) and
+    reduces once after the last (the schedule's REDUCE_GRAD, perform_reduce_grad): ZeRO-2/3
+    stages then hold unsharded gradients (accumulated in the fp32 reduce dtype) and ZeRO-3
+    stages their gathered weights."""
+    return config.zero_stage >= 2 and config.pp > 1
 
 
 def zero2_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
@@ -431,7 +428,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                         bwd_s=times.bwd_s + (copy if config.zero_stage >= 3 else 0.0))
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
-    tp = tp_comm_s(graph, block, config, fabric, groups, rc)
+    tp = tp_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights)
     total["tp"] = tp
     exposed["tp"] = tp_exposed_s(tp, config.tp, times.gemm_fwd_s * (1 + compute.BACKWARD_GEMM_FACTOR)
                                  + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
@@ -541,13 +538,14 @@ def grad_accumulation_s(params: memory.BlockParams, config: ParallelConfig, gpu)
 
 def block_params(block: BlockInfo, graph: ModelGraph, config: ParallelConfig) -> memory.BlockParams:
     """Parameters of this block on one rank. The vocabulary-parallel embedding and output
-    layer are TP-sharded (Megatron); a tied output layer on a different pipeline stage
+    layer are TP-sharded (Megatron), the final norm beside them is not; a tied output layer on a different pipeline stage
     than the embedding keeps its own copy of the embedding matrix."""
     if block.kind in ("pre", "post"):
-        params = float(block.parameters)
+        vocab = graph.vocab_parameters(block)
+        params = vocab / config.tp + (block.parameters - vocab)
         if block.kind == "post" and config.pp > 1 and _tied(graph):
-            params += graph.embedding_parameters
-        return memory.BlockParams(params / config.tp, 0.0)
+            params += graph.embedding_parameters / config.tp
+        return memory.BlockParams(params, 0.0)
     return memory.block_params_per_rank(block, config.tp, config.ep)
 
 

@@ -66,35 +66,88 @@ def tokens_per_rank(graph: ModelGraph, config: ParallelConfig, block: BlockInfo 
 
 # -- tensor parallelism ------------------------------------------------------------------
 
-def tp_payload_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig) -> float:
+def tp_payload_elements(graph: ModelGraph, block: BlockInfo, config: ParallelConfig) -> float:
     """The activation one TP collective moves whole: the micro-batch's tokens on this CP rank x
     hidden (an all-reduce's buffer; with sequence parallelism the all-gather's output and the
     reduce-scatter's input)."""
-    return tokens_per_rank(graph, config, block) * block.hidden * compute.activation_dtype_bytes(config.precision)
+    return tokens_per_rank(graph, config, block) * block.hidden
 
 
-def tp_collective_count(block: BlockInfo, recompute: str) -> int:
-    """TP all-reduces (with SP: all-gather + reduce-scatter pairs) per micro-batch: 2 in forward
-    and 2 in backward per transformer layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022
-    §4.2.2), the forward ones again under full recomputation. The embedding reduces its
-    partial lookups in forward (with SP a reduce-scatter, whose backward is an all-gather): 1.
-    The vocabulary-parallel output layer keeps its logits sharded for the parallel cross
+def tp_collectives(block: BlockInfo, config: ParallelConfig, recompute: str,
+                   fp32_module_weights: bool = True) -> list[tuple[str, int, int]]:
+    """(kind, bytes per element, count) of one block's TP collectives per micro-batch.
+
+    A transformer layer's attention and MLP each take their input (the norm's output, in the
+    residual stream's dtype: stream_dtype_bytes) to the column-parallel linears and hand the
+    row-parallel output (16-bit) back: 2 all-reduces in forward (the outputs) and 2 in
+    backward (the inputs' gradients) per layer (Shoeybi et al. 2019 §3); with sequence
+    parallelism the input is all-gathered in forward and its gradient reduce-scattered in
+    backward, the output reduce-scattered and its gradient all-gathered (Korthikanti et al.
+    2022 §4.2.2). Full recomputation repeats the forward ones. The embedding reduces its
+    partial lookups in forward (with SP a reduce-scatter, whose backward is an all-gather);
+    the vocabulary-parallel output layer keeps its logits sharded for the parallel cross
     entropy, so only its input crosses: with SP gathered in forward and its gradient
-    reduce-scattered in backward, without SP its gradient all-reduced in backward (Megatron
-    copy_to_tensor_model_parallel_region; autoplan's runtime, `autoplan check`): 1."""
+    reduce-scattered in backward, without SP its gradient all-reduced (Megatron
+    copy_to_tensor_model_parallel_region; autoplan's runtime, `autoplan check`)."""
+    stream = stream_dtype_bytes(config, fp32_module_weights)
+    act = compute.activation_dtype_bytes(config.precision)
+    sp = config.sequence_parallel
     if block.kind in ("pre", "post"):
-        return 1
-    return 4 + (2 if recompute == "full" else 0)
+        return [("all_gather", stream, 1), ("reduce_scatter", stream, 1)] if sp else [("all_reduce", stream, 1)]
+    fwd = 2 + (2 if recompute == "full" else 0)
+    if sp:
+        return [("all_gather", stream, fwd), ("all_gather", act, 2),
+                ("reduce_scatter", act, fwd), ("reduce_scatter", stream, 2)]
+    return [("all_reduce", act, fwd), ("all_reduce", stream, 2)]
 
 
-def tp_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str) -> list[Traffic]:
+def sp_replicated_params(graph: ModelGraph, block: BlockInfo) -> float:
+    """Parameters TP leaves whole that run on sequence shards under SP (the norms): a
+    layer's outside its TP-sharded linears and experts, the final norm beside the
+    vocabulary-parallel head. (The embedding block's are left out: a position table added
+    to the embedding output.)"""
+    if block.kind == "pre":
+        return 0.0
+    if block.kind == "post":
+        return float(block.parameters - graph.vocab_parameters(block))
+    return float(block.parameters - block.tp_parameters - block.expert_parameters)
+
+
+def sp_grad_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, per_microbatch_scatter: bool,
+                    fp32_module_weights: bool = True) -> list[Traffic]:
+    """The partial gradients of the SP-replicated parameters, summed over the tp group: by FSDP
+    before each reduce-scatter in the 16-bit compute dtype, or once on the fp32 gradient
+    accumulated over a pipeline's micro-batches (FSDPParam._get_grad_inner_tensor); below
+    ZeRO-2 by the runtime once a step in the weights' dtype (tensor_parallel.reduce_partial_grads)."""
+    params = sp_replicated_params(graph, block)
+    if config.tp <= 1 or not config.sequence_parallel or not params:
+        return []
+    if config.zero_stage >= 2 and per_microbatch_scatter:
+        nbytes, when = compute.activation_dtype_bytes(config.precision), MICROBATCH
+    elif config.zero_stage >= 2 or fp32_module_weights:
+        nbytes, when = memory.FP32_BYTES, END
+    else:
+        nbytes, when = compute.activation_dtype_bytes(config.precision), END
+    return [Traffic("all_reduce", dtype_name(nbytes, config.precision), params * nbytes, when)]
+
+
+def loss_parallel_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig) -> list[Traffic]:
+    """The vocabulary-parallel cross entropy all-reduces three fp32 values per token over the
+    tp group: the logits' max, the sum of their exponentials and the target's logit
+    (torch loss_parallel, _log_softmax_handler and _nll_loss_forward_handler; Megatron
+    VocabParallelCrossEntropy)."""
+    if config.tp <= 1 or block.kind != "post" or not graph.vocab:
+        return []
+    return [Traffic("all_reduce", "float32", 3 * tokens_per_rank(graph, config) * memory.FP32_BYTES)]
+
+
+def tp_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str,
+               fp32_module_weights: bool = True) -> list[Traffic]:
     if config.tp <= 1:
         return []
-    payload = tp_collective_count(block, recompute) * tp_payload_bytes(graph, block, config)
-    dtype = dtype_name(compute.activation_dtype_bytes(config.precision), config.precision)
-    if config.sequence_parallel:
-        return [Traffic("all_gather", dtype, payload), Traffic("reduce_scatter", dtype, payload)]
-    return [Traffic("all_reduce", dtype, payload)]
+    elements = tp_payload_elements(graph, block, config)
+    return [Traffic(kind, dtype_name(nbytes, config.precision), count * elements * nbytes)
+            for kind, nbytes, count in tp_collectives(block, config, recompute, fp32_module_weights)]
 
 
 # -- context parallelism -----------------------------------------------------------------
@@ -267,7 +320,9 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
         for block, rc in blocks:
             params = block_params(block, graph, config)
             dense, expert = dense + params.dense, expert + params.expert
-            out += tp_traffic(graph, block, config, rc)
+            out += tp_traffic(graph, block, config, rc, runtime.fp32_module_weights)
+            out += sp_grad_traffic(graph, block, config, per_microbatch_scatter, runtime.fp32_module_weights)
+            out += loss_parallel_traffic(graph, block, config)
             out += cp_traffic(graph, block, config)
             out += ep_traffic(graph, block, config, rc, runtime.fp32_module_weights)
             out += zero3_traffic(params, block, config, runtime.fsdp_root_regathered)

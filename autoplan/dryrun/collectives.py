@@ -54,6 +54,10 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(t is not torch.Tensor and t.__name__ != "FakeTensor" for t in types):
+            # a tensor subclass (DTensor) dispatches first; the collectives its implicit
+            # redistributions issue come back through this mode on plain tensors
+            return NotImplemented
         out = func(*args, **kwargs)
         kind = collective_kind(func)
         if kind is not None:

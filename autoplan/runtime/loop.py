@@ -41,7 +41,7 @@ from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import build_schedule, make_stages
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
 from autoplan.runtime.rundir import DirectoryLock, check_unlocked, drop_metrics_from, job_directories
-from autoplan.runtime.tensor_parallel import uses_loss_parallel
+from autoplan.runtime.tensor_parallel import reduce_partial_grads, uses_loss_parallel
 
 
 def lr_at(step: int, cfg: dict) -> float:
@@ -270,6 +270,8 @@ class Trainer:
         if self.par.tp_token_local:  # MoE on sequence shards: sum the tp ranks' tokens
             params = [p for m in self.par.tp_token_local for p in m.parameters()]
             allreduce_grads(params, self.mesh.group("tp"), 1)
+        if plan.tp > 1:
+            reduce_partial_grads(self.params)
 
     def _global_loss(self, loss: torch.Tensor | None) -> float:
         """Mean loss of the global batch, the same on every rank."""

@@ -32,20 +32,26 @@ TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_
 
 
 class GatherFirstInput(ParallelStyle):
-    """All-gather the first input (a sequence-sharded activation) along the sequence dim;
-    other inputs (RoPE tables, masks) pass untouched. Works whatever the module's arity,
-    unlike PrepareModuleInput which needs one layout per input, and whether the activation
-    comes positionally or by keyword (Hugging Face layers call `self_attn(hidden_states=...)`).
+    """Hand the first input to the module as a replicated DTensor: all-gathered along the
+    sequence dim from `input_layout` Shard(1) (sequence parallelism), or taken as it is from
+    Replicate(). Other inputs (RoPE tables, masks) pass untouched. Works whatever the module's
+    arity, unlike PrepareModuleInput which needs one layout per input, and whether the
+    activation comes positionally or by keyword (Hugging Face layers call
+    `self_attn(hidden_states=...)`).
 
-    The gathered input stays a replicated DTensor (PrepareModuleInput's use_local_output=False,
-    as torchtitan): the column-parallel linears reading it (q, k, v; gate, up) hand back
-    partial input gradients that autograd sums before one reduce-scatter to the sequence
-    shards. Handed on as a plain tensor, each linear all-reduced its own."""
+    The input stays a DTensor (PrepareModuleInput's use_local_output=False, as torchtitan):
+    the column-parallel linears reading it (q, k, v; gate, up) hand back partial input
+    gradients that autograd sums before one reduce-scatter to the sequence shards, or one
+    all-reduce. Handed on as a plain tensor, each linear all-reduced its own."""
+
+    def __init__(self, input_layout: Placement) -> None:
+        super().__init__()
+        self.input_layout = input_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(first):
             if not isinstance(first, DTensor):
-                first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
+                first = DTensor.from_local(first, device_mesh, [self.input_layout], run_check=False)
             return first.redistribute(device_mesh, [Replicate()])
 
         module.register_forward_pre_hook(_on_first_input(gather), with_kwargs=True)
@@ -138,7 +144,7 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "sequence_parallel":
         return SequenceParallel() if sequence_parallel else None
     if name == "prepare_input":
-        return GatherFirstInput() if sequence_parallel else None
+        return GatherFirstInput(seq)
     if name == "vocab_embedding":
         return VocabParallelEmbedding(output_layout=seq)
     if name == "vocab_head":
@@ -190,6 +196,29 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
     if plan:
         parallelize_module(model, tp_mesh, plan)
     return token_local
+
+
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum the partial gradients of replicated TP parameters (the norms under sequence
+    parallelism: each rank saw its own tokens) over their mesh, in one flat all-reduce.
+
+    Left partial, every optimizer op and the grad-norm clip that reads the gradient
+    redistributes it again (AdamW: three all-reduces a parameter). FSDP does this itself
+    before its reduce-scatter (FSDPParam._get_grad_inner_tensor); this is for DDP/ZeRO-1."""
+    partial = [p for p in params if isinstance(p.grad, DTensor)
+               and any(isinstance(x, Partial) for x in p.grad.placements)
+               and all(isinstance(x, Replicate) for x in p.placements)]
+    if not partial:
+        return
+    mesh = partial[0].grad.device_mesh
+    locals_ = [p.grad.to_local() for p in partial]
+    flat = torch.cat([g.reshape(-1) for g in locals_])
+    torch.distributed.all_reduce(flat, group=mesh.get_group())
+    offset = 0
+    for param, local in zip(partial, locals_):
+        summed = flat[offset: offset + local.numel()].view_as(local)
+        offset += local.numel()
+        param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False)
 
 
 def uses_loss_parallel(table: dict[str, dict[str, str]]) -> bool:

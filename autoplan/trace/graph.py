@@ -134,6 +134,14 @@ class ModelGraph:
     def num_layers(self) -> int:
         return len(self.layer_order)
 
+    def vocab_parameters(self, block: BlockInfo) -> int:
+        """Parameters of `block` in a vocabulary-sized table (the token embedding, an untied
+        output head), which tensor parallelism shards by rows; 0 for a tied head."""
+        table = self.vocab * block.hidden
+        if block.kind not in ("pre", "post") or not table or block.parameters < table:
+            return 0
+        return table
+
     def segment(self, name: str) -> BlockInfo:
         return next(s for s in self.segments if s.name == name)
 

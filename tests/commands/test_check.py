@@ -113,6 +113,38 @@ def test_the_cost_models_collective_bytes_are_the_dry_runs(tmp_path, changes):
         _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0)
 
 
+def _tp_plan_file(tmp_path: Path, sequence_parallel: bool, zero_stage: int) -> str:
+    """The tiny model at dp 2 x tp 2, with the style table the planner writes for it."""
+    out = tmp_path / "tp.json"
+    result = CliRunner().invoke(cli, ["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "4",
+                                      "--global-batch", "8", "--seq-len", "64", "--fix", "tp=2",
+                                      "--fix", "pp=1", "--fix", f"zero={zero_stage}", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["tp"] == 2 and data["dp"] == 2 and data["tp_styles"]
+    data["sequence_parallel"] = sequence_parallel
+    out.write_text(json.dumps(data))
+    return str(out)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_tensor_parallel_collective_bytes_are_the_dry_runs(tmp_path, sequence_parallel, zero_stage):
+    # Below ZeRO-2 the runtime autocasts from fp32 weights: the norms' outputs the attention
+    # and MLP gather (and their gradients) are fp32, the row-parallel outputs bf16. The
+    # norms' partial gradients under SP are summed once (FSDP per micro-batch in bf16, else
+    # the runtime once a step in fp32), and the vocabulary-parallel loss all-reduces three
+    # fp32 values per token. Before the column-parallel linears shared one input DTensor,
+    # every linear all-reduced its own input gradient (16 all-reduces here, not 10).
+    report = check_plan(_tp_plan_file(tmp_path, sequence_parallel, zero_stage), workers=1)
+    rank = report["ranks"][0]
+    kinds = {row["kind"] for row in rank["collectives"]}
+    if zero_stage == 0:  # no FSDP gathers: all-gathers and reduce-scatters are SP's
+        assert ({"all_gather", "reduce_scatter"} <= kinds) == sequence_parallel
+    for row in rank["collectives"]:
+        assert row["bytes"] == row["model_bytes"], row
+
+
 def test_command_prints_the_comparison_and_json(tmp_path):
     path = _plan_file(tmp_path, zero_stage=2)
     text = CliRunner().invoke(cli, ["check", path])

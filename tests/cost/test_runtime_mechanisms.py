@@ -138,9 +138,9 @@ def test_zero2_reduce_scatters_every_microbatch_outside_a_pipeline(make_gpt_grap
 
 
 def test_pipelined_fsdp_holds_unsharded_fp32_gradients(make_gpt_graph, h100_cluster):
-    """torch.distributed.pipelining turns FSDP's gradient sync off for all but the last
-    backward: a ZeRO-2/3 stage accumulates unsharded fp32 gradients, so with several
-    micro-batches it needs more gradient memory than ZeRO-1, and ZeRO-3 keeps its weights."""
+    """torch.distributed.pipelining turns FSDP's gradient sync off for every backward and
+    reduces after the last: a ZeRO-2/3 stage accumulates unsharded fp32 gradients, so it
+    needs more gradient memory than ZeRO-1, and ZeRO-3 keeps its weights."""
     graph = make_gpt_graph(layers=4, hidden=1024, heads=16, seq=1024)
     cluster = h100_cluster(16)
     block = graph.blocks[0]
@@ -153,10 +153,13 @@ def test_pipelined_fsdp_holds_unsharded_fp32_gradients(make_gpt_graph, h100_clus
     assert z2.grad_bytes >= params * 4 and z3.grad_bytes >= params * 4
     # every block's gathered 16-bit weights, besides the fp32 master shards FSDP2 keeps
     assert z3.weight_bytes == pytest.approx(params * 2 + params * 4 / 8)
-    # one micro-batch per step: nothing to accumulate, ZeRO's sharding holds
+    # one micro-batch per step: the schedule still reduces only after the last backward
+    # (stage.py backward_maybe_with_nosync turns the sync off for every FSDP backward)
     single = dict(base, global_batch=8)
     z2_single = layer_cost(block, graph, ParallelConfig(**single, zero_stage=2), cluster)
-    assert z2_single.grad_bytes == pytest.approx(params * 4 / 8)  # fp32 gradient shards
+    assert z2_single.grad_bytes == pytest.approx(z2.grad_bytes)
+    z2_no_pipeline = layer_cost(block, graph, ParallelConfig(**dict(single, pp=1), zero_stage=2), cluster)
+    assert z2_no_pipeline.grad_bytes == pytest.approx(params * 4 / 8)  # fp32 gradient shards
 
 
 def test_per_op_adamw_moves_its_extra_bytes_through_hbm(make_gpt_graph, h100_cluster):
