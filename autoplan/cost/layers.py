@@ -71,6 +71,10 @@ class Runtime:
     runtime/parallelize.py passes them as FSDP's ignored parameters) and hold their model
     states whole or ZeRO-1 sharded over their replicas (expert_state_layout); Megatron's
     distributed optimizer and torchtitan's FSDP on its expert mesh shard them as dense ones.
+    cp_grad_ring: how ring attention's backward passes the K/V gradients back to their owner
+    (volume.CP_GRAD_RINGS): "fp32" accumulators over cp - 1 hops (autoplan's runtime),
+    "fp32-home" over cp hops (torch's ring attention, torchtitan), "kv-dtype" in K/V's
+    16-bit dtype over cp - 1 hops (Transformer Engine under Megatron-Core and NeMo).
     """
 
     tp_comm_overlap: bool = False
@@ -86,6 +90,7 @@ class Runtime:
     fused_vocab_cross_entropy: bool = False
     experts_outside_fsdp: bool = True
     fsdp_root_regathered: bool = False
+    cp_grad_ring: str = "fp32"
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -156,20 +161,34 @@ def tp_exposed_s(tp_comm_s: float, tp: int, gemm_s: float) -> float:
 
 
 def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
-              groups: comm.Groups, attention_fwd_s: float) -> tuple[float, float]:
-    """(total, exposed) ring K/V exchange per micro-batch (Liu et al. 2023 Ring Attention).
+              groups: comm.Groups, attention_fwd_s: float, recompute: str = "none",
+              runtime: Runtime = DEFAULT_RUNTIME) -> tuple[float, float]:
+    """(total, exposed) ring exchange per micro-batch (Liu et al. 2023 Ring Attention), on the
+    steps volume.cp_hops counts.
 
-    cp - 1 steps pass this rank's K/V chunk on in forward; backward passes K/V and their
-    gradients. Each step overlaps with one block of attention compute.
+    cp - 1 steps pass this rank's K/V chunk on in forward; backward passes K/V on again and
+    the K/V gradients back to their owners (Runtime.cp_grad_ring). Each step overlaps with
+    one block of attention compute. The forward ring run again under recomputation
+    (volume.cp_ring_forwards) hides under the recomputed attention where the attention is
+    recomputed (full; Megatron's selective) and is exposed where the kernels' outputs were
+    saved ("op" selective: nothing left to compute while K/V travel).
     """
     if config.cp <= 1 or not block.kv_bytes:
         return 0.0, 0.0
-    step = comm.p2p_time_s(volume.cp_hop_bytes(graph, block, config), groups.cp.nodes > 1, fabric)
-    fwd_hops, bwd_hops = volume.cp_hops(config.cp)
-    fwd, bwd = fwd_hops * step, bwd_hops * step
+    cross_node = groups.cp.nodes > 1
+    step = comm.p2p_time_s(volume.cp_hop_bytes(graph, block, config), cross_node, fabric)
+    grad_bytes = volume.cp_grad_bytes(config, runtime.cp_grad_ring)
+    grad_step = comm.p2p_time_s(volume.cp_hop_bytes(graph, block, config, grad_bytes), cross_node, fabric)
+    fwd_hops, bwd_hops, grad_hops = volume.cp_hops(config.cp, recompute, runtime.selective_policy,
+                                                   runtime.cp_grad_ring)
+    fwd = (config.cp - 1) * step
+    rerun = (fwd_hops - (config.cp - 1)) * step
+    bwd = bwd_hops * step + grad_hops * grad_step
     attn_bwd = attention_fwd_s * compute.BACKWARD_ATTENTION_FACTOR
-    exposed = max(0.0, fwd - attention_fwd_s) + max(0.0, bwd - attn_bwd)
-    return fwd + bwd, exposed
+    attn_rerun = attention_fwd_s if recompute == "full" or runtime.selective_policy == "attention_core" else 0.0
+    exposed = (max(0.0, fwd - attention_fwd_s) + max(0.0, rerun - attn_rerun)
+               + max(0.0, bwd - attn_bwd))
+    return fwd + rerun + bwd, exposed
 
 
 def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
@@ -432,7 +451,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     total["tp"] = tp
     exposed["tp"] = tp_exposed_s(tp, config.tp, times.gemm_fwd_s * (1 + compute.BACKWARD_GEMM_FACTOR)
                                  + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
-    cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s)
+    cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s, rc, runtime)
     total["cp"], exposed["cp"] = cp_total, cp_exposed
     ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights)
     total["ep"] = ep

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, compute, memory
+from autoplan.cost import comm, compute, memory, sac
 from autoplan.trace.graph import BlockInfo, ModelGraph
 
 MICROBATCH, FIRST, END = "every micro-batch", "first micro-batch", "end of step"
@@ -152,24 +152,71 @@ def tp_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, reco
 
 # -- context parallelism -----------------------------------------------------------------
 
-def cp_hop_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig) -> float:
-    """This rank's K/V chunk of one micro-batch, which one ring step passes on (16-bit)."""
+# How ring attention's backward passes the gradients of the K/V blocks back to their owners
+# (layers.Runtime.cp_grad_ring): (bytes per element, None for K/V's own dtype; whether they
+# make a hop more than K/V's cp - 1, starting at the owner).
+#   fp32: autoplan's runtime (runtime/context_parallel.py): fp32 accumulators, started by the
+#     rank after the owner and home after cp-1 hops, the owner keeping its own share
+#   fp32-home: torch's ring attention (torchtitan): fp32 accumulators started at the owner,
+#     home after cp hops (_templated_ring_attention_backward, _cp_options.convert_to_f32)
+#   kv-dtype: Transformer Engine (Megatron-Core, NeMo): in K/V's dtype, riding in the K/V
+#     buffer from the second hop and alone on the last, cp-1 hops (AttnFuncWithCPAndKVP2P)
+CP_GRAD_RINGS = {"fp32": (memory.FP32_BYTES, False), "fp32-home": (memory.FP32_BYTES, True),
+                 "kv-dtype": (None, False)}
+
+
+def cp_hop_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
+                 dtype_bytes: int | None = None) -> float:
+    """This rank's K/V chunk of one micro-batch, which one ring step passes on: in the
+    activation dtype (16-bit under mixed precision: the ring takes autocast's cast of q/k/v
+    as SDPA does, runtime/context_parallel.py), or at `dtype_bytes` per element."""
+    element = dtype_bytes or compute.activation_dtype_bytes(config.precision)
     return (block.kv_bytes * config.micro_batch / graph.batch_size / config.cp / config.tp
-            * compute.activation_dtype_bytes(config.precision) / graph.dtype_bytes)
+            * element / graph.dtype_bytes)
 
 
-def cp_hops(cp: int) -> tuple[int, int]:
-    """(forward, backward) K/V-sized ring steps per micro-batch (Liu et al. 2023 Ring
-    Attention): cp - 1 in forward; backward passes K/V and their gradients, twice the bytes."""
-    return cp - 1, 2 * (cp - 1)
+def cp_grad_bytes(config: ParallelConfig, grad_ring: str = "fp32") -> int:
+    """Bytes per element of the K/V gradients ring attention's backward passes on."""
+    return CP_GRAD_RINGS[grad_ring][0] or compute.activation_dtype_bytes(config.precision)
 
 
-def cp_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig) -> list[Traffic]:
+def cp_ring_forwards(recompute: str, selective_policy: str = "op") -> int:
+    """Forward rings per micro-batch: the forward's, and again in backward when the block is
+    recomputed: full, or selective where the policy does not keep the ring's output.
+    autoplan's "op" policy keeps the outputs of aten ops (runtime/recompute.py); the ring is
+    an autograd Function whose exchanges are c10d ops, so it runs again, its attention
+    kernels answered from the saved outputs. Megatron's selective recomputes the core
+    attention, ring included (checkpoint_core_attention). torchtitan's op SAC saves
+    aten._scaled_dot_product_flash_attention, the op torch's context_parallel() answers with
+    its ring (a DTensor custom op handler), so the ring is taken not to run again (read off
+    the sources; no torchtitan CP run is in the validation set)."""
+    if recompute == "full" or (recompute == "selective" and selective_policy != sac.OP_SAC):
+        return 2
+    return 1
+
+
+def cp_hops(cp: int, recompute: str = "none", selective_policy: str = "op",
+            grad_ring: str = "fp32") -> tuple[int, int, int]:
+    """(forward, backward, gradient) ring steps per micro-batch (Liu et al. 2023 Ring
+    Attention): K/V-sized steps of K/V in their dtype, cp - 1 per forward ring
+    (cp_ring_forwards) and cp - 1 in backward; and the steps of the K/V gradients in
+    their dtype (cp_grad_bytes): cp - 1, or cp (CP_GRAD_RINGS)."""
+    return (cp_ring_forwards(recompute, selective_policy) * (cp - 1), cp - 1,
+            cp - 1 + CP_GRAD_RINGS[grad_ring][1])
+
+
+def cp_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str = "none",
+               selective_policy: str = "op", grad_ring: str = "fp32") -> list[Traffic]:
+    """Each ring step sends this rank's block to the next rank and receives the previous one's."""
     if config.cp <= 1 or not block.kv_bytes:
         return []
-    dtype = dtype_name(compute.activation_dtype_bytes(config.precision), config.precision)
-    each_way = sum(cp_hops(config.cp)) * cp_hop_bytes(graph, block, config)
-    return [Traffic("send", dtype, each_way), Traffic("recv", dtype, each_way)]
+    forward, backward, grads = cp_hops(config.cp, recompute, selective_policy, grad_ring)
+    kv = compute.activation_dtype_bytes(config.precision)
+    by_dtype: dict[str, float] = {}
+    for element, hops in ((kv, forward + backward), (cp_grad_bytes(config, grad_ring), grads)):
+        dtype = dtype_name(element, config.precision)
+        by_dtype[dtype] = by_dtype.get(dtype, 0.0) + hops * cp_hop_bytes(graph, block, config, element)
+    return [Traffic(kind, dtype, b) for dtype, b in by_dtype.items() for kind in ("send", "recv")]
 
 
 # -- expert parallelism ------------------------------------------------------------------
@@ -323,7 +370,7 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
             out += tp_traffic(graph, block, config, rc, runtime.fp32_module_weights)
             out += sp_grad_traffic(graph, block, config, per_microbatch_scatter, runtime.fp32_module_weights)
             out += loss_parallel_traffic(graph, block, config)
-            out += cp_traffic(graph, block, config)
+            out += cp_traffic(graph, block, config, rc, runtime.selective_policy, runtime.cp_grad_ring)
             out += ep_traffic(graph, block, config, rc, runtime.fp32_module_weights)
             out += zero3_traffic(params, block, config, runtime.fsdp_root_regathered)
             out += zero2_traffic(params, config, per_microbatch_scatter)

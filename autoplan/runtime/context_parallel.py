@@ -7,11 +7,19 @@ around the cp ring (cp-1 hops, each overlapped with the attention of the block a
 here). Each hop runs the fused flash kernel SDPA itself uses on one block (the scores are
 never materialised, so memory grows with the sequence, not its square) and the partial
 outputs are merged with their log-sum-exp (online softmax), as torch's own ring attention
-does. The backward passes K, V and their gradient accumulators around the ring again, so
-dK/dV arrive back at their owner after cp hops. Grouped-query K/V (fewer heads than Q,
-SDPA's enable_gqa) travel at their own size and are expanded to Q's heads per block.
-torch's own context_parallel() has no CPU SDPA sharding rule (torch 2.13), so this is used
-on every device.
+does. The backward passes K and V around the ring again in their own dtype (cp-1 hops,
+each prefetched under the block before), and beside them, one hop behind, the fp32
+accumulators of the gradients of the K/V block each rank holds: the rank after the owner
+starts one, each rank adds its share and passes it on, and the owner adds the one that
+arrives after cp-1 hops to its own share, kept at home. (torch's ring attention,
+_templated_ring_attention_backward, starts the accumulator at the owner and sends it cp
+hops; Transformer Engine's sends it in K/V's 16-bit dtype.) The accumulators stay fp32 as
+torch's do (_cp_options.convert_to_f32): each hop adds a partial sum, and rounding it to 16
+bits cp-1 times would compound. Grouped-query K/V (fewer heads than Q, SDPA's enable_gqa)
+travel at their own size and are expanded to Q's heads per block. Under torch.autocast,
+q/k/v are cast to its dtype first, as autocast casts SDPA's inputs (a model's fp32 RoPE
+tables would otherwise hand the ring fp32 q and k). torch's own context_parallel() has no
+CPU SDPA sharding rule (torch 2.13), so this is used on every device.
 """
 
 from __future__ import annotations
@@ -164,10 +172,7 @@ class RingAttention(torch.autograd.Function):
             else:
                 out, lse = _merged(out, lse, block_out, block_lse)
             if pending is not None:
-                kv_next, works = pending
-                for work in works:
-                    work.wait()
-                kv = kv_next
+                kv = _arrived(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.rest = group, scale, first_rest
@@ -182,8 +187,10 @@ class RingAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
-        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        own = arriving = None  # this rank's share of its K/V's gradient; the accumulator in transit
         for hop in range(size):
+            # the K/V block of the next hop travels while this one's gradients are computed
+            pending = _ring_exchange(kv, group) if hop < size - 1 else None
             causal, part = _ring_blocks(hop, rank)
             kk, vv = _expand_heads(kv[0], repeat), _expand_heads(kv[1], repeat)
             rows = slice(half, None) if part == "second q" else slice(None)
@@ -194,15 +201,29 @@ class RingAttention(torch.autograd.Function):
                 out[..., rows, :].contiguous(), lse[..., rows].contiguous(), causal, scale,
                 ctx.rest)
             grad_q[..., rows, :] += dq
-            grad_kv[0][..., cols, :] += _sum_head_groups(dk.float(), repeat)
-            grad_kv[1][..., cols, :] += _sum_head_groups(dv.float(), repeat)
-            # K/V go on to the next rank with their gradient accumulators (one message);
-            # the accumulators are home again after `size` hops.
-            both, works = _ring_exchange(torch.cat([kv.float(), grad_kv]), group)
-            for work in works:
-                work.wait()
-            kv, grad_kv = both[:2].to(kv.dtype), both[2:]
+            # the gradient of the K/V block held at this hop, fp32: a fresh accumulator at hop 0
+            # (this rank's own share, kept) and hop 1 (the first rank after the owner), else
+            # the one the previous rank passed on
+            acc = _arrived(arriving) if hop > 1 else torch.zeros(kv.shape, dtype=torch.float32,
+                                                                  device=q.device)
+            acc[0][..., cols, :] += _sum_head_groups(dk.float(), repeat)
+            acc[1][..., cols, :] += _sum_head_groups(dv.float(), repeat)
+            if hop == 0:
+                own = acc
+            else:  # on to the next rank, which holds this K/V block at the next hop
+                arriving = _ring_exchange(acc, group)
+            if pending is not None:
+                kv = _arrived(pending)
+        grad_kv = own + _arrived(arriving) if arriving is not None else own
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+
+
+def _arrived(exchange: tuple[torch.Tensor, list]) -> torch.Tensor:
+    """The tensor an exchange (_ring_exchange) receives, once its send and receive are done."""
+    received, works = exchange
+    for work in works:
+        work.wait()
+    return received
 
 
 def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -220,7 +241,16 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
                         "enable_gqa=True to scaled_dot_product_attention (Q heads a multiple of "
                         "K/V heads), or repeat the K/V heads before the call.")
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    return RingAttention.apply(query, key, value, group, scale)
+    device = query.device.type
+    if not torch.amp.is_autocast_available(device):
+        return RingAttention.apply(query, key, value, group, scale)
+    if torch.is_autocast_enabled(device):
+        # as autocast casts SDPA's inputs (on its lower-precision list): the ring then sends
+        # 16-bit K/V and the fused kernel takes them
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    with torch.autocast(device, enabled=False):  # the ring's fp32 merges stay fp32
+        return RingAttention.apply(query, key, value, group, scale)
 
 
 def context_parallel_supported(module: nn.Module) -> str | None:

@@ -55,6 +55,9 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # ZeRO-3 gathers the embedding and head before backward too unless the family's rule says
     # its FSDP root keeps them gathered (torchtitan shards tok_embeddings as a unit of its own)
     out["fsdp_root_regathered"] = bool(traits.get("fsdp_root_regathered", True))
+    # ring attention's backward passes the K/V gradients in K/V's 16-bit dtype (Transformer
+    # Engine's, under Megatron-Core) unless the family's rule names its own ring
+    out["cp_grad_ring"] = str(traits.get("cp_grad_ring", "kv-dtype"))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

@@ -30,6 +30,13 @@ TINY = ROOT / "generated" / "tiny-gpt-4xcpu" / "plan.json"
 _PIPELINE = {"pp": 2, "dp": 2, "stages": [["layers.0"], ["layers.1"]]}
 
 
+
+def _context_parallel(recompute: str) -> dict:
+    """Plan fields of the tiny plan over dp 2 x cp 2, both blocks recomputed `recompute`."""
+    return {"dp": 2, "cp": 2, "cp_modules": ["layers.0.self_attn", "layers.1.self_attn"],
+            "cp_buffers": {"rope_cos": 0, "rope_sin": 0}, "recompute": {"layers.0-1": recompute}}
+
+
 def _plan_file(tmp_path: Path, **changes) -> str:
     data = json.loads(TINY.read_text())
     data.update(changes)
@@ -82,10 +89,10 @@ def _rope_table_bytes() -> int:
     return plan.seq_len * config["hidden_size"] // config["num_attention_heads"] * 4
 
 
-def _assert_model_bytes_are_the_dry_runs(rank: dict, stage_outputs_sent: bool) -> None:
+def _assert_model_bytes_are_the_dry_runs(rank: dict, stage_outputs_sent: bool, pipelined: bool = True) -> None:
     """Per (kind, dtype), the cost model's bytes (cost/volume.py over the dry run's window)
     are the dry run's, but for the rope tables the first stage sends and the next receives."""
-    extra = _rope_table_bytes()
+    extra = _rope_table_bytes() if pipelined else 0
     for row in rank["collectives"]:
         side = "send" if stage_outputs_sent else "recv"
         if row["kind"] == side and row["dtype"] == "float32" and row["model_bytes"] is None:
@@ -98,19 +105,27 @@ def _assert_model_bytes_are_the_dry_runs(rank: dict, stage_outputs_sent: bool) -
 
 @pytest.mark.parametrize("changes", [{"zero_stage": 0}, {"zero_stage": 2}, {"zero_stage": 3},
                                      {"zero_stage": 2, **_PIPELINE},
-                                     {"zero_stage": 0, **_PIPELINE}],
-                         ids=["zero0", "zero2", "zero3", "pp2-zero2", "pp2-zero0"])
+                                     {"zero_stage": 0, **_PIPELINE},
+                                     {"zero_stage": 0, **_context_parallel("none")},
+                                     {"zero_stage": 2, **_context_parallel("selective")},
+                                     {"zero_stage": 3, **_context_parallel("full")}],
+                         ids=["zero0", "zero2", "zero3", "pp2-zero2", "pp2-zero0", "cp2-zero0",
+                              "cp2-zero2-selective", "cp2-zero3-full"])
 def test_the_cost_models_collective_bytes_are_the_dry_runs(tmp_path, changes):
     # ZeRO-0 all-reduces the fp32 gradients; ZeRO-2 reduce-scatters them and gathers the bf16
     # weights once a step (in this window: one micro-batch per step); ZeRO-3 gathers every
     # block twice and the root unit (embedding, head) once; a pipelined ZeRO-2 stage keeps
     # its gathered weights from the micro-batch before and reduce-scatters at the step's end;
     # pipeline stages hand on bf16 hidden states under FSDP's bf16 compute, fp32 ones under
-    # ZeRO-0's autocast from fp32 weights
+    # ZeRO-0's autocast from fp32 weights. Ring attention sends bf16 K/V (autocast's or FSDP's
+    # bf16) cp-1 hops forward and cp-1 in backward, the fp32 K/V gradients cp-1 hops, and
+    # its forward again when the block is recomputed: full, and selective (the op policy
+    # saves the attention kernels' outputs, not the ring's)
     report = check_plan(_plan_file(tmp_path, **changes), workers=2)
     for rank in report["ranks"]:
         assert rank["collectives"] and all(row["bytes"] for row in rank["collectives"])
-        _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0)
+        _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0,
+                                             pipelined=changes.get("pp", 1) > 1)
 
 
 def _tp_plan_file(tmp_path: Path, sequence_parallel: bool, zero_stage: int) -> str:

@@ -206,3 +206,29 @@ def test_fsdp2_copies_each_gather_out_on_the_compute_stream(make_gpt_graph, h100
                              runtime=Runtime(fsdp_copy_out=False))
     assert zero2.fwd_s - zero2_fsdp1.fwd_s == pytest.approx(copy_s, rel=1e-9)
     assert zero2.bwd_s == pytest.approx(zero2_fsdp1.bwd_s, rel=1e-12)  # not resharded after forward
+
+
+def test_ring_attention_time_follows_what_each_runtime_sends(make_gpt_graph, h100_cluster):
+    from autoplan.cost import volume
+    from autoplan.cost.layers import cp_comm_s, fabric_and_groups
+
+    graph = make_gpt_graph(layers=4, hidden=2048, heads=16, seq=8192)
+    config = ParallelConfig(global_batch=8, seq_len=8192, dp=2, cp=4, micro_batch=1)
+    block = graph.blocks[0]
+    fabric, groups = fabric_and_groups(config, h100_cluster(8))
+    step = comm.p2p_time_s(volume.cp_hop_bytes(graph, block, config), False, fabric)
+    fp32_step = comm.p2p_time_s(volume.cp_hop_bytes(graph, block, config, 4), False, fabric)
+    # Transformer Engine (Megatron): 3 x (cp - 1) 16-bit K/V-sized steps
+    megatron = Runtime(fp32_module_weights=False, selective_policy="attention_core", cp_grad_ring="kv-dtype")
+    assert cp_comm_s(graph, block, config, fabric, groups, 0.0, runtime=megatron)[0] == pytest.approx(9 * step)
+    # autoplan's runtime: K/V 2 x (cp - 1) steps, the fp32 gradients cp - 1
+    total, exposed = cp_comm_s(graph, block, config, fabric, groups, 0.0)
+    assert total == pytest.approx(6 * step + 3 * fp32_step) and exposed == pytest.approx(total)
+    # the forward ring again under selective recomputation: exposed, its attention kernels'
+    # outputs saved; under full it hides under the recomputed attention as the forward's does
+    long_attention = 1.0
+    _, none = cp_comm_s(graph, block, config, fabric, groups, long_attention)
+    sel_total, selective = cp_comm_s(graph, block, config, fabric, groups, long_attention, "selective")
+    full_total, full = cp_comm_s(graph, block, config, fabric, groups, long_attention, "full")
+    assert none == 0.0 and sel_total == full_total == pytest.approx(total + 3 * step)
+    assert selective == pytest.approx(3 * step) and full == 0.0

@@ -1,8 +1,11 @@
-"""The cost model's collective volume (cost/volume.py): which window a collective falls in."""
+"""The cost model's collective volume (cost/volume.py): which window a collective falls in,
+what ring attention sends."""
 
 from __future__ import annotations
 
-from autoplan.cost.volume import END, FIRST, MICROBATCH, Traffic, by_kind
+from autoplan.config import ParallelConfig
+from autoplan.cost.sac import OP_SAC
+from autoplan.cost.volume import END, FIRST, MICROBATCH, Traffic, by_kind, cp_hop_bytes, cp_hops, cp_traffic
 
 
 def test_a_once_a_step_gather_is_in_the_last_micro_batch_only_when_it_is_the_first():
@@ -18,3 +21,32 @@ def test_a_once_a_step_gather_is_in_the_last_micro_batch_only_when_it_is_the_fir
                                                        ("all_reduce", "float32"): 10}
     assert by_kind(traffic, 4) == {("reduce_scatter", "float32"): 1600,
                                    ("all_gather", "bfloat16"): 200, ("all_reduce", "float32"): 10}
+
+
+def _cp_config(cp: int = 4, precision: str = "bf16") -> ParallelConfig:
+    return ParallelConfig(global_batch=8, seq_len=1024, dp=2, cp=cp, micro_batch=1, precision=precision)
+
+
+def test_ring_attention_sends_kv_in_16_bits_and_the_gradients_in_fp32(make_gpt_graph):
+    # one micro-batch's K/V chunk on a cp-4 rank: 2 x 256 tokens x 1024 hidden x 2 bytes
+    graph = make_gpt_graph(seq=1024)
+    block = graph.blocks[0]
+    chunk = 2 * 256 * 1024 * 2
+    assert cp_hop_bytes(graph, block, _cp_config()) == chunk
+    # autoplan's runtime: K/V 3 hops forward, 3 in backward; fp32 gradients 3 hops home
+    traffic = by_kind(cp_traffic(graph, block, _cp_config()), 1)
+    assert traffic == {("send", "bfloat16"): 6 * chunk, ("recv", "bfloat16"): 6 * chunk,
+                       ("send", "float32"): 3 * 2 * chunk, ("recv", "float32"): 3 * 2 * chunk}
+    # recomputation runs the forward ring again: full, and selective under the op policy
+    # (the ring is no aten op it can keep); torchtitan's op SAC keeps the SDPA op, ring and all
+    for recompute, policy, forward in (("full", "op", 6), ("selective", "op", 6),
+                                       ("selective", "attention_core", 6), ("selective", OP_SAC, 3)):
+        assert cp_hops(4, recompute, policy)[0] == forward, (recompute, policy)
+    # torch's ring starts the accumulators at their owner (cp hops); Transformer Engine sends
+    # them in K/V's dtype, so all Megatron's ring is 16-bit, 3 (cp - 1) hops
+    assert cp_hops(4, grad_ring="fp32-home") == (3, 3, 4)
+    megatron = by_kind(cp_traffic(graph, block, _cp_config(), grad_ring="kv-dtype"), 1)
+    assert megatron == {("send", "bfloat16"): 9 * chunk, ("recv", "bfloat16"): 9 * chunk}
+    # an fp32 run sends everything in fp32: K/V and gradients together
+    fp32 = by_kind(cp_traffic(graph, block, _cp_config(precision="fp32")), 1)
+    assert fp32 == {("send", "float32"): 9 * 2 * chunk, ("recv", "float32"): 9 * 2 * chunk}

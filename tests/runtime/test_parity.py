@@ -80,6 +80,9 @@ CONFIGS = {
         "hf_llama_pp2_tp2": ("hf_llama", P("hf_llama", pp=2, tp=2, schedule="gpipe")),
         "hf_llama_dp2_cp2": ("hf_llama", P("hf_llama", dp=2, cp=2)),
         "hf_llama_pp2_cp2": ("hf_llama", P("hf_llama", pp=2, cp=2, schedule="1f1b")),
+        # autocast from fp32 weights: the RoPE hands the ring fp32 q/k beside a bf16 v, and
+        # the ring takes autocast's bf16 cast of them, as SDPA does
+        "hf_llama_dp2_cp2_bf16": ("hf_llama", P("hf_llama", dp=2, cp=2, precision="bf16")),
         "hf_mixtral_ep4": ("hf_mixtral", P("hf_mixtral", dp=4, ep=4)),
         "hf_mixtral_dp2_tp2_sp_ep2": ("hf_mixtral", P("hf_mixtral", dp=2, tp=2, ep=2)),
         "hf_mixtral_pp2_dp2_ep2": ("hf_mixtral", P("hf_mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),

@@ -68,6 +68,9 @@ def test_torchtitan_runtime_traits():
     assert traits["fused_vocab_cross_entropy"] is False and traits["loss_keeps_logits"] is False
     # torchtitan shards tok_embeddings as an FSDP unit of its own, gathered again for backward
     assert traits["fsdp_root_regathered"] is True
+    # torch's ring attention passes fp32 K/V gradients cp hops; Transformer Engine's (Megatron)
+    # passes them in K/V's 16-bit dtype cp - 1 hops
+    assert traits["cp_grad_ring"] == "fp32-home"
     assert families.runtime_traits("megatron") == {"fp32_module_weights": False,
                                                    "selective_policy": "attention_core",
                                                    "sp_saves_gathered_inputs": False,
@@ -76,7 +79,8 @@ def test_torchtitan_runtime_traits():
                                                    "fused_vocab_cross_entropy": True,
                                                    "loss_keeps_logits": False,
                                                    "experts_outside_fsdp": False,
-                                                   "fsdp_root_regathered": True}
+                                                   "fsdp_root_regathered": True,
+                                                   "cp_grad_ring": "kv-dtype"}
     # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts
     # with the rest; only autoplan's runtime keeps them out of FSDP (layers.Runtime default)
     assert traits["experts_outside_fsdp"] is False
