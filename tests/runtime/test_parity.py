@@ -72,10 +72,13 @@ CONFIGS = {
         "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
         "pp2_dp2_ep2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         # experts as FSDP units on their replicas' mesh: of one rank under a pipeline, of one
-        # rank per HSDP replica, and beside TP ranks that sum the experts' token-local grads
+        # rank per HSDP replica (both inside checkpointed blocks), and beside TP ranks that
+        # sum the experts' token-local grads
         "pp2_dp2_ep2_zero2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, zero_stage=2,
-                                           schedule="1f1b", micro_batch=2)),
-        "hsdp_ep2": ("mixtral", P("mixtral", dp=4, dp_replicate=2, ep=2, zero_stage=3)),
+                                           schedule="1f1b", micro_batch=2, recompute={
+                                               "layers.0": "selective", "layers.3": "full"})),
+        "hsdp_ep2": ("mixtral", P("mixtral", dp=4, dp_replicate=2, ep=2, zero_stage=3,
+                                  recompute={"layers.1": "selective"})),
         "moe_dp2_tp2_sp_ep2_zero2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2, zero_stage=2)),
         "pp2_cp2": ("llama", P(pp=2, cp=2, schedule="1f1b")),
         # Hugging Face transformers models, built from config objects (tests/runtime/hf_models.py)
