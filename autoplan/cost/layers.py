@@ -179,16 +179,18 @@ def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
 
 
 def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
-              groups: comm.Groups, recompute: str, fp32_module_weights: bool = False) -> float:
+              groups: comm.Groups, recompute: str, fp32_module_weights: bool = False,
+              selective_policy: str = "attention_core") -> float:
     """Expert-parallel all-to-all: dispatch + combine in forward and in backward (GShard,
-    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped; the
-    dispatch in the residual stream's dtype (volume.ep_token_bytes)."""
+    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), again where the
+    recomputation reruns them (volume.ep_alltoall_reruns), not overlapped; the dispatch in the
+    residual stream's dtype (volume.ep_token_bytes)."""
     if config.ep <= 1 or not block.experts:
         return 0.0
     dispatch, combine = (comm.moe_dispatch_time_s(volume.ep_tokens(graph, config), block.top_k, b,
                                                   groups.ep, fabric)
                          for b in volume.ep_token_bytes(block, config, fp32_module_weights))
-    return volume.ep_alltoall_count(recompute) // 2 * (dispatch + combine)
+    return volume.ep_alltoall_count(recompute, selective_policy) // 2 * (dispatch + combine)
 
 
 def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
@@ -429,7 +431,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                  + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
     cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s)
     total["cp"], exposed["cp"] = cp_total, cp_exposed
-    ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights)
+    ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights,
+                   runtime.selective_policy)
     total["ep"] = ep
     # With pipelining, the all-to-all of one micro-batch runs under another's compute
     # (DeepSeek-V3 DualPipe, §3.2.1; Megatron-Core 1F1B A2A overlap): only what compute
