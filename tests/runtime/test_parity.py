@@ -114,6 +114,8 @@ CONFIGS = {
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),
         "dp2_cp2_tp2": ("llama", P(dp=2, cp=2, tp=2, zero_stage=2)),
+        # one expert per ep rank, two ranks holding it: FSDP shards the experts on dim 1
+        "ep4_of_dp8_zero3": ("mixtral", P("mixtral", dp=8, ep=4, zero_stage=3)),
     },
 }
 
