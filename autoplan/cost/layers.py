@@ -67,10 +67,12 @@ class Runtime:
     the step keeps the 16-bit logits through the loss backward (autoplan's loop and torchtitan
     free them first; a pipeline schedule keeps them regardless); Megatron's in-place fused
     vocab-parallel cross entropy.
-    experts_outside_fsdp: expert-parallel experts are kept out of DDP/FSDP (autoplan's runtime:
-    runtime/parallelize.py passes them as FSDP's ignored parameters) and hold their model
-    states whole or ZeRO-1 sharded over their replicas (expert_state_layout); Megatron's
-    distributed optimizer and torchtitan's FSDP on its expert mesh shard them as dense ones.
+    experts_replicated_over_tp: expert parallelism is carved from dp x cp and the TP ranks of an
+    expert-parallel rank hold the same experts (autoplan's runtime, runtime/mesh.py ep_mesh),
+    so ZeRO shards the experts' model states over their replicas along dp and cp only
+    (expert_state_layout); Megatron's distributed optimizer (expert-DP group tp x dp x cp / ep
+    at expert-TP 1) and torchtitan's FSDP on its expert mesh (efsdp = dp_shard x cp x tp / ep)
+    shard them over the TP ranks too. Without TP the two agree.
     cp_grad_ring: how ring attention's backward passes the K/V gradients back to their owner
     (volume.CP_GRAD_RINGS): "fp32" accumulators over cp - 1 hops (autoplan's runtime),
     "fp32-home" over cp hops (torch's ring attention, torchtitan), "kv-dtype" in K/V's
@@ -88,7 +90,7 @@ class Runtime:
     fsdp_copy_out: bool = True
     loss_keeps_logits: bool = False
     fused_vocab_cross_entropy: bool = False
-    experts_outside_fsdp: bool = True
+    experts_replicated_over_tp: bool = True
     fsdp_root_regathered: bool = False
     cp_grad_ring: str = "fp32"
 
@@ -192,16 +194,18 @@ def cp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
 
 
 def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
-              groups: comm.Groups, recompute: str, fp32_module_weights: bool = False) -> float:
+              groups: comm.Groups, recompute: str, fp32_module_weights: bool = False,
+              selective_policy: str = "attention_core") -> float:
     """Expert-parallel all-to-all: dispatch + combine in forward and in backward (GShard,
-    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), not overlapped; the
-    dispatch in the residual stream's dtype (volume.ep_token_bytes)."""
+    Lepikhin et al. 2020 §2.2; Megatron-Core MoE token dispatcher), again where the
+    recomputation reruns them (volume.ep_alltoall_reruns), not overlapped; the dispatch in the
+    residual stream's dtype (volume.ep_token_bytes)."""
     if config.ep <= 1 or not block.experts:
         return 0.0
     dispatch, combine = (comm.moe_dispatch_time_s(volume.ep_tokens(graph, config), block.top_k, b,
                                                   groups.ep, fabric)
                          for b in volume.ep_token_bytes(block, config, fp32_module_weights))
-    return volume.ep_alltoall_count(recompute) // 2 * (dispatch + combine)
+    return volume.ep_alltoall_count(recompute, selective_policy) // 2 * (dispatch + combine)
 
 
 def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
@@ -229,30 +233,20 @@ def expert_shard_degree(config: ParallelConfig) -> int:
 
 def expert_state_layout(config: ParallelConfig, runtime: Runtime) -> tuple[int, int, str]:
     """(ZeRO stage, shard degree, offload) the routed experts' model states are kept under on
-    one rank (memory.model_state_bytes).
-
-    As the dense ones, sharded over the experts' replicas (expert_shard_degree), where the
-    runtime shards them with the rest (Megatron's distributed optimizer over the expert-DP
-    group, torchtitan's fully_shard on its expert mesh) or where ep is 1. autoplan's runtime
-    (Runtime.experts_outside_fsdp) keeps expert-parallel experts out of FSDP and DDP
-    (runtime/parallelize.py: FSDP's ignored parameters; runtime/expert_parallel.py
-    sync_expert_grads all-reduces their gradients over the ranks holding the same experts):
-    fp32 weights and gradients whole on every rank, never gathered in 16 bits, so not
-    offloaded by FSDP's CPUOffloadPolicy either; their AdamW moments are sharded only at
-    ZeRO-1, by ZeroRedundancyOptimizer over those ranks, dp_replicate x ep_rest = dp x cp / ep
-    (runtime/mesh.py ep_replica, runtime/data_parallel.py Zero1), and whole otherwise (a
-    plain AdamW at ZeRO-0/2/3, runtime/loop.py make_optimizer)."""
-    if not (runtime.experts_outside_fsdp and config.ep > 1):
+    one rank (memory.model_state_bytes): as the dense ones, sharded over the experts' replicas
+    (expert_shard_degree) where ep is 1 or the runtime shards them over the TP ranks too
+    (Megatron's distributed optimizer over the expert-DP group, torchtitan's fully_shard on
+    its expert mesh). autoplan's runtime (Runtime.experts_replicated_over_tp) shards
+    expert-parallel experts over the ranks holding the same experts along dp and cp: at
+    ZeRO-1 ZeroRedundancyOptimizer over dp_replicate x ep_rest = dp x cp / ep ranks
+    (runtime/mesh.py ep_replica, runtime/data_parallel.py Zero1), at ZeRO-2/3 FSDP on the
+    expert-replica mesh, dp_shard x cp / ep shards replicated over dp_replicate
+    (runtime/mesh.py expert_dp_mesh, runtime/data_parallel.py apply_fsdp)."""
+    if not (runtime.experts_replicated_over_tp and config.ep > 1):
         return config.zero_stage, expert_shard_degree(config), config.offload
     if config.zero_stage == 1:
         return 1, max(1, config.dp * config.cp // config.ep), config.offload
-    return 0, 1, "none" if config.zero_stage >= 2 else config.offload
-
-
-def fsdp_expert_params(params: memory.BlockParams, config: ParallelConfig, runtime: Runtime) -> float:
-    """The routed-expert parameters of `params` that FSDP manages (all but autoplan's
-    expert-parallel ones, expert_state_layout)."""
-    return 0.0 if runtime.experts_outside_fsdp and config.ep > 1 else params.expert
+    return config.zero_stage, max(1, config.dp_shard * config.cp // config.ep), config.offload
 
 
 def fsdp_pipeline_unsharded(config: ParallelConfig) -> bool:
@@ -453,7 +447,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                  + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
     cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s, rc, runtime)
     total["cp"], exposed["cp"] = cp_total, cp_exposed
-    ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights)
+    ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights,
+                   runtime.selective_policy)
     total["ep"] = ep
     # With pipelining, the all-to-all of one micro-batch runs under another's compute
     # (DeepSeek-V3 DualPipe, §3.2.1; Megatron-Core 1F1B A2A overlap): only what compute
@@ -473,7 +468,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     # PR #130583 on low-contention copy-engine collectives) nor to EP/CP exchanges (unmeasured).
     exposed["zero3"] = comm.contended_exposed_s(total["zero3"], exposed["zero3"])
     total["offload"], exposed["offload"] = param_offload_comm_s(params, config, gpu, times.fwd_s + recompute_s,
-                                                                times.bwd_s, runtime.fp32_module_weights)
+                                                                times.bwd_s, runtime.fp32_module_weights,
+                                                                expert_state_layout(config, runtime)[1])
     if block.experts and block.kind not in ("pre", "post"):
         # dropless routing reads token counts back every MoE layer: host time is exposed (host.py)
         h_fwd, h_bwd, h_rc = host.moe_host_s(block.experts / (config.ep or 1), rc)
@@ -486,25 +482,22 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     expert_zero, expert_shard, expert_offload = expert_state_layout(config, runtime)
     expert_states = memory.model_state_bytes(params.expert, config.precision, expert_zero, expert_shard,
                                              expert_offload, runtime.fp32_module_weights)
-    fsdp_experts = fsdp_expert_params(params, config, runtime)
     if fsdp_pipeline_unsharded(config):
-        unsharded = params.dense + fsdp_experts
+        unsharded = params.dense + params.expert
         # the unsharded fp32 sums accumulate over the micro-batches; the end-of-step
         # reduce-scatter frees each group's sum as it makes its shard, so the peak is the sums
         # (measured by `autoplan check`: 4 bytes per parameter, not 4 + 4/dp)
         dense_states["gradients"] = unsharded * memory.grad_reduce_bytes_per_param(config.precision)
-        if fsdp_experts:
-            expert_states["gradients"] = 0.0
+        expert_states["gradients"] = 0.0
         if config.zero_stage >= 3:
             # the 16-bit gathered weights stay for the whole step, offloaded or not (FSDP2
             # all-gathers into GPU tensors); fp32 master shards stay too unless offloaded
             # (then model_state_bytes leaves none on the GPU; a 16-bit shard is part of the
             # gathered copy)
-            shards = (dense_states["parameters"] + (expert_states["parameters"] if fsdp_experts else 0.0)
+            shards = (dense_states["parameters"] + expert_states["parameters"]
                       if runtime.fp32_module_weights else 0.0)
             dense_states["parameters"] = shards + unsharded * memory.weight_bytes_per_param(config.precision)
-            if fsdp_experts:
-                expert_states["parameters"] = 0.0
+            expert_states["parameters"] = 0.0
     host_bytes = (memory.host_state_bytes(params.dense, config.precision, config.zero_stage,
                                           config.dp_shard * config.cp, config.offload, runtime.fp32_module_weights)
                   + memory.host_state_bytes(params.expert, config.precision, expert_zero, expert_shard,
@@ -520,7 +513,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         grad_bytes=dense_states["gradients"] + expert_states["gradients"],
         optimizer_bytes=dense_states["optimizer"] + expert_states["optimizer"],
         activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
-        zero3_gather_params=(params.dense + fsdp_experts) if config.zero_stage >= 3 else 0.0,
+        zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
         host_bytes=host_bytes,
         cast_weight_bytes=(memory.autocast_weight_bytes(graph, block, config)
                            if _autocasts(config, runtime) else 0.0),
@@ -528,17 +521,21 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
 
 
 def param_offload_comm_s(params: memory.BlockParams, config: ParallelConfig, gpu,
-                         fwd_s: float, bwd_s: float, fp32_shards: bool = False) -> tuple[float, float]:
+                         fwd_s: float, bwd_s: float, fp32_shards: bool = False,
+                         expert_shard: int | None = None) -> tuple[float, float]:
     """(total, exposed) host<->device copies per micro-batch of a block whose weights are
     offloaded (offload.param_offload_s); under ZeRO-2/3 each rank copies only its shard, then
     all-gathers it (ZeRO-Infinity §5; FSDP2 CPUOffloadPolicy). `fp32_shards`: the host keeps
     fp32 weight shards and receives fp32 gradient shards (FSDP2 with fp32 module weights and
-    reduce_dtype float32, as autoplan's runtime), so 4 B/param cross the link each way."""
+    reduce_dtype float32, as autoplan's runtime), so 4 B/param cross the link each way.
+    `expert_shard`: the ranks the experts' states are sharded over (expert_state_layout),
+    their replicas (expert_shard_degree) unless given."""
     if config.offload not in ("params", "both"):
         return 0.0, 0.0
     held = params.dense + params.expert
     if config.zero_stage >= 2:
-        held = params.dense / (config.dp_shard * config.cp) + params.expert / expert_shard_degree(config)
+        held = (params.dense / (config.dp_shard * config.cp)
+                + params.expert / (expert_shard or expert_shard_degree(config)))
     w = memory.FP32_BYTES if fp32_shards and config.zero_stage >= 2 else memory.weight_bytes_per_param(config.precision)
     return offload.param_offload_s(held, w, w, fwd_s, bwd_s, gpu)
 

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, hw, memory, offload, pipeline
-from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime, expert_shard_degree, fsdp_pipeline_unsharded
+from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime, expert_state_layout, fsdp_pipeline_unsharded
 from autoplan.cost.stages import StageCost
 from autoplan.trace.graph import ModelGraph
 
@@ -113,7 +113,7 @@ def optimizer_s(stages: Sequence[StageCost], config: ParallelConfig, cluster,
     expert = sum(s.expert_params for s in stages)
     if config.zero_stage >= 1:
         dense /= config.dp_shard * config.cp
-        expert /= expert_shard_degree(config)
+        expert /= expert_state_layout(config, runtime)[1]
     per_param = adam_update_bytes_per_param(config.precision, runtime.optimizer_kernels)
     if config.offload == "both" and config.zero_stage >= 2:
         # FSDP2's CPUOffloadPolicy: the gradient shards reach the host and the updated weight

@@ -235,19 +235,30 @@ def ep_token_bytes(block: BlockInfo, config: ParallelConfig, fp32_module_weights
             block.hidden * compute.activation_dtype_bytes(config.precision))
 
 
-def ep_alltoall_count(recompute: str) -> int:
+def ep_alltoall_reruns(recompute: str, selective_policy: str = "attention_core") -> bool:
+    """Whether the recomputation runs a block's all-to-alls again: under full recomputation,
+    and under selective with the "op" policy (autoplan's runtime: torch's selective checkpoint
+    saves matmul and attention outputs only, runtime/recompute.py, so the exchanges between
+    them run again, as `autoplan check` logs). Megatron's selective recomputation reruns the
+    attention core only; torchtitan's op SAC saves all_to_all_single's output."""
+    return recompute == "full" or (recompute == "selective" and selective_policy == "op")
+
+
+def ep_alltoall_count(recompute: str, selective_policy: str = "attention_core") -> int:
     """Token all-to-alls per micro-batch: dispatch + combine in forward and in backward (GShard,
-    Lepikhin et al. 2020 §2.2), the forward ones again under full recomputation."""
-    return 4 + (2 if recompute == "full" else 0)
+    Lepikhin et al. 2020 §2.2), the forward ones again where the recomputation reruns them
+    (ep_alltoall_reruns)."""
+    return 4 + (2 if ep_alltoall_reruns(recompute, selective_policy) else 0)
 
 
 def ep_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str,
-               fp32_module_weights: bool = True) -> list[Traffic]:
+               fp32_module_weights: bool = True, selective_policy: str = "attention_core") -> list[Traffic]:
     if config.ep <= 1 or not block.experts:
         return []
     slots = ep_tokens(graph, config) * block.top_k
-    forwards = 2 if recompute == "full" else 1
-    each = ep_alltoall_count(recompute) // 2  # half dispatches (and their gradients), half combines
+    forwards = 2 if ep_alltoall_reruns(recompute, selective_policy) else 1
+    # half dispatches (and their gradients), half combines
+    each = ep_alltoall_count(recompute, selective_policy) // 2
     out = [Traffic("all_to_all", dtype_name(int(b / block.hidden), config.precision), each * slots * b)
            for b in ep_token_bytes(block, config, fp32_module_weights)]
     # every forward exchanges the per-expert token counts before the dispatch
@@ -371,7 +382,7 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
             out += sp_grad_traffic(graph, block, config, per_microbatch_scatter, runtime.fp32_module_weights)
             out += loss_parallel_traffic(graph, block, config)
             out += cp_traffic(graph, block, config, rc, runtime.selective_policy, runtime.cp_grad_ring)
-            out += ep_traffic(graph, block, config, rc, runtime.fp32_module_weights)
+            out += ep_traffic(graph, block, config, rc, runtime.fp32_module_weights, runtime.selective_policy)
             out += zero3_traffic(params, block, config, runtime.fsdp_root_regathered)
             out += zero2_traffic(params, config, per_microbatch_scatter)
         out += pp_traffic(graph, config, index, len(stages_layers), runtime.fp32_module_weights)

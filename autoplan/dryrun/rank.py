@@ -303,8 +303,7 @@ def _book_offloaded_states(tracker: StepMemoryTracker, trainer) -> list:
     all-gathered parameters (all_gather_inputs copies the shard `.to(device)` first) and the
     unsharded gradients until their reduce-scatter. Gradients made by the tracked step are
     booked when FSDP2 hands them to the sharded parameter's post-accumulate-grad hooks, which
-    it calls after assigning them. Parameters FSDP ignores (experts) stay on the GPU. Returns
-    the hook handles, to be removed after the step."""
+    it calls after assigning them. Returns the hook handles, to be removed after the step."""
     from torch.distributed.fsdp import FSDPModule
 
     sharded: dict[int, nn.Parameter] = {}

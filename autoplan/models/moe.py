@@ -23,6 +23,17 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
+def compute_weight(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """An expert weight as the expert matmuls take it: this rank's local tensor, unchanged
+    when it is in the tokens' dtype already (fp32 training; FSDP's 16-bit gather at ZeRO-2/3)
+    or when autocast casts each matmul's operands (16-bit training below ZeRO-2); else cast
+    to the tokens' dtype."""
+    weight = _local(weight)
+    if weight.dtype == tokens.dtype or torch.is_autocast_enabled(tokens.device.type):
+        return weight
+    return weight.to(tokens.dtype)
+
+
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts as stacked weights (E, ...), so EP can slice dim 0."""
 
@@ -35,8 +46,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens sorted by (local) expert; counts: tokens per local expert."""
-        # the tokens' dtype: expert-parallel experts are outside FSDP's mixed-precision cast
-        w_gate, w_up, w_down = (_local(w).to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        w_gate, w_up, w_down = (compute_weight(w, x) for w in (self.w_gate, self.w_up, self.w_down))
         outputs = []
         for index, chunk in enumerate(torch.split(x, counts)):
             hidden = F.silu(chunk @ w_gate[index].t()) * (chunk @ w_up[index].t())

@@ -8,6 +8,8 @@ tokens of the same sequences, so for the optimizer they are data-parallel ranks 
           optimizer states sharded, parameters kept gathered between forward and backward.
   zero 3: fully_shard(reshard_after_forward=True): parameters sharded too.
   HSDP:   FSDP on the 2-D (dp_replicate, dp_shard_cp) mesh: shard inside, replicate across.
+Expert-parallel experts: their own FSDP units at ZeRO-2/3 (on the ranks holding the same
+experts), outside DDP below it (runtime/expert_parallel.py).
 With TP (DTensor parameters) or PP (several forwards before a backward) DDP cannot wrap the
 module; ZeRO-0/1 then all-reduce the (local shards of the) gradients in one flat buffer
 after the last micro-batch's backward (`allreduce_grads`). ZeRO-1 steps the local shards of
@@ -25,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from autoplan.runtime.expert_parallel import expert_fsdp_placement
 from autoplan.runtime.mesh import ParallelMesh
 
 
@@ -34,8 +37,9 @@ def has_dtensor_params(module: nn.Module) -> bool:
 
 def apply_fsdp(module: nn.Module, blocks: list[str], mesh: ParallelMesh, *, reshard: bool,
                param_dtype: torch.dtype | None, offload_params: bool,
-               ignored: set[nn.Parameter]) -> nn.Module:
-    """fully_shard each block, then the (stage) root, on the dp mesh."""
+               experts: list[nn.Module] = ()) -> nn.Module:
+    """fully_shard each MoE layer's expert-parallel experts on the expert-replica mesh, then
+    each block and the (stage) root on the dp mesh."""
     plan = mesh.plan
     if plan.dp_replicate > 1:
         # HSDP: a 2-D (replicate, shard) mesh; dp_shard_cp is a flattened view, so build
@@ -44,10 +48,23 @@ def apply_fsdp(module: nn.Module, blocks: list[str], mesh: ParallelMesh, *, resh
                                                 ("dp_replicate_h", "dp_shard_cp_h"))
     else:
         dp_mesh = mesh.axis("dp_shard_cp")
-    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None,
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard,
                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
     if offload_params:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if experts:
+        expert_mesh = mesh.expert_dp_mesh()
+        shard_ranks = expert_mesh.size(expert_mesh.ndim - 1)
+        for unit in experts:
+            fully_shard(unit, **{**kwargs, "mesh": expert_mesh},
+                        shard_placement_fn=expert_fsdp_placement(unit, shard_ranks))
+            # the experts' replicas are dp*cp/ep ranks, but the gradient is the average over
+            # all dp*cp ranks' tokens (each replica's already sums its ep group's), as torchtitan
+            unit.set_gradient_divide_factor(float(plan.dp * plan.cp))
+            # gloo has no PREMUL_SUM: sum, then divide. Not on a one-rank shard mesh, where
+            # FSDP issues no reduce-scatter and divides while copying (torch 2.13 foreach_reduce;
+            # forced, it would divide again after)
+            unit.set_force_sum_reduction_for_comms(mesh.world.device_type == "cpu" and shard_ranks > 1)
     modules = dict(module.named_modules())
     for path in blocks:
         if path in modules:

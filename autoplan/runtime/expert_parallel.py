@@ -16,10 +16,17 @@ refused with a reason (`expert_parallel_supported`), so the planner can leave ep
 
 The stacked expert weights become DTensors sharded on dim 0 over the ep axis, so DCP saves
 them by expert index (reshardable to another EP degree) and grad-norm clipping counts each
-expert once. They are kept out of DDP/FSDP: their gradient already sums the contributions
-of the whole ep group (the all-to-all backward brings them home), so `sync_expert_grads`
-only sums over the ranks that hold the same experts (dp_replicate x ep_rest) and divides
-by dp*cp, which gives the same average the DP wrappers give every other parameter.
+expert once. Their gradient already sums the contributions of the whole ep group (the
+all-to-all backward brings them home), so it needs summing only over the ranks that hold
+the same experts (dp_replicate x ep_rest), divided by dp*cp: the same average the DP wrappers
+give every other parameter.
+  ZeRO-2/3: each layer's `experts` module is an FSDP unit of its own on that expert-replica
+            mesh (ParallelMesh.expert_dp_mesh, as torchtitan's fully_shard on its dp-mod-ep
+            mesh; data_parallel.apply_fsdp): FSDP casts the weights once per gather, reduce-
+            scatters the gradients with divide factor dp*cp, and the optimizer steps the
+            fp32 shards.
+  ZeRO-0/1: kept out of DDP (whose C++ reducer cannot hold DTensors); `sync_expert_grads`
+            all-reduces their gradients after backward.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import UserError
-from autoplan.models.moe import MoE, dispatch_to_owners
+from autoplan.models.moe import MoE, compute_weight, dispatch_to_owners
 
 _FUSED_PARAMS = ("gate_up_proj", "down_proj")
 _FUSED_INPUTS = ["hidden_states", "top_k_index", "top_k_weights"]
@@ -128,8 +135,7 @@ def _fused_expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup)
     """experts(hidden_states, top_k_index, top_k_weights) with this rank's experts only."""
 
     def run_local(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # FSDP's mixed-precision cast skips these (ignored) parameters: compute in the tokens' dtype
-        gate_up, down = (w.to_local().to(tokens.dtype) for w in (experts.gate_up_proj, experts.down_proj))
+        gate_up, down = (compute_weight(w, tokens) for w in (experts.gate_up_proj, experts.down_proj))
         outputs = []
         for index, chunk in enumerate(torch.split(tokens, counts)):
             gate, up = F.linear(chunk, gate_up[index]).chunk(2, dim=-1)
@@ -150,23 +156,38 @@ def _fused_expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup)
     return forward
 
 
-def apply_expert_parallel(model: nn.Module, ep_modules: list[str], ep_mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Shard the experts of this (stage) module; returns the expert parameters."""
+def apply_expert_parallel(model: nn.Module, ep_modules: list[str], ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Shard the experts of this (stage) module; returns the `experts` modules holding them."""
     axis = ep_mesh["ep"]
     modules = dict(model.named_modules())
-    params = []
+    sharded = []
     for path in ep_modules:
         moe = modules.get(path)
         if moe is None:
             continue  # on another pipeline stage
         if isinstance(moe, MoE):
             moe.ep_group = axis.get_group()
-            params += _shard(moe.experts, ("w_gate", "w_up", "w_down"), axis)
+            _shard(moe.experts, ("w_gate", "w_up", "w_down"), axis)
         else:
-            params += _shard(moe.experts, _FUSED_PARAMS, axis)
+            _shard(moe.experts, _FUSED_PARAMS, axis)
             # an instance attribute: the class (and every other model) keeps its own forward
             moe.experts.forward = _fused_expert_parallel_forward(moe.experts, axis.get_group())
-    return params
+        sharded.append(moe.experts)
+    return sharded
+
+
+def expert_fsdp_placement(experts: nn.Module, shard_ranks: int):
+    """FSDP's shard placement for one layer's experts: dim 0 (the local experts) unless there
+    are fewer local experts than ranks to shard over, where dim-0 shards would be empty or
+    padded; then dim 1, as torchtitan does, when it divides evenly (FSDP2 shards dims > 0
+    only evenly). None keeps FSDP's default, dim 0."""
+    params = list(experts.parameters())
+    local_experts = params[0].to_local().shape[0] if params else 0
+    if shard_ranks <= 1 or local_experts % shard_ranks == 0:
+        return None
+    if all(p.ndim > 1 and p.shape[1] % shard_ranks == 0 for p in params):
+        return lambda _param: Shard(1)
+    return None
 
 
 def sync_expert_grads(params: list[nn.Parameter], ep_mesh: DeviceMesh, dp_cp: int) -> None:

@@ -52,6 +52,17 @@ class ParallelMesh:
         the experts' optimizer states; None without EP or without ZeRO-1."""
         return self.flat["ep_replica"].get_group() if "ep_replica" in self.flat else None
 
+    def expert_dp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards the experts over at ZeRO-2/3: the ranks holding the same
+        experts, ep_rest, and with HSDP (dp_replicate, ep_rest), replicated over the first
+        axis like the dense parameters. A view of ep_mesh, so FSDP can compose it with the
+        experts' ep DTensors (one root mesh, as FSDP + TP). ep_rest may have one rank: FSDP2
+        then skips the collectives (copying shard to gathered parameter in the compute dtype)
+        but still casts once per gather and divides the gradient (_fsdp_param_group.py)."""
+        if self.plan.dp_replicate > 1:
+            return self.ep_mesh[("dp_replicate", "ep_rest")]
+        return self.ep_mesh["ep_rest"]
+
     def local_rank(self, name: str) -> int:
         return self.axis(name).get_local_rank()
 

@@ -6,7 +6,8 @@
                   experts sharded over the ep axis.
   4. recompute  - checkpoint wrappers per block (after TP so the wrapped code is the TP code).
   5. DP         - FSDP2 (ZeRO-2/3, HSDP) or DDP (ZeRO-0/1) last, on the parallelised blocks,
-                  as FSDP2 + DTensor composition requires.
+                  as FSDP2 + DTensor composition requires; at ZeRO-2/3 each layer's experts
+                  are an FSDP unit on the expert-replica mesh, below it outside DDP.
 Every check that could fail runs on the meta model before any collective (`validate_plan`).
 """
 
@@ -36,6 +37,9 @@ class Parallelized:
 
     parts: list[nn.Module]  # one per pipeline stage held (one without PP)
     stage_ids: list[int]
+    expert_modules: list[nn.Module] = field(default_factory=list)  # each MoE layer's experts
+    # expert parameters the loop syncs itself (sync_expert_grads) and ZeRO-1 shards over their
+    # replicas: below ZeRO-2 only; FSDP reduces them at ZeRO-2/3
     expert_params: list[nn.Parameter] = field(default_factory=list)
     tp_token_local: list[nn.Module] = field(default_factory=list)  # MoE run on SP shards
     manual_grad_sync: bool = False  # ZeRO-0 with DTensor params: all-reduce after backward
@@ -118,22 +122,25 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
             apply_context_parallel(part, plan.cp_modules, plan.cp_buffers, mesh.group("cp"),
                                    plan.seq_len)
         if plan.ep > 1:
-            result.expert_params += apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)
+            result.expert_modules += apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)
         # 4. Activation recomputation.
         apply_recompute(part, plan.recompute)
     # 5. Data parallelism (also over cp: CP ranks average gradients like DP ranks).
     if not data_parallel:
         return result
-    ignored = set(result.expert_params)
     dp_cp = plan.dp * plan.cp
     device_is_cpu = mesh.world.device_type == "cpu"
+    if plan.zero_stage < 2:
+        result.expert_params = [p for m in result.expert_modules for p in m.parameters()]
+    ignored = set(result.expert_params)
     for index, part in enumerate(parts):
         if plan.zero_stage >= 2:
+            experts = [m for m in result.expert_modules if _contains(part, m)]
             parts[index] = dp_mod.apply_fsdp(
                 part, list(plan.blocks), mesh, reshard=plan.zero_stage == 3,
                 param_dtype=compute_dtype(plan.precision),
                 offload_params=plan.offload in ("params", "both") and not device_is_cpu,
-                ignored=ignored)
+                experts=experts)
             result.fsdp = True
         elif dp_cp > 1 and (plan.pp > 1 or not ddp or (dp_mod.has_dtensor_params(part)
                                             and not _only(part, ignored))):
@@ -144,6 +151,10 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
             parts[index] = dp_mod.apply_ddp(part, mesh, ignored)
             result.ddp = True
     return result
+
+
+def _contains(part: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in part.modules())
 
 
 def _only(part: nn.Module, ignored: set[nn.Parameter]) -> bool:

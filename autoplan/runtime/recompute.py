@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
                                                                          checkpoint_wrapper)
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -22,6 +22,19 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+
+
+# Selective checkpointing replays a block's ops by their call count, which must not grow in
+# the recomputation. An FSDP unit inside the block (expert-parallel experts at ZeRO-2/3)
+# calls its hooks there too, and they mark profiler ranges as they go: more of them in the
+# recomputation, where FSDP's forward root has already finished ("FSDP::root_pre_forward",
+# torch 2.13 _fsdp_state.py), than in the forward, which SAC refuses ("invocation index ...
+# not found in storage"). The ranges compute nothing: SAC passes them through, as it does
+# the detaches checkpointing itself adds (SAC_IGNORED_OPS, exported for this).
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter.default,
+                        torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _policy(_ctx, op, *args, **kwargs):

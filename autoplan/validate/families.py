@@ -49,9 +49,9 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # Megatron's fused vocab-parallel cross entropy unless the family runs torch's eager one
     out["fused_vocab_cross_entropy"] = bool(traits.get("fused_vocab_cross_entropy", True))
     out["loss_keeps_logits"] = bool(traits.get("loss_keeps_logits", False))
-    # expert-parallel experts sharded with the rest (Megatron's distributed optimizer over the
-    # expert-DP group, torchtitan's fully_shard on its expert mesh), not autoplan's layout
-    out["experts_outside_fsdp"] = bool(traits.get("experts_outside_fsdp", False))
+    # expert-parallel experts sharded over the TP ranks too (Megatron's distributed optimizer
+    # over the expert-DP group, torchtitan's fully_shard on its expert mesh), not autoplan's layout
+    out["experts_replicated_over_tp"] = bool(traits.get("experts_replicated_over_tp", False))
     # ZeRO-3 gathers the embedding and head before backward too unless the family's rule says
     # its FSDP root keeps them gathered (torchtitan shards tok_embeddings as a unit of its own)
     out["fsdp_root_regathered"] = bool(traits.get("fsdp_root_regathered", True))

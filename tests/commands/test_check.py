@@ -316,23 +316,34 @@ def _moe_layers_on(plan: Plan, stage_ids: list[int]) -> int:
     return sum(f"{block}.mlp" in plan.ep_modules for block in blocks)
 
 
-def test_a_moe_plan_with_expert_parallelism_dry_runs_with_balanced_routing(tmp_path):
+@pytest.mark.parametrize("fixes", [["zero=0"], ["zero=2", "pp=1"], ["zero=3", "pp=1"],
+                                   ["zero=2", "pp=2"], ["zero=3", "pp=1", "recompute=selective"]],
+                         ids=["zero0", "zero2", "zero3", "pp2-zero2", "zero3-selective"])
+def test_a_moe_plan_with_expert_parallelism_dry_runs_with_balanced_routing(tmp_path, fixes):
     # balanced routing (every expert takes tokens x top_k / experts): each all-to-all of a
     # rank's MoE layer moves all of its micro-batch's routed slots, tokens x top_k x hidden.
     # ZeRO-0 autocasts from fp32 weights, so the dispatch sends the fp32 residual stream
     # (and its backward the fp32 gradient), the combine the experts' bf16 outputs (and their
-    # bf16 gradient); the counts' all-to-all sends one int64 per expert
+    # bf16 gradient); under FSDP's bf16 parameters both are bf16. The counts' all-to-all
+    # sends one int64 per expert. At ZeRO-2/3 the experts are FSDP units on the ranks
+    # holding the same experts: dp4 ep2 reduce-scatters their fp32 gradients over two ranks
+    # and gathers their bf16 weights, as the cost model counts them; over dp2 ep2 (pp2) each
+    # expert has one holder and nothing is exchanged for it. Selective recomputation saves
+    # matmul outputs, not the exchanges between them: it runs the forward's again
     path = tmp_path / "moe.json"
+    zero = int(fixes[0].split("=")[1])
     made = CliRunner().invoke(cli, ["plan", "tiny-moe", "--gpu", "cpu", "--gpus", "4",
                                     "--global-batch", "8", "--seq-len", "64", "--fix", "ep=2",
-                                    "--fix", "zero=0", "-o", str(path)])
+                                    *[arg for fix in fixes for arg in ("--fix", fix)],
+                                    "-o", str(path)])
     assert made.exit_code == 0, made.output
     plan = Plan.load(str(path))
-    assert (plan.ep, plan.zero_stage, plan.tp, plan.cp, plan.precision) == (2, 0, 1, 1, "bf16")
+    assert (plan.ep, plan.zero_stage, plan.tp, plan.cp, plan.precision) == (2, zero, 1, 1, "bf16")
     model = build_from_ref(plan.model, verify=False)
     layer = model.get_submodule(plan.ep_modules[0])
     experts, top_k, hidden = layer.num_experts, layer.top_k, layer.gate.in_features
     slots = plan.micro_batch * plan.seq_len * top_k
+    stream = 4 if zero < 2 else 2
     out = CliRunner().invoke(cli, ["check", str(path), "--json"])
     assert out.exit_code == 0, out.output
     report = json.loads(out.output)
@@ -340,11 +351,18 @@ def test_a_moe_plan_with_expert_parallelism_dry_runs_with_balanced_routing(tmp_p
     for rank in report["ranks"]:
         layers = _moe_layers_on(plan, rank["stages"])
         assert layers >= 1, rank["stages"]
-        assert _bytes(rank, "all_to_all", "float32") == 2 * layers * slots * hidden * 4
-        assert _bytes(rank, "all_to_all", "bfloat16") == 2 * layers * slots * hidden * 2
-        assert _bytes(rank, "all_to_all", "int64") == layers * experts * 8
-        # the cost model's volume: the same all-to-alls, the dense gradients' all-reduce and
-        # the fp32 hidden states across the two pipeline stages
+        forwards = 1 + (set(plan.recompute.values()) == {"selective"})
+        alltoall = {"float32": 0, "bfloat16": 0}
+        alltoall["float32" if stream == 4 else "bfloat16"] += (1 + forwards) * layers * slots * hidden * stream
+        alltoall["bfloat16"] += (1 + forwards) * layers * slots * hidden * 2
+        assert _bytes(rank, "all_to_all", "float32") == alltoall["float32"]
+        assert _bytes(rank, "all_to_all", "bfloat16") == alltoall["bfloat16"]
+        assert _bytes(rank, "all_to_all", "int64") == forwards * layers * experts * 8
+        if zero >= 2 and plan.dp // plan.ep > 1:  # the experts are reduce-scattered too
+            assert _bytes(rank, "reduce_scatter", "float32") > 4 * layers * sum(
+                p.numel() for p in layer.experts.parameters()) // plan.ep
+        # the cost model's volume: the same all-to-alls, the gradients' reductions, the
+        # weights' gathers and the hidden states across pipeline stages
         _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0)
 
 

@@ -80,7 +80,7 @@ def test_ep64_all_to_all_spans_eight_nodes_and_moves_each_routed_copy(h100_clust
 
 def test_ep_comm_is_dispatch_and_combine_in_forward_and_backward(h100_cluster):
     """Four all-to-alls per micro-batch (GShard §2.2: dispatch + combine, each again in
-    backward), six when full recomputation replays the forward's two."""
+    backward), six when a recomputation replays the forward's two."""
     raw = json.loads((cost_models_dir() / "models" / "tiny-moe.json").read_text())
     graph = graph_for_config({k: v for k, v in raw.items() if not k.startswith("_")}, 1, 128,
                              probe_runtime=False)
@@ -92,6 +92,11 @@ def test_ep_comm_is_dispatch_and_combine_in_forward_and_backward(h100_cluster):
     assert one > 0
     assert layers.ep_comm_s(graph, block, config, fabric, groups, "none") == pytest.approx(4 * one)
     assert layers.ep_comm_s(graph, block, config, fabric, groups, "full") == pytest.approx(6 * one)
+    # selective: Megatron's reruns the attention core only; autoplan's "op" policy saves the
+    # matmul outputs, so the all-to-alls between them run again (as `autoplan check` logs)
+    assert layers.ep_comm_s(graph, block, config, fabric, groups, "selective") == pytest.approx(4 * one)
+    assert layers.ep_comm_s(graph, block, config, fabric, groups, "selective",
+                            selective_policy="op") == pytest.approx(6 * one)
     # torch.autocast from fp32 module weights (ZeRO-0/1 in autoplan's runtime): the dispatch and
     # its gradient move the fp32 residual stream, the combine and its gradient 16-bit outputs
     fp32 = comm.moe_dispatch_time_s(2 * 128, block.top_k, block.hidden * 4, groups.ep, fabric)

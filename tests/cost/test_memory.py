@@ -183,25 +183,26 @@ def _moe_layer_states(zero: int, dp: int, ep: int, runtime, tp: int = 1, offload
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-def test_autoplan_keeps_expert_parallel_experts_whole_outside_fsdp(zero):
-    # autoplan's runtime passes the expert-parallel experts to FSDP as ignored parameters
-    # (runtime/parallelize.py) and steps them with a plain AdamW (runtime/loop.py): fp32
-    # weights (4 B), fp32 gradients all-reduced over their replicas (4 B) and Adam's two
-    # moments (8 B), whole on every rank, never gathered in 16 bits, out of CPU offload.
-    # dp8 ep2: four replicas, over which FSDP would have sharded them. Exact: bytes per
-    # parameter times parameters.
+def test_autoplan_shards_expert_parallel_experts_with_fsdp_over_their_replicas(zero):
+    # ZeRO-2/3: each MoE layer's experts are an FSDP unit on the ranks holding the same
+    # experts (runtime/data_parallel.py apply_fsdp on runtime/mesh.py expert_dp_mesh): fp32
+    # weight, gradient and Adam-moment shards, 4 + 4 + 8 B / 4 for dp8 ep2 (four replicas),
+    # and at ZeRO-2 the 16-bit weights FSDP gathers and keeps from forward to backward (2 B),
+    # as the dense parameters over their 8. Exact: bytes per parameter times parameters.
     from autoplan.cost.layers import Runtime
 
     cost = _moe_layer_states(zero, dp=8, ep=2, runtime=Runtime())
-    experts, n = cost.expert_params, 8
+    experts, n, replicas = cost.expert_params, 8, 4
     assert experts > 0
-    dense_w = cost.dense_params * (4 / n + (2 if zero == 2 else 0))
-    assert cost.weight_bytes == pytest.approx(dense_w + 4 * experts)
-    assert cost.grad_bytes == pytest.approx(cost.dense_params * 4 / n + 4 * experts)
-    assert cost.optimizer_bytes == pytest.approx(cost.dense_params * 8 / n + 8 * experts)
-    assert cost.zero3_gather_params == (cost.dense_params if zero == 3 else 0.0)
+    gathered = 2 if zero == 2 else 0
+    assert cost.weight_bytes == pytest.approx(cost.dense_params * (4 / n + gathered)
+                                              + experts * (4 / replicas + gathered))
+    assert cost.grad_bytes == pytest.approx(cost.dense_params * 4 / n + experts * 4 / replicas)
+    assert cost.optimizer_bytes == pytest.approx(cost.dense_params * 8 / n + experts * 8 / replicas)
+    assert cost.zero3_gather_params == (cost.dense_params + experts if zero == 3 else 0.0)
+    # CPU offload moves the experts' fp32 shards, gradients and moments to the host too
     offloaded = _moe_layer_states(zero, dp=8, ep=2, runtime=Runtime(), offload="both")
-    assert offloaded.weight_bytes + offloaded.grad_bytes + offloaded.optimizer_bytes >= 16 * experts
+    assert offloaded.host_bytes == pytest.approx(cost.dense_params * 16 / n + experts * 16 / replicas)
 
 
 def test_autoplan_zero1_shards_expert_moments_over_the_ranks_holding_the_same_experts():
@@ -217,13 +218,17 @@ def test_autoplan_zero1_shards_expert_moments_over_the_ranks_holding_the_same_ex
     assert cost.weight_bytes == pytest.approx((cost.dense_params + experts) * 4)
 
 
-def test_runtimes_that_shard_experts_keep_them_as_fsdp_parameters():
-    # Megatron's distributed optimizer (expert-DP group) and torchtitan's FSDP on its expert
-    # mesh shard the experts' states over their replicas: 4/4 + 2 gathered at ZeRO-2, dp8 ep2
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_runtimes_that_shard_experts_over_tp_ranks_too(zero):
+    # Megatron's distributed optimizer (expert-DP group tp x dp / ep) and torchtitan's FSDP on
+    # its expert mesh (efsdp = dp_shard x tp / ep) shard the experts' states over the TP ranks
+    # as well; autoplan's runtime over dp x cp / ep (its TP ranks hold the experts whole).
+    # dp4 tp2 ep2: 4 shards against 2, so half the optimizer bytes; the same without TP
     from autoplan.cost.layers import Runtime
 
-    cost = _moe_layer_states(2, dp=8, ep=2, runtime=Runtime(experts_outside_fsdp=False))
-    ours = _moe_layer_states(2, dp=8, ep=2, runtime=Runtime())
-    experts = cost.expert_params
-    assert cost.weight_bytes - ours.weight_bytes == pytest.approx(experts * (4 / 4 + 2 - 4))
-    assert cost.optimizer_bytes - ours.optimizer_bytes == pytest.approx(experts * (8 / 4 - 8))
+    theirs = _moe_layer_states(zero, dp=4, ep=2, tp=2, runtime=Runtime(experts_replicated_over_tp=False))
+    ours = _moe_layer_states(zero, dp=4, ep=2, tp=2, runtime=Runtime())
+    experts = ours.expert_params
+    assert ours.optimizer_bytes - theirs.optimizer_bytes == pytest.approx(experts * (8 / 2 - 8 / 4))
+    assert _moe_layer_states(zero, dp=8, ep=2, runtime=Runtime(experts_replicated_over_tp=False)) \
+        == _moe_layer_states(zero, dp=8, ep=2, runtime=Runtime())

@@ -91,11 +91,12 @@ def test_killed_rank_resumes_from_last_complete_checkpoint(torchrun, tmp_path):
     assert _rel(losses[-1], ref_losses[-1]) <= 1e-6
 
 
-def _save_then_resume(torchrun, tmp_path, world: int, plan, others: list[tuple[str, object]]) -> None:
+def _save_then_resume(torchrun, tmp_path, world: int, plan, others: list[tuple[str, object]],
+                      kind: str = "llama") -> None:
     """Train 5 steps under `plan` with a checkpoint at step 5, then resume steps 5..9 under
     the same plan and under each of `others`; every resumed run matches the reference
     within 1e-5 (as in test_parity: fp32 summation order only)."""
-    ref_losses, _ = reference_run("llama", steps=STEPS)
+    ref_losses, _ = reference_run(kind, steps=STEPS)
     ckpt = tmp_path / "ckpt"
     first = torchrun("ckpt_worker.py", world, plan, tmp_path / "first.json", "--steps", "5",
                      "--seed", "1234", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
@@ -123,6 +124,19 @@ def test_zero1_tp_checkpoint_resumes_as_zero1_tp_and_as_zero1(torchrun, tmp_path
     load into the same plan and into a plan without TP."""
     _save_then_resume(torchrun, tmp_path, 4, _write(tmp_path, "tp_zero1.json", plan_dict(dp=2, tp=2, zero_stage=1)),
                       [("dp4", _write(tmp_path, "dp4_zero1.json", plan_dict(dp=4, zero_stage=1)))])
+
+
+@pytest.mark.slow
+def test_fsdp_expert_checkpoint_resumes_as_itself_outside_fsdp_and_at_another_ep(torchrun, tmp_path):
+    """At ZeRO-2 the experts are FSDP units on their replicas' mesh, their weights and Adam
+    states DTensors sharded by FSDP within each ep shard; the checkpoint loads back into the
+    same plan, into ZeRO-1 (experts outside DDP, states sharded by ZeroRedundancyOptimizer)
+    and into ep4 ZeRO-3 (a different expert split and no expert replicas)."""
+    _save_then_resume(torchrun, tmp_path, 4,
+                      _write(tmp_path, "ep2_zero2.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=2)),
+                      [("zero1", _write(tmp_path, "ep2_zero1.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=1))),
+                       ("ep4", _write(tmp_path, "ep4_zero3.json", plan_dict("mixtral", dp=4, ep=4, zero_stage=3)))],
+                      kind="mixtral")
 
 
 def _fake_checkpoint(root, step: int, payload: bytes):

@@ -71,6 +71,15 @@ CONFIGS = {
         "bf16_zero3": ("llama", P(dp=4, zero_stage=3, precision="bf16")),
         "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
         "pp2_dp2_ep2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
+        # experts as FSDP units on their replicas' mesh: of one rank under a pipeline, of one
+        # rank per HSDP replica (both inside checkpointed blocks), and beside TP ranks that
+        # sum the experts' token-local grads
+        "pp2_dp2_ep2_zero2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, zero_stage=2,
+                                           schedule="1f1b", micro_batch=2, recompute={
+                                               "layers.0": "selective", "layers.3": "full"})),
+        "hsdp_ep2": ("mixtral", P("mixtral", dp=4, dp_replicate=2, ep=2, zero_stage=3,
+                                  recompute={"layers.1": "selective"})),
+        "moe_dp2_tp2_sp_ep2_zero2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2, zero_stage=2)),
         "pp2_cp2": ("llama", P(pp=2, cp=2, schedule="1f1b")),
         # Hugging Face transformers models, built from config objects (tests/runtime/hf_models.py)
         "hf_llama_zero3": ("hf_llama", P("hf_llama", dp=4, zero_stage=3)),
@@ -87,7 +96,7 @@ CONFIGS = {
         "hf_mixtral_dp2_tp2_sp_ep2": ("hf_mixtral", P("hf_mixtral", dp=2, tp=2, ep=2)),
         "hf_mixtral_pp2_dp2_ep2": ("hf_mixtral", P("hf_mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         "hf_qwen2moe_ep2_of_dp4": ("hf_qwen2moe", P("hf_qwen2moe", dp=4, ep=2, zero_stage=2)),
-        # expert-parallel experts sit outside FSDP's bf16 parameter cast
+        # expert-parallel experts under FSDP's bf16 parameter cast
         "ep2_of_dp4_bf16_zero2": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2, precision="bf16")),
         "hf_mixtral_ep2_of_dp4_bf16_zero3": ("hf_mixtral", P("hf_mixtral", dp=4, ep=2, zero_stage=3,
                                                              precision="bf16")),
@@ -108,6 +117,8 @@ CONFIGS = {
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),
         "dp2_cp2_tp2": ("llama", P(dp=2, cp=2, tp=2, zero_stage=2)),
+        # one expert per ep rank, two ranks holding it: FSDP shards the experts on dim 1
+        "ep4_of_dp8_zero3": ("mixtral", P("mixtral", dp=8, ep=4, zero_stage=3)),
     },
 }
 

@@ -78,12 +78,12 @@ def test_torchtitan_runtime_traits():
                                                    "fsdp_copy_out": False,
                                                    "fused_vocab_cross_entropy": True,
                                                    "loss_keeps_logits": False,
-                                                   "experts_outside_fsdp": False,
+                                                   "experts_replicated_over_tp": False,
                                                    "fsdp_root_regathered": True,
                                                    "cp_grad_ring": "kv-dtype"}
-    # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts
-    # with the rest; only autoplan's runtime keeps them out of FSDP (layers.Runtime default)
-    assert traits["experts_outside_fsdp"] is False
+    # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts over
+    # the TP ranks too; only autoplan's runtime keeps them whole on each (layers.Runtime default)
+    assert traits["experts_replicated_over_tp"] is False
 
 
 def test_llm_foundry_adamw_runs_op_by_op():
