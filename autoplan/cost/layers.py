@@ -335,9 +335,12 @@ def compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, g
                                                  compiled_blocks, rmsnorm_kernel, cache), graph, gpu)
 
 
-def cached_block_profile(graph: ModelGraph, block: BlockInfo, cache: CostCache) -> BlockProfile:
-    """`block_profile`, kept in `cache`: it depends on the traced graph and the block alone."""
-    return cache.get(("block_profile", id(graph), block.name), lambda: block_profile(graph, block), graph)
+def cached_block_profile(graph: ModelGraph, block: BlockInfo, cache: CostCache,
+                         fused: bool = False) -> BlockProfile:
+    """`block_profile`, kept in `cache`: it depends on the traced graph and the block alone
+    (and whether its torch.compile traffic is asked for)."""
+    return cache.get(("block_profile", id(graph), block.name, fused),
+                     lambda: block_profile(graph, block, fused), graph)
 
 
 def fabric_and_groups(config: ParallelConfig, cluster,
@@ -391,9 +394,9 @@ def _memory_policy(runtime: Runtime) -> str:
 def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
                    flash_attention: bool, flash_kernel: str = "flash2", compiled_blocks: bool = False,
                    rmsnorm_kernel: str = "fused", cache: CostCache = NO_CACHE) -> compute.BlockTimes:
-    profile = cached_block_profile(graph, block, cache)
     # torch.compile wraps the repeated blocks; the segments around them run eagerly
     compiled = compiled_blocks and block.kind not in ("pre", "post")
+    profile = cached_block_profile(graph, block, cache, fused=compiled)
     times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
                                 graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
                                 flash_attention, flash_kernel, compiled, rmsnorm_kernel)

@@ -50,7 +50,8 @@ class BlockProfile:
     norm_saved_excess: float = 0.0  # bytes unfused norms save beyond their input (traced dtype)
     has_loss: bool = False  # the traced forward computes the loss itself
     # memory_bytes and kernels when Inductor fuses the memory-bound ops (inductor_fused_traffic);
-    # None where the graph has no ops (then the op-by-op figures stand)
+    # None unless asked for (block_profile's `fused`) or where the graph has no ops (then the
+    # op-by-op figures stand)
     fused_memory_bytes: float | None = None
     fused_kernels: int | None = None
     rmsnorm_elements: float = 0.0  # input elements of whole RMSNorm ops (RMSNORM_TARGETS)
@@ -61,8 +62,9 @@ def _block_ops(graph: ModelGraph, block: BlockInfo) -> list:
     return [graph.graph.nodes[n]["op"] for n in graph.segment_nodes(block)]
 
 
-def block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:
-    """GEMMs, attention and memory traffic of one block copy (traced batch/seq/dtype)."""
+def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> BlockProfile:
+    """GEMMs, attention and memory traffic of one block copy (traced batch/seq/dtype); with
+    `fused`, also its traffic and kernels under torch.compile (inductor_fused_traffic)."""
     ops = _block_ops(graph, block)
     head_dim = block.hidden // block.heads if block.heads else 128
     if not ops:
@@ -99,14 +101,16 @@ def block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:
             memory += op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
         else:
             memory += op.bytes_read + op.bytes_written
-    fused_bytes, fused_groups = inductor_fused_traffic(graph, graph.segment_nodes(block))
-    extern_kernels = sum(1 for op in ops if op.kind not in FUSABLE_KINDS)
+    fused_memory = fused_kernels = None
+    if fused:
+        fused_bytes, regions = inductor_fused_traffic(graph, graph.segment_nodes(block))
+        fused_memory = memory - fusable + fused_bytes
+        fused_kernels = sum(1 for op in ops if op.kind not in FUSABLE_KINDS) + regions
     return BlockProfile(tuple(gemms), attention, head_dim, memory,
                         float(block.top_k) if block.experts else 0.0, kernels, norm_excess,
-                        any(op.kind == "loss" for op in ops),
-                        fused_memory_bytes=memory - fusable + fused_bytes,
-                        fused_kernels=extern_kernels + fused_groups,
-                        rmsnorm_elements=rmsnorm_elements, rmsnorm_ops=rmsnorm_ops)
+                        any(op.kind == "loss" for op in ops), fused_memory_bytes=fused_memory,
+                        fused_kernels=fused_kernels, rmsnorm_elements=rmsnorm_elements,
+                        rmsnorm_ops=rmsnorm_ops)
 
 
 def inductor_fused_traffic(graph: ModelGraph, names: list[str]) -> tuple[float, int]:

@@ -219,7 +219,7 @@ def test_inductor_reads_and_writes_each_region_of_a_llama_block_once():
 
     seq = 128
     graph = graph_for_config(LLAMA, 1, seq)
-    profile = block_profile(graph, graph.blocks[0])
+    profile = block_profile(graph, graph.blocks[0], fused=True)
     h, hd, f = 256, 256 // 8, 704
     kv = 2 * hd
     expected = seq * 2 * (11 * h + 2 * kv + 2 * hd + 3 * f)
@@ -238,7 +238,7 @@ def test_eager_rmsnorm_op_by_op_moves_nine_times_a_fused_kernels_bytes():
     from autoplan.trace.tracer import graph_for_config
 
     graph = graph_for_config(LLAMA, 1, 128)
-    profile = block_profile(graph, graph.blocks[0])
+    profile = block_profile(graph, graph.blocks[0], fused=True)
     fused = compute.block_memory_bytes(profile, 2, 2)
     decomposed = compute.block_memory_bytes(profile, 2, 2, rmsnorm_kernel="decomposed")
     assert decomposed - fused == profile.rmsnorm_elements * (36 - 4)
@@ -262,7 +262,7 @@ def test_compiled_blocks_cut_memory_time_and_leave_the_head_eager(h100_cluster):
     e, c = (layer_cost(block, graph, config, cluster, runtime=r) for r in (eager, compiled))
     # only the memory-bound ops change (4 sequences on a 1-sequence trace), backward 2x;
     # rel 1e-9 covers float summation order
-    profile = block_profile(graph, block)
+    profile = block_profile(graph, block, fused=True)
     saved_s = 4 * (compute.block_memory_bytes(profile, 2, 2, rmsnorm_kernel="decomposed")
                    - profile.fused_memory_bytes) / hw.hbm_bytes_per_s(cluster.gpu)
     assert e.fwd_s - c.fwd_s == pytest.approx(saved_s, rel=1e-9)
@@ -280,6 +280,6 @@ def test_compiled_block_launches_one_kernel_per_fused_region(h100_cluster):
     graph = graph_for_config(LLAMA, 1, 16)
     config = ParallelConfig(global_batch=1, seq_len=16, dp=1, micro_batch=1)
     block = graph.blocks[0]
-    profile = block_profile(graph, block)
+    profile = block_profile(graph, block, fused=True)
     cost = layer_cost(block, graph, config, h100_cluster(1), runtime=Runtime(compiled_blocks=True))
     assert cost.fwd_s == pytest.approx(profile.fused_kernels * host.HOST_S_PER_OP)
