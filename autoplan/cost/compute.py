@@ -7,7 +7,10 @@
   measured FlashAttention fraction of peak (hardware.md B.4); it stays in 16-bit under
   fp8 training (Transformer Engine runs FP8 GEMMs only).
 - Memory-bound ops (norms, elementwise, embedding, loss, MoE permutation): bytes / (HBM
-  bandwidth x the GPU file's STREAM fraction) (roofline; hardware.md B.4).
+  bandwidth x the GPU file's STREAM fraction) (roofline; hardware.md B.4). Eager PyTorch runs
+  one kernel per op, each reading its inputs from HBM and writing its output; torch.compile
+  fuses the ops between two GEMMs into one kernel (profile.inductor_fused_traffic); an
+  RMSNorm written as torch ops runs op by op in fp32 when eager (block_memory_bytes).
 - Backward: 2x the forward GEMM FLOPs (input and weight gradients, Narayanan et al. 2021
   §5.1), 2.5x for FlashAttention (5 matmuls in backward vs 2 forward, Dao 2023 §3.1.2),
   2x the memory traffic (reads the output gradient and the saved input, writes one grad).
@@ -41,6 +44,13 @@ FLASH_KERNEL_SLOWDOWN = {"flash2": (1.0, 1.0), "triton": (1.4, 2.0)}
 # (8), then the `.float()` cast's backward reads it and writes the 16-bit gradient (4 + 2).
 LOSS_FWD_BYTES_PER_LOGIT = (2 + 4) + 4 + 3 * (4 + 4) + 4
 LOSS_BWD_BYTES_PER_LOGIT = (4 + 4) + (4 + 2)
+# An RMSNorm module written as torch ops, run eagerly: torchtitan's `RMSNorm` (norm_type
+# "rmsnorm", torchtitan/models/norms.py @9dec370a: `self._norm(x.float()).type_as(x) *
+# self.weight`, `_norm(x) = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)`) issues
+# `float`, `pow`, `mean`, `add`, `rsqrt`, `mul`, `type_as` and the weight `mul`, 8 kernels.
+DECOMPOSED_RMSNORM_KERNELS = 8
+RMSNORM_KERNELS = ("fused", "decomposed")
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,47 @@ class BlockTimes:
 def activation_dtype_bytes(precision: str) -> int:
     """Bytes per activation element: fp8 training keeps 16-bit activations (TE)."""
     return 4 if precision == "fp32" else 2
+
+
+def decomposed_rmsnorm_bytes_per_element(act_bytes: int) -> int:
+    """HBM bytes per input element of an RMSNorm run op by op in fp32 (the kernels of
+    DECOMPOSED_RMSNORM_KERNELS): the upcast reads the activation and writes fp32 (act + 4),
+    `pow` reads and writes fp32 (8), `mean` reads it (4; its per-row output, the `add` and
+    `rsqrt` on it are 1/hidden of this), the scaling `mul` reads and writes fp32 (8), the
+    downcast reads fp32 and writes the activation (4 + act), the weight `mul` reads and writes
+    it (2 act). A fused kernel (torch's aten::_fused_rms_norm, which F.rms_norm runs when
+    input and weight share a dtype: aten/src/ATen/native/layer_norm.cpp rms_norm_symint;
+    Apex, Transformer Engine, torchtitan's Triton fused_rmsnorm) reads and writes the
+    activation once, 2 act: 36 B against 4 in 16-bit training."""
+    return (act_bytes + FP32_BYTES) + 2 * FP32_BYTES + FP32_BYTES + 2 * FP32_BYTES \
+        + (FP32_BYTES + act_bytes) + 2 * act_bytes
+
+
+def block_memory_bytes(profile: BlockProfile, act_bytes: int, traced_dtype_bytes: int,
+                       compiled: bool = False, rmsnorm_kernel: str = "fused",
+                       scale: float = 1.0) -> float:
+    """HBM bytes of the block copy's memory-bound ops in the forward, in the run's activation
+    dtype, for `scale` times the traced tokens. `compiled`: torch.compile fuses them per region
+    (profile.inductor_fused_traffic; the norms' decomposition fuses with the rest, as
+    torchtitan's "compiled_rmsnorm" did, pytorch/torchtitan#442). Eager: op by op, with each
+    RMSNorm one kernel ("fused") or op by op in fp32 ("decomposed",
+    decomposed_rmsnorm_bytes_per_element)."""
+    if compiled and profile.fused_memory_bytes is not None:
+        return profile.fused_memory_bytes * scale * act_bytes / traced_dtype_bytes
+    bytes_ = profile.memory_bytes * scale * act_bytes / traced_dtype_bytes
+    if rmsnorm_kernel == "decomposed":
+        bytes_ += profile.rmsnorm_elements * scale * (decomposed_rmsnorm_bytes_per_element(act_bytes)
+                                                      - 2 * act_bytes)
+    return bytes_
+
+
+def block_kernels(profile: BlockProfile, compiled: bool = False, rmsnorm_kernel: str = "fused") -> int:
+    """Kernels one forward of the block copy launches (host.block_host_s): one per fused region
+    and extern kernel when compiled, else one per op, a decomposed RMSNorm's eight."""
+    if compiled and profile.fused_kernels is not None:
+        return profile.fused_kernels
+    extra = DECOMPOSED_RMSNORM_KERNELS - 1 if rmsnorm_kernel == "decomposed" else 0
+    return profile.kernels + extra * profile.rmsnorm_ops
 
 
 def gemm_precision(precision: str) -> str:
@@ -105,12 +156,14 @@ def materialized_attention_s(attention_flops: float, head_dim: int, heads: int, 
 def block_times(profile: BlockProfile, hidden: int, experts: int, config: ParallelConfig,
                 gpu, traced_batch: int, traced_dtype_bytes: int, heads: int = 0,
                 seq_len: int = 0, flash_attention: bool = True,
-                flash_kernel: str = "flash2") -> BlockTimes:
+                flash_kernel: str = "flash2", compiled: bool = False,
+                rmsnorm_kernel: str = "fused") -> BlockTimes:
     """Forward and backward seconds of one block copy per micro-batch on one rank.
 
     `flash_attention=False` costs the attention core unfused (materialized s x s scores,
     as Megatron-LM before FlashAttention, Dao et al. 2022); otherwise `flash_kernel` names the
-    FlashAttention kernel (FLASH_KERNEL_SLOWDOWN)."""
+    FlashAttention kernel (FLASH_KERNEL_SLOWDOWN). `compiled` and `rmsnorm_kernel` say how the
+    memory-bound ops run (block_memory_bytes)."""
     tp, cp = config.tp, config.cp
     ep = config.ep if experts else 1
     scale = config.micro_batch / traced_batch / cp  # tokens on this rank vs traced
@@ -142,7 +195,8 @@ def block_times(profile: BlockProfile, hidden: int, experts: int, config: Parall
         slow_fwd, slow_bwd = FLASH_KERNEL_SLOWDOWN[flash_kernel]
         attention_s = flash2_s * slow_fwd
         attention_bwd_s = BACKWARD_ATTENTION_FACTOR * flash2_s * slow_bwd
-    memory = profile.memory_bytes * scale * activation_dtype_bytes(config.precision) / traced_dtype_bytes
+    memory = block_memory_bytes(profile, activation_dtype_bytes(config.precision), traced_dtype_bytes,
+                                compiled, rmsnorm_kernel, scale)
     # without sequence parallelism the norms/dropouts run replicated on every TP rank
     memory /= tp if config.sequence_parallel else 1
     memory_s = memory / hw.hbm_bytes_per_s(gpu) + attention_memory_s

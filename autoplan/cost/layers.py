@@ -56,7 +56,8 @@ class Runtime:
     (Megatron-LM); memory.block_activation_bytes.
     optimizer_kernels: how the AdamW step runs (step.adam_update_bytes_per_param): "fused", one
     pass over the states (Apex/TE FusedAdam, torch fused AdamW), or "per-op", a kernel per tensor
-    op of the update (Composer's DecoupledAdamW, llm-foundry's default optimizer).
+    op of the update (Composer's DecoupledAdamW, llm-foundry's default optimizer; torch's
+    foreach and single-tensor AdamW, which autoplan's runtime builds: runtime/loop.py).
     fsdp_copy_out: ZeRO-2/3 all-gathers land in a flat buffer that FSDP2 copies out into the
     parameters on the compute stream (compute.fsdp_copy_out_s); FSDP1's flat parameter is the
     gather buffer itself.
@@ -67,6 +68,13 @@ class Runtime:
     the step keeps the 16-bit logits through the loss backward (autoplan's loop and torchtitan
     free them first; a pipeline schedule keeps them regardless); Megatron's in-place fused
     vocab-parallel cross entropy.
+    compiled_blocks: each repeated block runs under torch.compile (torchtitan apply_compile:
+    "Apply torch.compile to each TransformerBlock"), so Inductor fuses its memory-bound ops
+    (compute.block_memory_bytes); the embedding, final norm, head and loss stay eager.
+    autoplan's runtime does not compile.
+    rmsnorm_kernel: how an eager RMSNorm runs: "fused", one kernel (torch's F.rms_norm in
+    autoplan's runtime, Apex/TE, torchtitan's fused_rmsnorm), or "decomposed", op by op in
+    fp32 (torchtitan's norm_type "rmsnorm"; compute.decomposed_rmsnorm_bytes_per_element).
     experts_replicated_over_tp: expert parallelism is carved from dp x cp and the TP ranks of an
     expert-parallel rank hold the same experts (autoplan's runtime, runtime/mesh.py ep_mesh),
     so ZeRO shards the experts' model states over their replicas along dp and cp only
@@ -86,13 +94,15 @@ class Runtime:
     selective_policy: str = "op"
     allocator_reserve_fraction: float = 0.0
     sp_saves_gathered_inputs: bool = True
-    optimizer_kernels: str = "fused"
+    optimizer_kernels: str = "per-op"
     fsdp_copy_out: bool = True
     loss_keeps_logits: bool = False
     fused_vocab_cross_entropy: bool = False
     experts_replicated_over_tp: bool = True
     fsdp_root_regathered: bool = False
     cp_grad_ring: str = "fp32"
+    compiled_blocks: bool = False
+    rmsnorm_kernel: str = "fused"
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -319,9 +329,11 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
 
 def compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
                   flash_attention: bool = True, flash_kernel: str = "flash2",
+                  compiled_blocks: bool = False, rmsnorm_kernel: str = "fused",
                   cache: CostCache | None = None) -> compute.BlockTimes:
     """Forward/backward seconds of one block copy per micro-batch (GEMMs, attention, memory
-    traffic, the fp32 loss in the head, the host's kernel-issue floor).
+    traffic, the fp32 loss in the head, the host's kernel-issue floor); `compiled_blocks` and
+    `rmsnorm_kernel` as in Runtime.
 
     With a `cache`, kept apart from `layer_cost`: these do not depend on dp, pp, ZeRO,
     offload or recomputation, so every configuration sharing the keyed fields shares them,
@@ -329,14 +341,17 @@ def compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, g
     cache = or_no_cache(cache)
     c = config  # every field read below and by compute.block_times / loss_times_s
     key = ("compute_times", id(graph), block.name, c.tp, c.cp, c.ep, c.micro_batch, c.precision,
-           c.sequence_parallel, id(gpu), flash_attention, flash_kernel)
+           c.sequence_parallel, id(gpu), flash_attention, flash_kernel, compiled_blocks, rmsnorm_kernel)
     return cache.get(key, lambda: _compute_times(block, graph, config, gpu, flash_attention, flash_kernel,
-                                                 cache), graph, gpu)
+                                                 compiled_blocks, rmsnorm_kernel, cache), graph, gpu)
 
 
-def cached_block_profile(graph: ModelGraph, block: BlockInfo, cache: CostCache) -> BlockProfile:
-    """`block_profile`, kept in `cache`: it depends on the traced graph and the block alone."""
-    return cache.get(("block_profile", id(graph), block.name), lambda: block_profile(graph, block), graph)
+def cached_block_profile(graph: ModelGraph, block: BlockInfo, cache: CostCache,
+                         fused: bool = False) -> BlockProfile:
+    """`block_profile`, kept in `cache`: it depends on the traced graph and the block alone
+    (and whether its torch.compile traffic is asked for)."""
+    return cache.get(("block_profile", id(graph), block.name, fused),
+                     lambda: block_profile(graph, block, fused), graph)
 
 
 def fabric_and_groups(config: ParallelConfig, cluster,
@@ -388,19 +403,21 @@ def _memory_policy(runtime: Runtime) -> str:
 
 
 def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
-                   flash_attention: bool, flash_kernel: str = "flash2",
-                   cache: CostCache = NO_CACHE) -> compute.BlockTimes:
-    profile = cached_block_profile(graph, block, cache)
+                   flash_attention: bool, flash_kernel: str = "flash2", compiled_blocks: bool = False,
+                   rmsnorm_kernel: str = "fused", cache: CostCache = NO_CACHE) -> compute.BlockTimes:
+    # torch.compile wraps the repeated blocks; the segments around them run eagerly
+    compiled = compiled_blocks and block.kind not in ("pre", "post")
+    profile = cached_block_profile(graph, block, cache, fused=compiled)
     times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
                                 graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
-                                flash_attention, flash_kernel)
+                                flash_attention, flash_kernel, compiled, rmsnorm_kernel)
     if block.kind == "post" and not profile.has_loss and graph.vocab:
         loss_fwd, loss_bwd = compute.loss_times_s(volume.tokens_per_rank(graph, config), graph.vocab,
                                                   config.tp, gpu)
         times = replace(times, memory_fwd_s=times.memory_fwd_s + loss_fwd,
                         fwd_s=times.fwd_s + loss_fwd, bwd_s=times.bwd_s + loss_bwd)
     # the host issues kernels no faster than HOST_S_PER_OP each: a floor under a short block
-    floor_fwd, floor_bwd = host.block_host_s(profile.kernels)
+    floor_fwd, floor_bwd = host.block_host_s(compute.block_kernels(profile, compiled, rmsnorm_kernel))
     return replace(times, fwd_s=max(times.fwd_s, floor_fwd), bwd_s=max(times.bwd_s, floor_bwd))
 
 
@@ -418,7 +435,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     gpu = cluster.gpu
     fabric, groups = fabric_and_groups(config, cluster, cache)
     profile = cached_block_profile(graph, block, cache)
-    times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel, cache)
+    times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel,
+                          runtime.compiled_blocks, runtime.rmsnorm_kernel, cache)
     rc = recompute if block.kind not in ("pre", "post") else "none"
     policy = _memory_policy(runtime)
     op_sac = runtime.selective_policy == sac.OP_SAC and rc == "selective"

@@ -5,6 +5,10 @@ It is read op by op from `ModelGraph.graph` when the block's ops are there (so a
 is told apart from GEMMs by op kind), else from the BlockInfo sums alone (graphs built by
 hand in tests): then `gemm_shapes` minus the attention core, whose FLOPs are
 `attention_flops`.
+
+Memory traffic is counted twice: op by op, each op a kernel that reads its inputs from HBM
+and writes its output (eager PyTorch), and as torch.compile's Inductor runs the block
+(`inductor_fused_traffic`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,16 @@ from dataclasses import dataclass
 from autoplan.trace.graph import BlockInfo, ModelGraph
 
 GEMM_KINDS = ("linear", "matmul", "conv")
+# Ops Inductor generates code for and fuses (pointwise, reductions, norms; views are index
+# arithmetic inside the kernels that read them). Everything else (GEMMs, attention, MoE
+# modules, embeddings, the loss) is an extern kernel between fused regions: Inductor calls
+# cuBLAS / the SDPA kernels rather than generating them (Ansel et al. 2024, PyTorch 2, ASPLOS
+# '24, §5: "extern kernels" for matmul and convolution; torch.compile's default mode does not
+# fuse into GEMM templates).
+FUSABLE_KINDS = ("elementwise", "norm", "view")
+# Whole-norm ops that eager PyTorch may run as one fused kernel or op by op in fp32
+# (compute.decomposed_rmsnorm_bytes_per_element): nn.RMSNorm and F.rms_norm as traced.
+RMSNORM_TARGETS = ("RMSNorm", "rms_norm")
 
 
 @dataclass(frozen=True)
@@ -35,14 +49,22 @@ class BlockProfile:
     kernels: int  # ops that launch work (not views)
     norm_saved_excess: float = 0.0  # bytes unfused norms save beyond their input (traced dtype)
     has_loss: bool = False  # the traced forward computes the loss itself
+    # memory_bytes and kernels when Inductor fuses the memory-bound ops (inductor_fused_traffic);
+    # None unless asked for (block_profile's `fused`) or where the graph has no ops (then the
+    # op-by-op figures stand)
+    fused_memory_bytes: float | None = None
+    fused_kernels: int | None = None
+    rmsnorm_elements: float = 0.0  # input elements of whole RMSNorm ops (RMSNORM_TARGETS)
+    rmsnorm_ops: int = 0
 
 
 def _block_ops(graph: ModelGraph, block: BlockInfo) -> list:
     return [graph.graph.nodes[n]["op"] for n in graph.segment_nodes(block)]
 
 
-def block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:
-    """GEMMs, attention and memory traffic of one block copy (traced batch/seq/dtype)."""
+def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> BlockProfile:
+    """GEMMs, attention and memory traffic of one block copy (traced batch/seq/dtype); with
+    `fused`, also its traffic and kernels under torch.compile (inductor_fused_traffic)."""
     ops = _block_ops(graph, block)
     head_dim = block.hidden // block.heads if block.heads else 128
     if not ops:
@@ -50,12 +72,20 @@ def block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:
     gemms: list[Gemm] = []
     attention = 0.0
     memory = 0.0
+    fusable = 0.0  # op-by-op bytes of the ops Inductor fuses
     kernels = 0
     norm_excess = 0.0
+    rmsnorm_elements = 0.0
+    rmsnorm_ops = 0
     for op in ops:
         if op.kind == "view":
             continue
         kernels += 1
+        if op.kind in FUSABLE_KINDS:
+            fusable += op.bytes_read + op.bytes_written
+        if op.kind == "norm" and op.target in RMSNORM_TARGETS and op.input_shapes and op.input_shapes[0]:
+            rmsnorm_elements += _numel(op.input_shapes[0])
+            rmsnorm_ops += 1
         if op.kind == "norm" and op.input_shapes and op.input_shapes[0]:
             # a fused LayerNorm/RMSNorm kernel (Apex, Transformer Engine) saves its input and
             # per-row statistics only; the decomposed reference saves upcast copies as well
@@ -71,9 +101,102 @@ def block_profile(graph: ModelGraph, block: BlockInfo) -> BlockProfile:
             memory += op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
         else:
             memory += op.bytes_read + op.bytes_written
+    fused_memory = fused_kernels = None
+    if fused:
+        fused_bytes, regions = inductor_fused_traffic(graph, graph.segment_nodes(block))
+        fused_memory = memory - fusable + fused_bytes
+        fused_kernels = sum(1 for op in ops if op.kind not in FUSABLE_KINDS) + regions
     return BlockProfile(tuple(gemms), attention, head_dim, memory,
                         float(block.top_k) if block.experts else 0.0, kernels, norm_excess,
-                        any(op.kind == "loss" for op in ops))
+                        any(op.kind == "loss" for op in ops), fused_memory_bytes=fused_memory,
+                        fused_kernels=fused_kernels, rmsnorm_elements=rmsnorm_elements,
+                        rmsnorm_ops=rmsnorm_ops)
+
+
+def inductor_fused_traffic(graph: ModelGraph, names: list[str]) -> tuple[float, int]:
+    """(HBM bytes, kernels) of the memory-bound ops among `names` (one block copy, traced
+    batch and dtype) when torch.compile's Inductor fuses them.
+
+    Inductor's scheduler fuses two nodes unless the fusion would create a cycle, i.e. unless
+    one reaches the other through a node outside the fusion (torch/_inductor/scheduler.py
+    `can_fuse`, `will_fusion_create_cycle`); GEMMs and attention are such nodes
+    (FUSABLE_KINDS). So the fusable ops split into regions: connected fusable ops that the
+    same number of extern kernels precede (`level`). Each region is one kernel that reads
+    every tensor it takes from outside once and writes only what is read outside it (by an
+    extern kernel, another region or the next block); what stays inside lives in registers.
+    Nothing is written for the backward: AOTAutograd's min-cut partitioner recomputes cheap
+    fusable ops in the backward's own kernels rather than saving them
+    (torch/_functorch/partitioners.py min_cut_rematerialization_partition).
+    Inputs from outside the graph's edges (the block input, buffers) are counted per op."""
+    g = graph.graph
+    inside = set(names)
+
+    def op(n: str):
+        return g.nodes[n]["op"]
+
+    def fusable(n: str) -> bool:
+        return op(n).kind in FUSABLE_KINDS
+
+    def tensor_preds(n: str) -> list[str]:
+        return [p for p in g.predecessors(n) if p in inside and op(p).output_shape]
+
+    root: dict[str, str] = {}  # the tensor a view aliases
+    level: dict[str, int] = {}  # extern kernels on the longest path from the block input
+    for n in names:
+        preds = tensor_preds(n)
+        root[n] = root[preds[0]] if op(n).kind == "view" and len(preds) == 1 else n
+        level[n] = max((level[p] + (0 if fusable(p) else 1) for p in g.predecessors(n) if p in level),
+                       default=0)
+    region = {n: n for n in names}
+
+    def find(n: str) -> str:
+        while region[n] != n:
+            region[n] = region[region[n]]
+            n = region[n]
+        return n
+
+    for n in names:
+        if fusable(n):
+            for p in g.predecessors(n):
+                if p in inside and fusable(p) and level[p] == level[n]:
+                    region[find(p)] = find(n)
+
+    def computes(n: str) -> bool:  # a fusable op that is not a view
+        return n in inside and fusable(n) and op(n).kind != "view"
+
+    def readers(n: str) -> list[str]:  # consumers of n's tensor, looking through its views
+        out: list[str] = []
+        for s in g.successors(n):
+            if s not in inside:
+                continue
+            if op(s).kind == "view" and root[s] == root[n]:
+                out += readers(s)
+            else:
+                out.append(s)
+        return out
+
+    members: dict[str, list[str]] = {}
+    for n in names:
+        if computes(n):
+            members.setdefault(find(n), []).append(n)
+    total = 0.0
+    for rid, ops_ in members.items():
+        reads: dict[str, float] = {}
+        unlinked = 0.0
+        for n in ops_:
+            linked = 0.0
+            for p in g.predecessors(n):
+                if not op(p).output_shape:
+                    continue
+                linked += op(p).bytes_written
+                source = root.get(p, p)
+                if not (computes(source) and find(source) == rid):
+                    reads[source] = float(op(source).bytes_written)
+            unlinked += max(0.0, op(n).bytes_read - linked)
+        writes = sum(float(op(n).bytes_written) for n in ops_
+                     if not (used := readers(n)) or any(not (computes(c) and find(c) == rid) for c in used))
+        total += sum(reads.values()) + unlinked + writes
+    return total, len(members)
 
 
 def _numel(shape) -> int:

@@ -35,7 +35,11 @@ ADAM_UPDATE_BYTES_FP32 = 3 * 4 * 2 + 4  # weight/m/v read+write, grad read
 # exp_avg.mul_ (8) .add_(grad) (12), exp_avg_sq.mul_ (8) .addcmul_(grad, grad) (12), sqrt (8),
 # / sqrt(bias_correction2) (8), .add_(eps) (8), param.addcdiv_(exp_avg, denom) (16). The
 # decoupled weight decay's param.mul_ is skipped at weight_decay 0, as llm-foundry's MPT
-# yamls set it (scripts/train/yamls/pretrain/mpt-*.yaml).
+# yamls set it (scripts/train/yamls/pretrain/mpt-*.yaml). torch's foreach AdamW
+# (torch/optim/adamw.py _multi_tensor_adamw) moves the same 80 B with weight decay on:
+# _foreach_mul_(params) (8), _foreach_lerp_(exp_avgs, grads) (12), _foreach_mul_ (8) and
+# _foreach_addcmul_ (12) of exp_avg_sqs, _foreach_sqrt (8), _foreach_div_ (8), _foreach_add_
+# (8), _foreach_addcdiv_(params, exp_avgs, denom) (16).
 ADAM_UPDATE_BYTES_PER_OP = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16
 
 

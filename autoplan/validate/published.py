@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 from autoplan.config import ParallelConfig, RECOMPUTE
 from autoplan.cost import Runtime, estimate
+from autoplan.cost.compute import RMSNORM_KERNELS
 from autoplan.cost.stages import num_virtual_stages, stage_layer_counts
 from autoplan.errors import UserError
 from autoplan.hardware import load_gpu, make_cluster
@@ -294,6 +295,21 @@ def zero3_flat_gather(run: dict[str, Any]) -> bool:
     return bool(match) and tuple(int(g) for g in match.groups()) < FLAT_ZERO3_BEFORE_ARXIV
 
 
+def stack_settings(run: dict[str, Any]) -> dict[str, Any]:
+    """Runtime fields for how the run's stack executed its blocks, from the row's `runtime`
+    object (each value sourced in the row): `torch_compile` (torch.compile of each block;
+    Runtime.compiled_blocks) and `rmsnorm` (how an eager RMSNorm ran, "fused" or
+    "decomposed"; Runtime.rmsnorm_kernel). A row without it ran eagerly with fused norms
+    (Megatron's Apex / Transformer Engine kernels). UserError on a value not understood."""
+    stack = run.get("runtime") or {}
+    compiled = stack.get("torch_compile", False) if isinstance(stack, dict) else None
+    norm = stack.get("rmsnorm", "fused") if isinstance(stack, dict) else None
+    if not isinstance(compiled, bool) or norm not in RMSNORM_KERNELS:
+        raise UserError(f"runtime {json.dumps(stack)[:80]} must be an object with torch_compile "
+                        f"true/false and rmsnorm one of {list(RMSNORM_KERNELS)}")
+    return {"compiled_blocks": compiled, "rmsnorm_kernel": norm}
+
+
 def _partial_recompute(graph, config: ParallelConfig, cluster, flash: bool, runtime, est,
                        assumed: dict[str, Any]):
     """Where recomputation is unstated and none does not fit: the fewest blocks per pipeline
@@ -344,13 +360,15 @@ def validate_run(run: dict[str, Any]) -> RunResult:
         overlaps = tp_comm_overlap_options(run)
         flat = zero3_flat_gather(run)
         kernel = flash_kernel(run)
+        stack = stack_settings(run)
         best = None
         for config, assumed in candidates:
             if layer_sac(run):
                 config = _every_second_block_full(graph, config)
                 assumed = {**assumed, "recompute": "full on every second block (layer SAC)"}
             for overlap in overlaps:
-                runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat, flash_kernel=kernel, **traits)
+                runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat, flash_kernel=kernel,
+                                  **traits, **stack)
                 est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
                 if not est.feasible and assumed.get("recompute") == "none":
                     est, assumed = _partial_recompute(graph, config, cluster, flash, runtime, est,

@@ -1,5 +1,6 @@
 """Mechanisms that depend on how a runtime schedules work: host-bound MoE layers, the host
-launch floor, TP/GEMM overlap and DeepSpeed-2021-style ZeRO-3 gathers."""
+launch floor, TP/GEMM overlap, DeepSpeed-2021-style ZeRO-3 gathers, and eager op-by-op
+memory traffic against torch.compile's fused regions."""
 
 from __future__ import annotations
 
@@ -172,8 +173,8 @@ def test_per_op_adamw_moves_its_extra_bytes_through_hbm(make_gpt_graph, h100_clu
     graph = make_gpt_graph(layers=4, hidden=2048, heads=16, seq=2048)
     config = ParallelConfig(global_batch=8, seq_len=2048, dp=8, micro_batch=1, zero_stage=3)
     cluster = h100_cluster(8)
-    fused = estimate(graph, config, cluster)
-    per_op = estimate(graph, config, cluster, runtime=Runtime(optimizer_kernels="per-op"))
+    fused = estimate(graph, config, cluster, runtime=Runtime(optimizer_kernels="fused"))
+    per_op = estimate(graph, config, cluster)  # autoplan's runtime: torch's foreach AdamW
     params_per_rank = graph.parameters / 8
     extra_s = params_per_rank * (80 - 28) / hw.hbm_bytes_per_s(cluster.gpu)
     # only the optimizer step differs; rel 1e-6 covers float summation order
@@ -232,3 +233,82 @@ def test_ring_attention_time_follows_what_each_runtime_sends(make_gpt_graph, h10
     full_total, full = cp_comm_s(graph, block, config, fabric, groups, long_attention, "full")
     assert none == 0.0 and sel_total == full_total == pytest.approx(total + 3 * step)
     assert selective == pytest.approx(3 * step) and full == 0.0
+
+
+LLAMA = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, intermediate_size=704, vocab_size=512, max_position_embeddings=256)
+
+
+def test_inductor_reads_and_writes_each_region_of_a_llama_block_once():
+    # T tokens, h hidden, kv = K/V width, hd head dim, f FFN width, 2-byte dtype. Regions between
+    # the GEMMs and attention: norm (x in, out: 2h), q RoPE (q + cos + sin in, q out: 2h + hd),
+    # k RoPE (2 kv + hd), residual add + norm (o-proj out and x in, h and norm out: 4h),
+    # SiLU x up (gate and up in, product out: 3f), residual add (h and down out in, out: 3h)
+    from autoplan.trace.tracer import graph_for_config
+
+    seq = 128
+    graph = graph_for_config(LLAMA, 1, seq)
+    profile = block_profile(graph, graph.blocks[0], fused=True)
+    h, hd, f = 256, 256 // 8, 704
+    kv = 2 * hd
+    expected = seq * 2 * (11 * h + 2 * kv + 2 * hd + 3 * f)
+    assert profile.fused_memory_bytes == expected
+    assert profile.fused_memory_bytes < profile.memory_bytes
+    # 4 q/k/v/o + 3 MLP GEMMs and attention as extern kernels, 6 fused regions
+    assert profile.fused_kernels == 8 + 6 < profile.kernels
+    assert profile.rmsnorm_ops == 2 and profile.rmsnorm_elements == 2 * seq * h
+
+
+def test_eager_rmsnorm_op_by_op_moves_nine_times_a_fused_kernels_bytes():
+    # float (2 + 4), pow (8), mean (4), scale (8), type_as (4 + 2), weight mul (2 + 2) = 36 B
+    # per element in 16 bits against the fused kernel's 4; 44 against 8 in fp32
+    assert compute.decomposed_rmsnorm_bytes_per_element(2) == 36
+    assert compute.decomposed_rmsnorm_bytes_per_element(4) == 44
+    from autoplan.trace.tracer import graph_for_config
+
+    graph = graph_for_config(LLAMA, 1, 128)
+    profile = block_profile(graph, graph.blocks[0], fused=True)
+    fused = compute.block_memory_bytes(profile, 2, 2)
+    decomposed = compute.block_memory_bytes(profile, 2, 2, rmsnorm_kernel="decomposed")
+    assert decomposed - fused == profile.rmsnorm_elements * (36 - 4)
+    # compiled, the decomposition fuses with the rest whatever the eager kernel
+    assert compute.block_memory_bytes(profile, 2, 2, True, "decomposed") == profile.fused_memory_bytes
+    assert compute.block_kernels(profile, rmsnorm_kernel="decomposed") == profile.kernels + 2 * 7
+
+
+def test_compiled_blocks_cut_memory_time_and_leave_the_head_eager(h100_cluster):
+    from autoplan.cost import hw
+    from autoplan.trace.tracer import graph_for_config
+
+    wide = dict(LLAMA, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                intermediate_size=2816)
+    graph = graph_for_config(wide, 1, 2048)
+    config = ParallelConfig(global_batch=4, seq_len=2048, dp=1, micro_batch=4)
+    cluster = h100_cluster(1)
+    eager = Runtime(rmsnorm_kernel="decomposed")
+    compiled = Runtime(rmsnorm_kernel="decomposed", compiled_blocks=True)
+    block, post = graph.blocks[0], graph.post
+    e, c = (layer_cost(block, graph, config, cluster, runtime=r) for r in (eager, compiled))
+    # only the memory-bound ops change (4 sequences on a 1-sequence trace), backward 2x;
+    # rel 1e-9 covers float summation order
+    profile = block_profile(graph, block, fused=True)
+    saved_s = 4 * (compute.block_memory_bytes(profile, 2, 2, rmsnorm_kernel="decomposed")
+                   - profile.fused_memory_bytes) / hw.hbm_bytes_per_s(cluster.gpu)
+    assert e.fwd_s - c.fwd_s == pytest.approx(saved_s, rel=1e-9)
+    assert e.bwd_s - c.bwd_s == pytest.approx(2 * saved_s, rel=1e-9)
+    # the final norm, head and loss are outside the compiled blocks: the eager norm still costs
+    assert (layer_cost(post, graph, config, cluster, runtime=eager).fwd_s
+            == layer_cost(post, graph, config, cluster, runtime=compiled).fwd_s
+            > layer_cost(post, graph, config, cluster).fwd_s)
+
+
+def test_compiled_block_launches_one_kernel_per_fused_region(h100_cluster):
+    # a tiny block is bound by the host issuing its kernels: fewer kernels, lower floor
+    from autoplan.trace.tracer import graph_for_config
+
+    graph = graph_for_config(LLAMA, 1, 16)
+    config = ParallelConfig(global_batch=1, seq_len=16, dp=1, micro_batch=1)
+    block = graph.blocks[0]
+    profile = block_profile(graph, block, fused=True)
+    cost = layer_cost(block, graph, config, h100_cluster(1), runtime=Runtime(compiled_blocks=True))
+    assert cost.fwd_s == pytest.approx(profile.fused_kernels * host.HOST_S_PER_OP)

@@ -86,10 +86,12 @@ def test_torchtitan_runtime_traits():
     assert traits["experts_replicated_over_tp"] is False
 
 
-def test_llm_foundry_adamw_runs_op_by_op():
-    # Composer's DecoupledAdamW, the MPT yamls' optimizer; torchtitan and Megatron fuse it
+def test_adamw_runs_op_by_op_in_llm_foundry_and_the_torchtitan_runs():
+    # Composer's DecoupledAdamW, the MPT yamls' optimizer; torch's foreach AdamW at the two
+    # torchtitan commits the rows ran (fused became its default later); Megatron fuses it
     assert families.runtime_traits("llm-foundry")["optimizer_kernels"] == "per-op"
-    assert families.runtime_traits("torchtitan")["optimizer_kernels"] == "fused"
+    assert families.runtime_traits("torchtitan")["optimizer_kernels"] == "per-op"
+    assert families.runtime_traits("megatron")["optimizer_kernels"] == "fused"
 
 
 def test_only_fsdp2_copies_gathered_parameters_out():
