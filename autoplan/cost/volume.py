@@ -73,8 +73,36 @@ def tp_payload_elements(graph: ModelGraph, block: BlockInfo, config: ParallelCon
     return tokens_per_rank(graph, config, block) * block.hidden
 
 
+def tp_forward_reruns(recompute: str, sequence_parallel: bool, selective_policy: str = "op",
+                      checkpoint_early_stop: bool = True) -> tuple[int, int]:
+    """(input, output) TP collectives of a transformer layer's forward that its recomputation
+    in backward runs again, of the 2 each (attention and MLP): the inputs' all-gathers with
+    sequence parallelism (none without: the inputs cross in backward only), the outputs'
+    reduce-scatters or all-reduces.
+
+    A recomputation regenerates what the backward needs saved and nothing else: a
+    non-reentrant torch checkpoint stops once the last saved tensor is back
+    (torch.utils.checkpoint early stop, on by default: autoplan's runtime, torchtitan), so
+    the MLP's output reduction, which feeds only the residual sum, is not run again; the
+    attention's output is, as the MLP's input derives from it. Megatron's and DeepSpeed's
+    reentrant checkpoint reruns the whole forward. Selective recomputation: torch's selective
+    checkpoint as autoplan's runtime applies it (runtime/recompute.py) saves matmul and
+    attention outputs, so the collectives between them run again as under full (`autoplan
+    check` logs 2 all-gathers and 1 reduce-scatter a layer with sequence parallelism, 1
+    all-reduce without, under both); torchtitan's op SAC saves the reduce-scatters' outputs
+    too (sac.py), not the all-gathers' nor an all-reduce's; Megatron's recomputes the core
+    attention only, which holds no TP collective."""
+    if recompute == "none" or (recompute == "selective" and selective_policy == "attention_core"):
+        return 0, 0
+    inputs = 2 if sequence_parallel else 0
+    if recompute == "selective" and selective_policy == sac.OP_SAC and sequence_parallel:
+        return inputs, 0
+    return inputs, 1 if checkpoint_early_stop else 2
+
+
 def tp_collectives(block: BlockInfo, config: ParallelConfig, recompute: str,
-                   fp32_module_weights: bool = True) -> list[tuple[str, int, int]]:
+                   fp32_module_weights: bool = True, selective_policy: str = "op",
+                   checkpoint_early_stop: bool = True) -> list[tuple[str, int, int]]:
     """(kind, bytes per element, count) of one block's TP collectives per micro-batch.
 
     A transformer layer's attention and MLP each take their input (the norm's output, in the
@@ -83,22 +111,22 @@ def tp_collectives(block: BlockInfo, config: ParallelConfig, recompute: str,
     backward (the inputs' gradients) per layer (Shoeybi et al. 2019 §3); with sequence
     parallelism the input is all-gathered in forward and its gradient reduce-scattered in
     backward, the output reduce-scattered and its gradient all-gathered (Korthikanti et al.
-    2022 §4.2.2). Full recomputation repeats the forward ones. The embedding reduces its
-    partial lookups in forward (with SP a reduce-scatter, whose backward is an all-gather);
-    the vocabulary-parallel output layer keeps its logits sharded for the parallel cross
-    entropy, so only its input crosses: with SP gathered in forward and its gradient
-    reduce-scattered in backward, without SP its gradient all-reduced (Megatron
-    copy_to_tensor_model_parallel_region; autoplan's runtime, `autoplan check`)."""
+    2022 §4.2.2). The recomputation repeats some forward ones (tp_forward_reruns). The
+    embedding reduces its partial lookups in forward (with SP a reduce-scatter, whose
+    backward is an all-gather); the vocabulary-parallel output layer keeps its logits sharded
+    for the parallel cross entropy, so only its input crosses: with SP gathered in forward
+    and its gradient reduce-scattered in backward, without SP its gradient all-reduced
+    (Megatron copy_to_tensor_model_parallel_region; autoplan's runtime, `autoplan check`)."""
     stream = stream_dtype_bytes(config, fp32_module_weights)
     act = compute.activation_dtype_bytes(config.precision)
     sp = config.sequence_parallel
     if block.kind in ("pre", "post"):
         return [("all_gather", stream, 1), ("reduce_scatter", stream, 1)] if sp else [("all_reduce", stream, 1)]
-    fwd = 2 + (2 if recompute == "full" else 0)
+    inputs, outputs = tp_forward_reruns(recompute, sp, selective_policy, checkpoint_early_stop)
     if sp:
-        return [("all_gather", stream, fwd), ("all_gather", act, 2),
-                ("reduce_scatter", act, fwd), ("reduce_scatter", stream, 2)]
-    return [("all_reduce", act, fwd), ("all_reduce", stream, 2)]
+        return [("all_gather", stream, 2 + inputs), ("all_gather", act, 2),
+                ("reduce_scatter", act, 2 + outputs), ("reduce_scatter", stream, 2)]
+    return [("all_reduce", act, 2 + outputs), ("all_reduce", stream, 2)]
 
 
 def sp_replicated_params(graph: ModelGraph, block: BlockInfo) -> float:
@@ -142,12 +170,14 @@ def loss_parallel_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelC
 
 
 def tp_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str,
-               fp32_module_weights: bool = True) -> list[Traffic]:
+               fp32_module_weights: bool = True, selective_policy: str = "op",
+               checkpoint_early_stop: bool = True) -> list[Traffic]:
     if config.tp <= 1:
         return []
     elements = tp_payload_elements(graph, block, config)
     return [Traffic(kind, dtype_name(nbytes, config.precision), count * elements * nbytes)
-            for kind, nbytes, count in tp_collectives(block, config, recompute, fp32_module_weights)]
+            for kind, nbytes, count in tp_collectives(block, config, recompute, fp32_module_weights,
+                                                      selective_policy, checkpoint_early_stop)]
 
 
 # -- context parallelism -----------------------------------------------------------------
@@ -378,7 +408,8 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
         for block, rc in blocks:
             params = block_params(block, graph, config)
             dense, expert = dense + params.dense, expert + params.expert
-            out += tp_traffic(graph, block, config, rc, runtime.fp32_module_weights)
+            out += tp_traffic(graph, block, config, rc, runtime.fp32_module_weights, runtime.selective_policy,
+                              runtime.checkpoint_early_stop)
             out += sp_grad_traffic(graph, block, config, per_microbatch_scatter, runtime.fp32_module_weights)
             out += loss_parallel_traffic(graph, block, config)
             out += cp_traffic(graph, block, config, rc, runtime.selective_policy, runtime.cp_grad_ring)

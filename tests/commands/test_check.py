@@ -128,30 +128,40 @@ def test_the_cost_models_collective_bytes_are_the_dry_runs(tmp_path, changes):
                                              pipelined=changes.get("pp", 1) > 1)
 
 
-def _tp_plan_file(tmp_path: Path, sequence_parallel: bool, zero_stage: int) -> str:
+def _tp_plan_file(tmp_path: Path, sequence_parallel: bool, zero_stage: int, recompute: str = "none") -> str:
     """The tiny model at dp 2 x tp 2, with the style table the planner writes for it."""
     out = tmp_path / "tp.json"
     result = CliRunner().invoke(cli, ["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "4",
                                       "--global-batch", "8", "--seq-len", "64", "--fix", "tp=2",
-                                      "--fix", "pp=1", "--fix", f"zero={zero_stage}", "-o", str(out)])
+                                      "--fix", "pp=1", "--fix", f"zero={zero_stage}",
+                                      "--fix", f"recompute={recompute}", "-o", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["tp"] == 2 and data["dp"] == 2 and data["tp_styles"]
+    assert set(data["recompute"].values()) == {recompute}
     data["sequence_parallel"] = sequence_parallel
     out.write_text(json.dumps(data))
     return str(out)
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_tensor_parallel_collective_bytes_are_the_dry_runs(tmp_path, sequence_parallel, zero_stage):
+@pytest.mark.parametrize("sequence_parallel, zero_stage, recompute",
+                         [(True, 0, "none"), (False, 0, "none"), (True, 2, "none"), (False, 2, "none"),
+                          (True, 2, "selective"), (False, 2, "selective"), (True, 0, "full"),
+                          (False, 0, "full")],
+                         ids=["sp-zero0", "no-sp-zero0", "sp-zero2", "no-sp-zero2", "sp-zero2-selective",
+                              "no-sp-zero2-selective", "sp-zero0-full", "no-sp-zero0-full"])
+def test_tensor_parallel_collective_bytes_are_the_dry_runs(tmp_path, sequence_parallel, zero_stage, recompute):
     # Below ZeRO-2 the runtime autocasts from fp32 weights: the norms' outputs the attention
     # and MLP gather (and their gradients) are fp32, the row-parallel outputs bf16. The
     # norms' partial gradients under SP are summed once (FSDP per micro-batch in bf16, else
     # the runtime once a step in fp32), and the vocabulary-parallel loss all-reduces three
     # fp32 values per token. Before the column-parallel linears shared one input DTensor,
-    # every linear all-reduced its own input gradient (16 all-reduces here, not 10).
-    report = check_plan(_tp_plan_file(tmp_path, sequence_parallel, zero_stage), workers=1)
+    # every linear all-reduced its own input gradient (16 all-reduces here, not 10). A
+    # recomputed layer, full or selective (whose policy saves matmul outputs, not the
+    # collectives'), runs its forward's collectives again up to the last the backward needs:
+    # both input all-gathers and the attention's output reduction, not the MLP's (torch's
+    # checkpoint stops early), where a whole second forward would be 2 more than logged.
+    report = check_plan(_tp_plan_file(tmp_path, sequence_parallel, zero_stage, recompute), workers=1)
     rank = report["ranks"][0]
     kinds = {row["kind"] for row in rank["collectives"]}
     if zero_stage == 0:  # no FSDP gathers: all-gathers and reduce-scatters are SP's

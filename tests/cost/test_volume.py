@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from autoplan.config import ParallelConfig
 from autoplan.cost.sac import OP_SAC
-from autoplan.cost.volume import END, FIRST, MICROBATCH, Traffic, by_kind, cp_hop_bytes, cp_hops, cp_traffic
+from autoplan.cost.volume import (END, FIRST, MICROBATCH, Traffic, by_kind, cp_hop_bytes, cp_hops, cp_traffic,
+                                  tp_forward_reruns)
 
 
 def test_a_once_a_step_gather_is_in_the_last_micro_batch_only_when_it_is_the_first():
@@ -50,3 +51,22 @@ def test_ring_attention_sends_kv_in_16_bits_and_the_gradients_in_fp32(make_gpt_g
     # an fp32 run sends everything in fp32: K/V and gradients together
     fp32 = by_kind(cp_traffic(graph, block, _cp_config(precision="fp32")), 1)
     assert fp32 == {("send", "float32"): 9 * 2 * chunk, ("recv", "float32"): 9 * 2 * chunk}
+
+
+def test_a_recomputation_reruns_the_tp_collectives_its_checkpoint_needs():
+    # (input all-gathers, output reductions) of a layer's forward run again. torch's
+    # non-reentrant checkpoint (autoplan's runtime, torchtitan) stops after the attention's
+    # output reduction, which the MLP's saved input derives from; the MLP's feeds only the
+    # residual sum. autoplan's selective policy saves no collective's output, so it reruns
+    # as full does (`autoplan check`: tests/commands/test_check.py)
+    for recompute in ("full", "selective"):
+        assert tp_forward_reruns(recompute, True) == (2, 1)
+        assert tp_forward_reruns(recompute, False) == (0, 1)  # no forward input collective
+    assert tp_forward_reruns("none", True) == (0, 0)
+    # Megatron's reentrant checkpoint reruns the whole forward; its selective recomputation
+    # reruns the core attention only, which holds no TP collective
+    assert tp_forward_reruns("full", True, "attention_core", checkpoint_early_stop=False) == (2, 2)
+    assert tp_forward_reruns("selective", True, "attention_core", checkpoint_early_stop=False) == (0, 0)
+    # torchtitan's op SAC saves the reduce-scatters' outputs, not the all-gathers' or an all-reduce's
+    assert tp_forward_reruns("selective", True, OP_SAC) == (2, 0)
+    assert tp_forward_reruns("selective", False, OP_SAC) == (0, 1)
