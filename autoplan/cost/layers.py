@@ -89,6 +89,10 @@ class Runtime:
     (torch's non-reentrant checkpoint: autoplan's runtime, torchtitan), so a layer's last TP
     reduction does not run again (volume.tp_forward_reruns); Megatron's and DeepSpeed's
     reentrant checkpoint reruns the whole forward.
+    pp_hands_on_side_values: a pipeline stage hands on every value live across its cut, the
+    rotary tables beside the hidden states (autoplan's fx split, runtime/pipeline.py;
+    volume.pp_side_traffic); Megatron's and torchtitan's stages build their own and hand on
+    the hidden states alone.
     """
 
     tp_comm_overlap: bool = False
@@ -108,6 +112,7 @@ class Runtime:
     compiled_blocks: bool = False
     rmsnorm_kernel: str = "fused"
     checkpoint_early_stop: bool = True
+    pp_hands_on_side_values: bool = True
 
 
 DEFAULT_RUNTIME = Runtime()

@@ -20,7 +20,7 @@ from typing import Iterable
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, compute, memory, sac
-from autoplan.trace.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph, SideValue
 
 MICROBATCH, FIRST, END = "every micro-batch", "first micro-batch", "end of step"
 INDEX_BYTES = 8  # int64 token counts per expert (models/moe.py dispatch_to_owners)
@@ -370,17 +370,75 @@ def pp_boundary_bytes(graph: ModelGraph, config: ParallelConfig, fp32_module_wei
     return payload
 
 
+def side_value_bytes(graph: ModelGraph, value: SideValue, config: ParallelConfig) -> float:
+    """Bytes of one micro-batch's `value` on a rank, in its traced dtype: scaled from the traced
+    batch and sequence to the micro-batch and the tokens a rank holds (seq / cp, as the runtime
+    slices its position tables: runtime/context_parallel.py); tensor parallelism leaves it whole."""
+    return (value.elements * value.element_bytes
+            * (config.micro_batch / graph.batch_size) ** value.batch_power / config.cp ** value.seq_power)
+
+
+def side_value_dtype_bytes(value: SideValue, config: ParallelConfig, from_first_stage: bool,
+                           fp32_module_weights: bool = True) -> int:
+    """Bytes per element a stage hands `value` on in. Stage 0 makes it: a value carrying a
+    gradient is an activation, in the residual stream's dtype (stream_dtype_bytes); one without
+    comes from the model's buffers (the rotary tables), which the runtime keeps in their own
+    dtype (fp32: FSDP's MixedPrecisionPolicy casts parameters only, and autocast leaves slices
+    alone). A later stage passes it on as it took it in: at ZeRO-2/3 FSDP casts a stage's
+    floating forward inputs to the 16-bit compute dtype (MixedPrecisionPolicy
+    cast_forward_inputs, runtime/data_parallel.py apply_fsdp); below, it leaves them be."""
+    if not value.floating:
+        return value.element_bytes
+    act = compute.activation_dtype_bytes(config.precision)
+    if not from_first_stage and config.zero_stage >= 2 and config.precision != "fp32":
+        return act
+    if value.requires_grad:
+        return stream_dtype_bytes(config, fp32_module_weights)
+    return value.element_bytes
+
+
+def pp_side_traffic(graph: ModelGraph, config: ParallelConfig, cut: int, from_first_stage: bool,
+                    fp32_module_weights: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+    """({dtype: bytes} forward, {dtype: bytes} of the gradients back) of what one micro-batch
+    hands across the cut after block `cut` beside the hidden states (ModelGraph
+    .pipeline_side_values): a stage sends them on to the next (from the first stage or a later
+    one: side_value_dtype_bytes), and only the gradients of those that carry one come back."""
+    values = graph.pipeline_side_values[cut] if 0 <= cut < len(graph.pipeline_side_values) else ()
+    forward: dict[str, float] = {}
+    back: dict[str, float] = {}
+    for value in values:
+        nbytes = side_value_dtype_bytes(value, config, from_first_stage, fp32_module_weights)
+        dtype = value.dtype if nbytes == value.element_bytes else dtype_name(nbytes, config.precision)
+        payload = side_value_bytes(graph, value, config) / value.element_bytes * nbytes
+        forward[dtype] = forward.get(dtype, 0.0) + payload
+        if value.requires_grad:
+            back[dtype] = back.get(dtype, 0.0) + payload
+    return forward, back
+
+
 def pp_traffic(graph: ModelGraph, config: ParallelConfig, stage_index: int, stages: int,
-               fp32_module_weights: bool = True) -> list[Traffic]:
+               fp32_module_weights: bool = True, cut_before: int | None = None,
+               cut_after: int | None = None) -> list[Traffic]:
     """A stage receives the hidden states from the one before and sends their gradient back;
-    it sends its own output to the one after and receives that output's gradient. (What
-    else a split model hands on beside them, position tables, is left out.)"""
+    it sends its own output to the one after and receives that output's gradient. Beside
+    them, where the runtime hands on what else is live across a cut (`cut_before`, `cut_after`:
+    the block after which the cut is, None where it hands on the hidden states alone), the
+    side values cross forward (pp_side_traffic), and back the gradients of those with one."""
     if config.pp <= 1:
         return []
     payload = pp_boundary_bytes(graph, config, fp32_module_weights)
     dtype = dtype_name(stream_dtype_bytes(config, fp32_module_weights), config.precision)
     neighbours = (stage_index > 0) + (stage_index < stages - 1)
-    return [Traffic("send", dtype, neighbours * payload), Traffic("recv", dtype, neighbours * payload)]
+    out = [Traffic("send", dtype, neighbours * payload), Traffic("recv", dtype, neighbours * payload)]
+    if stage_index > 0 and cut_before is not None:
+        received, grads = pp_side_traffic(graph, config, cut_before, stage_index == 1, fp32_module_weights)
+        out += [Traffic("recv", d, b) for d, b in received.items()]
+        out += [Traffic("send", d, b) for d, b in grads.items()]
+    if stage_index < stages - 1 and cut_after is not None:
+        sent, grads = pp_side_traffic(graph, config, cut_after, stage_index == 0, fp32_module_weights)
+        out += [Traffic("send", d, b) for d, b in sent.items()]
+        out += [Traffic("recv", d, b) for d, b in grads.items()]
+    return out
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -397,6 +455,8 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
     per_microbatch_scatter = not fsdp_pipeline_unsharded(config)
     out: list[Traffic] = []
     dense = expert = 0.0
+    # the block after which each virtual stage ends: where its cut is
+    ends = [sum(len(layers) for layers in stages_layers[:i + 1]) - 1 for i in range(len(stages_layers))]
     for index, layers in enumerate(stages_layers):
         if index % config.pp != physical_stage:
             continue
@@ -416,7 +476,8 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
             out += ep_traffic(graph, block, config, rc, runtime.fp32_module_weights, runtime.selective_policy)
             out += zero3_traffic(params, block, config, runtime.fsdp_root_regathered)
             out += zero2_traffic(params, config, per_microbatch_scatter)
-        out += pp_traffic(graph, config, index, len(stages_layers), runtime.fp32_module_weights)
+        cuts = (ends[index - 1] if index else None, ends[index]) if runtime.pp_hands_on_side_values else (None, None)
+        out += pp_traffic(graph, config, index, len(stages_layers), runtime.fp32_module_weights, *cuts)
     out += dp_sync_traffic(memory.BlockParams(dense, expert), config,
                            config.zero_stage == 2 and per_microbatch_scatter, runtime.fp32_module_weights)
     return out

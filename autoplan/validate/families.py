@@ -61,6 +61,9 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # Megatron's and DeepSpeed's reentrant checkpoint reruns a layer's whole forward unless the
     # family's rule says it recomputes with torch's non-reentrant checkpoint, which stops early
     out["checkpoint_early_stop"] = bool(traits.get("checkpoint_early_stop", False))
+    # pipeline stages hand on the hidden states alone, each building its own rotary tables
+    # (Megatron's RotaryEmbedding per model chunk, torchtitan's freqs_cis buffer per stage)
+    out["pp_hands_on_side_values"] = bool(traits.get("pp_hands_on_side_values", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

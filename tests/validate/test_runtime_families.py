@@ -84,7 +84,8 @@ def test_torchtitan_runtime_traits():
                                                    "experts_replicated_over_tp": False,
                                                    "fsdp_root_regathered": True,
                                                    "cp_grad_ring": "kv-dtype",
-                                                   "checkpoint_early_stop": False}
+                                                   "checkpoint_early_stop": False,
+                                                   "pp_hands_on_side_values": False}
     # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts over
     # the TP ranks too; only autoplan's runtime keeps them whole on each (layers.Runtime default)
     assert traits["experts_replicated_over_tp"] is False
