@@ -85,6 +85,14 @@ class Runtime:
     (volume.CP_GRAD_RINGS): "fp32" accumulators over cp - 1 hops (autoplan's runtime),
     "fp32-home" over cp hops (torch's ring attention, torchtitan), "kv-dtype" in K/V's
     16-bit dtype over cp - 1 hops (Transformer Engine under Megatron-Core and NeMo).
+    checkpoint_early_stop: the recomputation stops once the backward's saved tensors are back
+    (torch's non-reentrant checkpoint: autoplan's runtime, torchtitan), so a layer's last TP
+    reduction does not run again (volume.tp_forward_reruns); Megatron's and DeepSpeed's
+    reentrant checkpoint reruns the whole forward.
+    pp_hands_on_side_values: a pipeline stage hands on every value live across its cut, the
+    rotary tables beside the hidden states (autoplan's fx split, runtime/pipeline.py;
+    volume.pp_side_traffic); Megatron's and torchtitan's stages build their own and hand on
+    the hidden states alone.
     """
 
     tp_comm_overlap: bool = False
@@ -103,6 +111,8 @@ class Runtime:
     cp_grad_ring: str = "fp32"
     compiled_blocks: bool = False
     rmsnorm_kernel: str = "fused"
+    checkpoint_early_stop: bool = True
+    pp_hands_on_side_values: bool = True
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -147,14 +157,15 @@ def _frozen(d: dict) -> Mapping[str, float]:
 
 
 def tp_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabric: comm.Fabric,
-              groups: comm.Groups, recompute: str, fp32_module_weights: bool = True) -> float:
+              groups: comm.Groups, recompute: str, runtime: Runtime = DEFAULT_RUNTIME) -> float:
     """Tensor-parallel collectives of one block per micro-batch (volume.tp_collectives), not
     overlapped."""
     if config.tp <= 1:
         return 0.0
     elements = volume.tp_payload_elements(graph, block, config)
     total = 0.0
-    for kind, nbytes, count in volume.tp_collectives(block, config, recompute, fp32_module_weights):
+    for kind, nbytes, count in volume.tp_collectives(block, config, recompute, runtime.fp32_module_weights,
+                                                     runtime.selective_policy, runtime.checkpoint_early_stop):
         one = {"all_reduce": comm.allreduce_time_s, "all_gather": comm.allgather_time_s,
                "reduce_scatter": comm.reduce_scatter_time_s}[kind]
         total += count * one(elements * nbytes, groups.tp, fabric)
@@ -459,7 +470,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                         bwd_s=times.bwd_s + (copy if config.zero_stage >= 3 else 0.0))
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
-    tp = tp_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights)
+    tp = tp_comm_s(graph, block, config, fabric, groups, rc, runtime)
     total["tp"] = tp
     exposed["tp"] = tp_exposed_s(tp, config.tp, times.gemm_fwd_s * (1 + compute.BACKWARD_GEMM_FACTOR)
                                  + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp

@@ -146,13 +146,20 @@ def stage_cost(graph: ModelGraph, config: ParallelConfig, cluster, stage_index: 
 def pp_p2p_s(graph: ModelGraph, config: ParallelConfig, cluster, cache: CostCache | None = None,
              runtime: Runtime = DEFAULT_RUNTIME) -> float:
     """Receive of the activation in forward and of its gradient in backward per micro-batch
-    (b*s*h per transfer, /t with the scatter/gather optimisation: Narayanan et al. 2021 §4.1).
+    (b*s*h per transfer, /t with the scatter/gather optimisation: Narayanan et al. 2021 §4.1),
+    with what the runtime hands on beside it (volume.pp_side_traffic; the cuts of a stack of
+    like blocks hand on alike, and stage 0's, in the model's own dtype, are the largest).
     Megatron overlaps them only partly; counted as exposed."""
     if config.pp <= 1:
         return 0.0
     fabric, groups = fabric_and_groups(config, cluster, cache)
-    return 2 * comm.p2p_time_s(volume.pp_boundary_bytes(graph, config, runtime.fp32_module_weights),
-                               groups.pp_cross_node, fabric)
+    hidden = volume.pp_boundary_bytes(graph, config, runtime.fp32_module_weights)
+    forward = back = hidden
+    if runtime.pp_hands_on_side_values:
+        sent, grads = volume.pp_side_traffic(graph, config, 0, True, runtime.fp32_module_weights)
+        forward, back = hidden + sum(sent.values()), hidden + sum(grads.values())
+    return (comm.p2p_time_s(forward, groups.pp_cross_node, fabric)
+            + comm.p2p_time_s(back, groups.pp_cross_node, fabric))
 
 
 def last_stage_loss_bytes(graph: ModelGraph, config: ParallelConfig, runtime: Runtime) -> dict[str, float]:

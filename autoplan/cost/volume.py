@@ -20,7 +20,7 @@ from typing import Iterable
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, compute, memory, sac
-from autoplan.trace.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph, SideValue
 
 MICROBATCH, FIRST, END = "every micro-batch", "first micro-batch", "end of step"
 INDEX_BYTES = 8  # int64 token counts per expert (models/moe.py dispatch_to_owners)
@@ -73,8 +73,36 @@ def tp_payload_elements(graph: ModelGraph, block: BlockInfo, config: ParallelCon
     return tokens_per_rank(graph, config, block) * block.hidden
 
 
+def tp_forward_reruns(recompute: str, sequence_parallel: bool, selective_policy: str = "op",
+                      checkpoint_early_stop: bool = True) -> tuple[int, int]:
+    """(input, output) TP collectives of a transformer layer's forward that its recomputation
+    in backward runs again, of the 2 each (attention and MLP): the inputs' all-gathers with
+    sequence parallelism (none without: the inputs cross in backward only), the outputs'
+    reduce-scatters or all-reduces.
+
+    A recomputation regenerates what the backward needs saved and nothing else: a
+    non-reentrant torch checkpoint stops once the last saved tensor is back
+    (torch.utils.checkpoint early stop, on by default: autoplan's runtime, torchtitan), so
+    the MLP's output reduction, which feeds only the residual sum, is not run again; the
+    attention's output is, as the MLP's input derives from it. Megatron's and DeepSpeed's
+    reentrant checkpoint reruns the whole forward. Selective recomputation: torch's selective
+    checkpoint as autoplan's runtime applies it (runtime/recompute.py) saves matmul and
+    attention outputs, so the collectives between them run again as under full (`autoplan
+    check` logs 2 all-gathers and 1 reduce-scatter a layer with sequence parallelism, 1
+    all-reduce without, under both); torchtitan's op SAC saves the reduce-scatters' outputs
+    too (sac.py), not the all-gathers' nor an all-reduce's; Megatron's recomputes the core
+    attention only, which holds no TP collective."""
+    if recompute == "none" or (recompute == "selective" and selective_policy == "attention_core"):
+        return 0, 0
+    inputs = 2 if sequence_parallel else 0
+    if recompute == "selective" and selective_policy == sac.OP_SAC and sequence_parallel:
+        return inputs, 0
+    return inputs, 1 if checkpoint_early_stop else 2
+
+
 def tp_collectives(block: BlockInfo, config: ParallelConfig, recompute: str,
-                   fp32_module_weights: bool = True) -> list[tuple[str, int, int]]:
+                   fp32_module_weights: bool = True, selective_policy: str = "op",
+                   checkpoint_early_stop: bool = True) -> list[tuple[str, int, int]]:
     """(kind, bytes per element, count) of one block's TP collectives per micro-batch.
 
     A transformer layer's attention and MLP each take their input (the norm's output, in the
@@ -83,22 +111,22 @@ def tp_collectives(block: BlockInfo, config: ParallelConfig, recompute: str,
     backward (the inputs' gradients) per layer (Shoeybi et al. 2019 §3); with sequence
     parallelism the input is all-gathered in forward and its gradient reduce-scattered in
     backward, the output reduce-scattered and its gradient all-gathered (Korthikanti et al.
-    2022 §4.2.2). Full recomputation repeats the forward ones. The embedding reduces its
-    partial lookups in forward (with SP a reduce-scatter, whose backward is an all-gather);
-    the vocabulary-parallel output layer keeps its logits sharded for the parallel cross
-    entropy, so only its input crosses: with SP gathered in forward and its gradient
-    reduce-scattered in backward, without SP its gradient all-reduced (Megatron
-    copy_to_tensor_model_parallel_region; autoplan's runtime, `autoplan check`)."""
+    2022 §4.2.2). The recomputation repeats some forward ones (tp_forward_reruns). The
+    embedding reduces its partial lookups in forward (with SP a reduce-scatter, whose
+    backward is an all-gather); the vocabulary-parallel output layer keeps its logits sharded
+    for the parallel cross entropy, so only its input crosses: with SP gathered in forward
+    and its gradient reduce-scattered in backward, without SP its gradient all-reduced
+    (Megatron copy_to_tensor_model_parallel_region; autoplan's runtime, `autoplan check`)."""
     stream = stream_dtype_bytes(config, fp32_module_weights)
     act = compute.activation_dtype_bytes(config.precision)
     sp = config.sequence_parallel
     if block.kind in ("pre", "post"):
         return [("all_gather", stream, 1), ("reduce_scatter", stream, 1)] if sp else [("all_reduce", stream, 1)]
-    fwd = 2 + (2 if recompute == "full" else 0)
+    inputs, outputs = tp_forward_reruns(recompute, sp, selective_policy, checkpoint_early_stop)
     if sp:
-        return [("all_gather", stream, fwd), ("all_gather", act, 2),
-                ("reduce_scatter", act, fwd), ("reduce_scatter", stream, 2)]
-    return [("all_reduce", act, fwd), ("all_reduce", stream, 2)]
+        return [("all_gather", stream, 2 + inputs), ("all_gather", act, 2),
+                ("reduce_scatter", act, 2 + outputs), ("reduce_scatter", stream, 2)]
+    return [("all_reduce", act, 2 + outputs), ("all_reduce", stream, 2)]
 
 
 def sp_replicated_params(graph: ModelGraph, block: BlockInfo) -> float:
@@ -142,12 +170,14 @@ def loss_parallel_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelC
 
 
 def tp_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, recompute: str,
-               fp32_module_weights: bool = True) -> list[Traffic]:
+               fp32_module_weights: bool = True, selective_policy: str = "op",
+               checkpoint_early_stop: bool = True) -> list[Traffic]:
     if config.tp <= 1:
         return []
     elements = tp_payload_elements(graph, block, config)
     return [Traffic(kind, dtype_name(nbytes, config.precision), count * elements * nbytes)
-            for kind, nbytes, count in tp_collectives(block, config, recompute, fp32_module_weights)]
+            for kind, nbytes, count in tp_collectives(block, config, recompute, fp32_module_weights,
+                                                      selective_policy, checkpoint_early_stop)]
 
 
 # -- context parallelism -----------------------------------------------------------------
@@ -340,17 +370,75 @@ def pp_boundary_bytes(graph: ModelGraph, config: ParallelConfig, fp32_module_wei
     return payload
 
 
+def side_value_bytes(graph: ModelGraph, value: SideValue, config: ParallelConfig) -> float:
+    """Bytes of one micro-batch's `value` on a rank, in its traced dtype: scaled from the traced
+    batch and sequence to the micro-batch and the tokens a rank holds (seq / cp, as the runtime
+    slices its position tables: runtime/context_parallel.py); tensor parallelism leaves it whole."""
+    return (value.elements * value.element_bytes
+            * (config.micro_batch / graph.batch_size) ** value.batch_power / config.cp ** value.seq_power)
+
+
+def side_value_dtype_bytes(value: SideValue, config: ParallelConfig, from_first_stage: bool,
+                           fp32_module_weights: bool = True) -> int:
+    """Bytes per element a stage hands `value` on in. Stage 0 makes it: a value carrying a
+    gradient is an activation, in the residual stream's dtype (stream_dtype_bytes); one without
+    comes from the model's buffers (the rotary tables), which the runtime keeps in their own
+    dtype (fp32: FSDP's MixedPrecisionPolicy casts parameters only, and autocast leaves slices
+    alone). A later stage passes it on as it took it in: at ZeRO-2/3 FSDP casts a stage's
+    floating forward inputs to the 16-bit compute dtype (MixedPrecisionPolicy
+    cast_forward_inputs, runtime/data_parallel.py apply_fsdp); below, it leaves them be."""
+    if not value.floating:
+        return value.element_bytes
+    act = compute.activation_dtype_bytes(config.precision)
+    if not from_first_stage and config.zero_stage >= 2 and config.precision != "fp32":
+        return act
+    if value.requires_grad:
+        return stream_dtype_bytes(config, fp32_module_weights)
+    return value.element_bytes
+
+
+def pp_side_traffic(graph: ModelGraph, config: ParallelConfig, cut: int, from_first_stage: bool,
+                    fp32_module_weights: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+    """({dtype: bytes} forward, {dtype: bytes} of the gradients back) of what one micro-batch
+    hands across the cut after block `cut` beside the hidden states (ModelGraph
+    .pipeline_side_values): a stage sends them on to the next (from the first stage or a later
+    one: side_value_dtype_bytes), and only the gradients of those that carry one come back."""
+    values = graph.pipeline_side_values[cut] if 0 <= cut < len(graph.pipeline_side_values) else ()
+    forward: dict[str, float] = {}
+    back: dict[str, float] = {}
+    for value in values:
+        nbytes = side_value_dtype_bytes(value, config, from_first_stage, fp32_module_weights)
+        dtype = value.dtype if nbytes == value.element_bytes else dtype_name(nbytes, config.precision)
+        payload = side_value_bytes(graph, value, config) / value.element_bytes * nbytes
+        forward[dtype] = forward.get(dtype, 0.0) + payload
+        if value.requires_grad:
+            back[dtype] = back.get(dtype, 0.0) + payload
+    return forward, back
+
+
 def pp_traffic(graph: ModelGraph, config: ParallelConfig, stage_index: int, stages: int,
-               fp32_module_weights: bool = True) -> list[Traffic]:
+               fp32_module_weights: bool = True, cut_before: int | None = None,
+               cut_after: int | None = None) -> list[Traffic]:
     """A stage receives the hidden states from the one before and sends their gradient back;
-    it sends its own output to the one after and receives that output's gradient. (What
-    else a split model hands on beside them, position tables, is left out.)"""
+    it sends its own output to the one after and receives that output's gradient. Beside
+    them, where the runtime hands on what else is live across a cut (`cut_before`, `cut_after`:
+    the block after which the cut is, None where it hands on the hidden states alone), the
+    side values cross forward (pp_side_traffic), and back the gradients of those with one."""
     if config.pp <= 1:
         return []
     payload = pp_boundary_bytes(graph, config, fp32_module_weights)
     dtype = dtype_name(stream_dtype_bytes(config, fp32_module_weights), config.precision)
     neighbours = (stage_index > 0) + (stage_index < stages - 1)
-    return [Traffic("send", dtype, neighbours * payload), Traffic("recv", dtype, neighbours * payload)]
+    out = [Traffic("send", dtype, neighbours * payload), Traffic("recv", dtype, neighbours * payload)]
+    if stage_index > 0 and cut_before is not None:
+        received, grads = pp_side_traffic(graph, config, cut_before, stage_index == 1, fp32_module_weights)
+        out += [Traffic("recv", d, b) for d, b in received.items()]
+        out += [Traffic("send", d, b) for d, b in grads.items()]
+    if stage_index < stages - 1 and cut_after is not None:
+        sent, grads = pp_side_traffic(graph, config, cut_after, stage_index == 0, fp32_module_weights)
+        out += [Traffic("send", d, b) for d, b in sent.items()]
+        out += [Traffic("recv", d, b) for d, b in grads.items()]
+    return out
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -367,6 +455,8 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
     per_microbatch_scatter = not fsdp_pipeline_unsharded(config)
     out: list[Traffic] = []
     dense = expert = 0.0
+    # the block after which each virtual stage ends: where its cut is
+    ends = [sum(len(layers) for layers in stages_layers[:i + 1]) - 1 for i in range(len(stages_layers))]
     for index, layers in enumerate(stages_layers):
         if index % config.pp != physical_stage:
             continue
@@ -378,14 +468,16 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
         for block, rc in blocks:
             params = block_params(block, graph, config)
             dense, expert = dense + params.dense, expert + params.expert
-            out += tp_traffic(graph, block, config, rc, runtime.fp32_module_weights)
+            out += tp_traffic(graph, block, config, rc, runtime.fp32_module_weights, runtime.selective_policy,
+                              runtime.checkpoint_early_stop)
             out += sp_grad_traffic(graph, block, config, per_microbatch_scatter, runtime.fp32_module_weights)
             out += loss_parallel_traffic(graph, block, config)
             out += cp_traffic(graph, block, config, rc, runtime.selective_policy, runtime.cp_grad_ring)
             out += ep_traffic(graph, block, config, rc, runtime.fp32_module_weights, runtime.selective_policy)
             out += zero3_traffic(params, block, config, runtime.fsdp_root_regathered)
             out += zero2_traffic(params, config, per_microbatch_scatter)
-        out += pp_traffic(graph, config, index, len(stages_layers), runtime.fp32_module_weights)
+        cuts = (ends[index - 1] if index else None, ends[index]) if runtime.pp_hands_on_side_values else (None, None)
+        out += pp_traffic(graph, config, index, len(stages_layers), runtime.fp32_module_weights, *cuts)
     out += dp_sync_traffic(memory.BlockParams(dense, expert), config,
                            config.zero_stage == 2 and per_microbatch_scatter, runtime.fp32_module_weights)
     return out

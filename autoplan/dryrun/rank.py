@@ -132,6 +132,25 @@ def _boundary_of(tensors: list[torch.Tensor]) -> Boundary:
     return [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
 
 
+def _received(part: nn.Module, stage_id: int, boundary: Boundary) -> Boundary:
+    """What stage `stage_id` receives, `boundary` being stage 0's outputs: those outputs from
+    stage 0, and from a later stage the same values as it hands them on. A stage passes on the
+    values it does not make (the rotary tables) as it took them in: at ZeRO-2/3 cast by FSDP,
+    which casts a stage's floating forward inputs to its parameters' compute dtype
+    (MixedPrecisionPolicy cast_forward_inputs; FSDPState._cast_forward_inputs), by the policy
+    this rank's own part has as the other ranks' do; its hidden states come out of blocks like
+    stage 0's, in the same dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if stage_id <= 1 or not isinstance(part, FSDPModule):
+        return boundary
+    policy = part._get_fsdp_state()._mp_policy
+    if not (policy.cast_forward_inputs and policy.param_dtype):
+        return boundary
+    return [(shape, policy.param_dtype if dtype.is_floating_point else dtype, grad)
+            for shape, dtype, grad in boundary]
+
+
 def _p2p(kind: str, boundary: Boundary, grads_only: bool = False) -> list[Collective]:
     """The pipeline sends or receives of one micro-batch across one stage boundary: every
     tensor forward, the gradients of those that require one backward. The step runs stages
@@ -252,7 +271,8 @@ def _earlier_microbatch(trainer, boundary: Boundary) -> None:
     and the parameters they left gathered."""
     scratch = CollectiveLog()  # never entered: its p2p records are dropped
     for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
-        handed_on = _run_part(trainer, part, stage_id, boundary, scratch, last_microbatch=False)
+        handed_on = _run_part(trainer, part, stage_id, _received(part, stage_id, boundary), scratch,
+                              last_microbatch=False)
         boundary = boundary or handed_on
 
 
@@ -357,7 +377,8 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             with tracker, log:
                 for part, stage_id in zip(trainer.par.parts, trainer.par.stage_ids):
                     tracker.open(f"stage {stage_id}")
-                    handed_on = _run_part(trainer, part, stage_id, boundary, log, tracker, held)
+                    handed_on = _run_part(trainer, part, stage_id, _received(part, stage_id, boundary),
+                                          log, tracker, held)
                     boundary = boundary or handed_on
                 tracker.open("reduction")
                 if pipelined_fsdp(plan):

@@ -87,9 +87,7 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
     token positions this rank holds (zig-zag ones under CP), where the stages build their own."""
     if hf_split_problem(model) is None:
         return split_hf_stages(model, stages, positions, zigzag)
-    block_stage = {path: i for i, paths in enumerate(stages) for path in paths}
-    graph = _BlockTracer(set(block_stage)).trace(model)
-    stage = _node_stages(graph, block_stage, len(stages) - 1)
+    graph, stage = _cut(model, stages)
     nodes = list(graph.nodes)
     parts = []
     for k in range(len(stages)):
@@ -113,6 +111,26 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
         parts.append(fx.GraphModule(model, sub, class_name=f"Stage{k}"))
     _check_disjoint(parts)
     return parts
+
+
+def values_handed_on(model: nn.Module, stages: list[list[str]]
+                     ) -> tuple[fx.GraphModule, list[list[fx.Node]]] | None:
+    """What `split_stages` makes each stage but the last hand on to the next: per cut, the
+    nodes of the values live across it, in graph order, and the graph module of the whole
+    model they belong to (blocks as leaves). None for a model split without tracing
+    (pipeline_hf), whose stages hand on the hidden states alone and build the rest."""
+    if hf_split_problem(model) is None:
+        return None
+    graph, stage = _cut(model, stages)
+    nodes = list(graph.nodes)
+    return fx.GraphModule(model, graph), [_live_across(nodes, stage, k) for k in range(len(stages) - 1)]
+
+
+def _cut(model: nn.Module, stages: list[list[str]]) -> tuple[fx.Graph, dict[fx.Node, int]]:
+    """The model's graph with the blocks as leaves, and the stage of each of its nodes."""
+    block_stage = {path: i for i, paths in enumerate(stages) for path in paths}
+    graph = _BlockTracer(set(block_stage)).trace(model)
+    return graph, _node_stages(graph, block_stage, len(stages) - 1)
 
 
 def _live_across(nodes: list[fx.Node], stage: dict[fx.Node, int], cut: int) -> list[fx.Node]:

@@ -89,6 +89,26 @@ class BlockInfo:
         return len(self.paths)
 
 
+@dataclass(frozen=True)
+class SideValue:
+    """A value a pipeline cut hands on beside the hidden states: autoplan's runtime splits a
+    traced model so that every value live across a cut crosses it (runtime/pipeline.py
+    split_stages), such as the rotary cos/sin tables every block reads."""
+
+    elements: int  # at the traced batch and sequence length
+    dtype: str  # torch's name, as the model makes it from its own (fp32) weights and buffers
+    element_bytes: int
+    requires_grad: bool  # its gradient crosses back
+    # elements scale as (batch / traced batch) ** batch_power x (tokens a rank holds / traced
+    # seq_len) ** seq_power: 0 and 1 for a table sliced by the sequence, 1 and 1 for a hidden state
+    batch_power: int = 1
+    seq_power: int = 1
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+
 @dataclass
 class ModelGraph:
     """The costed graph of one model at one (batch, seq)."""
@@ -117,6 +137,10 @@ class ModelGraph:
     fingerprint: str = ""
     model_name: str = ""
     image_size: int = 0  # side of the traced image batch for image models (seq_len is then 1)
+    # per cut after block copy k (layer_order[k], k < num_layers - 1): what a pipeline stage
+    # ending there hands on beside the hidden states (trace/side_values.py); empty where the
+    # runtime hands on the hidden states alone (Hugging Face models) or cannot split the model
+    pipeline_side_values: list[tuple[SideValue, ...]] = field(default_factory=list)
 
     @property
     def blocks(self) -> list[BlockInfo]:

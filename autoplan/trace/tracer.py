@@ -32,6 +32,7 @@ from autoplan.trace.blocks import build_segments, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
                                      install_module_hooks, restore_forwards, skip_copies)
 from autoplan.trace.routing import BalancedRouting, RoutingContext
+from autoplan.trace.side_values import pipeline_side_values
 from autoplan.trace.capability import add_capability_facts
 from autoplan.trace.facts import add_parallelism_facts
 from autoplan.models import ConfigError, build_model
@@ -275,15 +276,20 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     `probe_runtime=False` leaves out the capability probe (capability.py): for graphs that
     only cost layouts other runtimes ran, never to choose what autoplan's runtime applies.
     """
-    module = module.to(device="meta", dtype=TRACE_DTYPE)
     if isinstance(example_inputs, dict):
         example_inputs, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
+    module = module.to(device="meta")
+    own_dtype_args = tuple(_to_meta(x, dtype=None) for x in example_inputs)
     args = tuple(_to_meta(x) for x in example_inputs)
     kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()}
     _check_call(module, args, kwargs)
     batch, seq, image = input_dims(args, kwargs)
     groups = find_block_groups(module)
     block_of = {path: group for group, paths in groups.items() for path in paths}
+    # in the model's own dtype, as the runtime hands the values on (its buffers stay fp32)
+    side_values = [] if kwargs else pipeline_side_values(module, own_dtype_args, list(block_of), batch,
+                                                         seq, bool(image))
+    module = module.to(dtype=TRACE_DTYPE)
     try:
         if kwargs:
             raise _NotSymbolic("keyword inputs")
@@ -305,6 +311,7 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
         embedding_parameters=emb, vocab=_vocab(module),
         fallback_modules=_outermost(costed_by_routing, block_of, first_path),
         fingerprint=fingerprint(module), model_name=name, image_size=image,
+        pipeline_side_values=side_values,
     )
     add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
     if probe_runtime:
@@ -425,10 +432,11 @@ def grouped_gemm_flops() -> dict:
     return mapping
 
 
-def _to_meta(x):
+def _to_meta(x, dtype: torch.dtype | None = TRACE_DTYPE):
+    """`x` on meta, a floating tensor in `dtype` (None: its own)."""
     if isinstance(x, torch.Tensor):
-        if x.is_floating_point():
-            return torch.empty(x.shape, dtype=TRACE_DTYPE, device="meta")
+        if x.is_floating_point() and dtype is not None:
+            return torch.empty(x.shape, dtype=dtype, device="meta")
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x
 

@@ -58,6 +58,12 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # ring attention's backward passes the K/V gradients in K/V's 16-bit dtype (Transformer
     # Engine's, under Megatron-Core) unless the family's rule names its own ring
     out["cp_grad_ring"] = str(traits.get("cp_grad_ring", "kv-dtype"))
+    # Megatron's and DeepSpeed's reentrant checkpoint reruns a layer's whole forward unless the
+    # family's rule says it recomputes with torch's non-reentrant checkpoint, which stops early
+    out["checkpoint_early_stop"] = bool(traits.get("checkpoint_early_stop", False))
+    # pipeline stages hand on the hidden states alone, each building its own rotary tables
+    # (Megatron's RotaryEmbedding per model chunk, torchtitan's freqs_cis buffer per stage)
+    out["pp_hands_on_side_values"] = bool(traits.get("pp_hands_on_side_values", False))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

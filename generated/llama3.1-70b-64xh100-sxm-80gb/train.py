@@ -120,13 +120,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 31.55810072729645,
-        'tokens_per_s': 66453.68230877248,
-        'tokens_per_s_per_gpu': 1038.33878607457,
-        'mfu': 0.505452398064636,
-        'hfu': 0.51584477027509,
-        'tflops_per_gpu': 499.89242168592506,
-        'bubble_fraction': 0.04454153634480017,
+        'step_time_s': 32.053856526358814,
+        'tokens_per_s': 65425.887155745244,
+        'tokens_per_s_per_gpu': 1022.2794868085194,
+        'mfu': 0.49763490012068473,
+        'hfu': 0.5078665403834833,
+        'tflops_per_gpu': 492.1609162193572,
+        'bubble_fraction': 0.04454516448581221,
         'memory_gib_per_gpu': 71.98558044433594,
         'memory_breakdown_gib': {
             'parameters': 12.090225219726562, 'gradients': 16.12030029296875,
@@ -134,10 +134,10 @@ PLAN = {
             'temporaries': 0.0, 'overhead': 1.0,
         },
         'time_breakdown_s': {
-            'compute': 26.652105252733087, 'recompute': 0.08369234771362587,
-            'exposed_comm': 3.4166568363319945, 'bubble': 1.4056462905177394,
+            'compute': 24.166028060875938, 'recompute': 2.3399585169459476,
+            'exposed_comm': 4.120025637165651, 'bubble': 1.4278443113712784,
         },
-        'comm_breakdown_s': {'tp': 3.1593409756862743, 'pp': 0.12328899425352113, 'dp': 0.13402686639219932},
+        'comm_breakdown_s': {'tp': 3.855148214379085, 'pp': 0.1308505563943662, 'dp': 0.13402686639219932},
         'model_flops_per_token': 481434796032.0,
         'peak_flops_per_gpu': 989000000000000.0,
         'worst_rank_stage': 0,
@@ -145,7 +145,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 19,
-                'time_per_microbatch_s': 0.46672099137543943,
+                'time_per_microbatch_s': 0.4759481037904261,
                 'memory_gib': 71.98558044433594,
                 'memory_breakdown_gib': {
                     'parameters': 12.090225219726562, 'gradients': 16.12030029296875,
@@ -157,7 +157,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4533652839088259,
+                'time_per_microbatch_s': 0.4702321717486492,
                 'memory_gib': 71.94610595703125,
                 'memory_breakdown_gib': {
                     'parameters': 11.95404052734375, 'gradients': 15.938720703125,
@@ -169,7 +169,7 @@ PLAN = {
             {
                 'stage': 2,
                 'blocks': 21,
-                'time_per_microbatch_s': 0.4685487635059131,
+                'time_per_microbatch_s': 0.47131145056142265,
                 'memory_gib': 71.97261047363281,
                 'memory_breakdown_gib': {
                     'parameters': 12.551742553710938, 'gradients': 16.73565673828125,
@@ -181,7 +181,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 20,
-                'time_per_microbatch_s': 0.4685267968000565,
+                'time_per_microbatch_s': 0.4686449462085072,
                 'memory_gib': 60.44569396972656,
                 'memory_breakdown_gib': {
                     'parameters': 12.687950134277344, 'gradients': 16.917266845703125,

@@ -92,13 +92,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 7.081654962559931,
-        'tokens_per_s': 74034.67166529056,
-        'tokens_per_s_per_gpu': 9254.33395816132,
-        'mfu': 0.541905841576998,
-        'hfu': 0.541905841576998,
-        'tflops_per_gpu': 535.944877319651,
-        'bubble_fraction': 0.015264429267961104,
+        'step_time_s': 7.082397418333351,
+        'tokens_per_s': 74026.91052648904,
+        'tokens_per_s_per_gpu': 9253.36381581113,
+        'mfu': 0.5418490329715266,
+        'hfu': 0.5418490329715266,
+        'tflops_per_gpu': 535.8886936088398,
+        'bubble_fraction': 0.015264441867208356,
         'memory_gib_per_gpu': 71.82460403442383,
         'memory_breakdown_gib': {
             'parameters': 10.608753204345703, 'gradients': 14.145004272460938,
@@ -107,9 +107,9 @@ PLAN = {
         },
         'time_breakdown_s': {
             'compute': 6.7637197831383125, 'recompute': 0.1582706033876805,
-            'exposed_comm': 0.05156715475783476, 'bubble': 0.10809742127610181,
+            'exposed_comm': 0.052298188134741075, 'bubble': 0.10810884367261597,
         },
-        'comm_breakdown_s': {'pp': 0.025428268061002176, 'dp': 0.02613888669683258},
+        'comm_breakdown_s': {'pp': 0.026159301437908494, 'dp': 0.02613888669683258},
         'model_flops_per_token': 57912852480.0,
         'peak_flops_per_gpu': 989000000000000.0,
         'worst_rank_stage': 1,
@@ -117,7 +117,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 17,
-                'time_per_microbatch_s': 0.4301130711695292,
+                'time_per_microbatch_s': 0.4301587607555858,
                 'memory_gib': 71.68416595458984,
                 'memory_breakdown_gib': {
                     'parameters': 11.827537536621094, 'gradients': 15.770050048828125,
@@ -129,7 +129,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 15,
-                'time_per_microbatch_s': 0.43238968510440723,
+                'time_per_microbatch_s': 0.4324353746904639,
                 'memory_gib': 71.82460403442383,
                 'memory_breakdown_gib': {
                     'parameters': 10.608753204345703, 'gradients': 14.145004272460938,

@@ -101,13 +101,13 @@ PLAN = {
     'estimate': {
         'feasible': True,
         'reason': '',
-        'step_time_s': 5.318453198579581,
-        'tokens_per_s': 197158.0760135385,
-        'tokens_per_s_per_gpu': 6161.189875423078,
-        'mfu': 0.5166551615034595,
-        'hfu': 0.5219859522627577,
-        'tflops_per_gpu': 510.97195472692135,
-        'bubble_fraction': 0.044406900780719814,
+        'step_time_s': 5.322411203762679,
+        'tokens_per_s': 197011.45962918256,
+        'tokens_per_s_per_gpu': 6156.608113411955,
+        'mfu': 0.5162709514661629,
+        'hfu': 0.5215977779888308,
+        'tflops_per_gpu': 510.59197100003513,
+        'bubble_fraction': 0.044407175349738384,
         'memory_gib_per_gpu': 71.32182312011719,
         'memory_breakdown_gib': {
             'parameters': 8.962188720703125, 'gradients': 6.989501953125,
@@ -116,9 +116,9 @@ PLAN = {
         },
         'time_breakdown_s': {
             'compute': 4.758513272953044, 'recompute': 0.07610624679466409,
-            'exposed_comm': 0.24765765533564732, 'bubble': 0.2361760234962254,
+            'exposed_comm': 0.25143843640606983, 'bubble': 0.23635324760890147,
         },
-        'comm_breakdown_s': {'pp': 0.24427398850704227, 'dp': 0.003383666828605039},
+        'comm_breakdown_s': {'pp': 0.2480547695774648, 'dp': 0.003383666828605039},
         'model_flops_per_token': 82933972992.0,
         'peak_flops_per_gpu': 989000000000000.0,
         'worst_rank_stage': 0,
@@ -126,7 +126,7 @@ PLAN = {
             {
                 'stage': 0,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.30647920662298755,
+                'time_per_microbatch_s': 0.306715505439889,
                 'memory_gib': 71.32182312011719,
                 'memory_breakdown_gib': {
                     'parameters': 8.962188720703125, 'gradients': 6.989501953125,
@@ -138,7 +138,7 @@ PLAN = {
             {
                 'stage': 1,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.29509280600522075,
+                'time_per_microbatch_s': 0.29532910482212216,
                 'memory_gib': 71.07089233398438,
                 'memory_breakdown_gib': {
                     'parameters': 8.657012939453125, 'gradients': 6.501220703125,
@@ -150,7 +150,7 @@ PLAN = {
             {
                 'stage': 2,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.2944132859445541,
+                'time_per_microbatch_s': 0.29464958476145553,
                 'memory_gib': 70.68988037109375,
                 'memory_breakdown_gib': {
                     'parameters': 8.657012939453125, 'gradients': 6.501220703125,
@@ -162,7 +162,7 @@ PLAN = {
             {
                 'stage': 3,
                 'blocks': 8,
-                'time_per_microbatch_s': 0.3149013646616339,
+                'time_per_microbatch_s': 0.3151376634785353,
                 'memory_gib': 70.2766170501709,
                 'memory_breakdown_gib': {
                     'parameters': 8.962198257446289, 'gradients': 6.9895172119140625,

@@ -81,26 +81,11 @@ def test_zero3_gathers_parameters_and_scatters_gradients(tmp_path, counts):
     assert not _bytes(rank, "all_reduce", "float32")
 
 
-def _rope_table_bytes() -> int:
-    """The rotary cos and sin tables, (seq, head_dim / 2) fp32 each, that a pipeline stage of
-    the tiny model hands on beside the hidden states (the cost model counts hidden states only)."""
-    plan = Plan.load(str(TINY))
-    config = build_from_ref(plan.model, verify=False).config
-    return plan.seq_len * config["hidden_size"] // config["num_attention_heads"] * 4
-
-
-def _assert_model_bytes_are_the_dry_runs(rank: dict, stage_outputs_sent: bool, pipelined: bool = True) -> None:
+def _assert_model_bytes_are_the_dry_runs(rank: dict) -> None:
     """Per (kind, dtype), the cost model's bytes (cost/volume.py over the dry run's window)
-    are the dry run's, but for the rope tables the first stage sends and the next receives."""
-    extra = _rope_table_bytes() if pipelined else 0
+    are the dry run's, exactly: the same tensors, counted the same times."""
     for row in rank["collectives"]:
-        side = "send" if stage_outputs_sent else "recv"
-        if row["kind"] == side and row["dtype"] == "float32" and row["model_bytes"] is None:
-            assert row["bytes"] == extra, row  # the tables alone, in their own dtype
-        elif row["kind"] == side and row["dtype"] == "float32":
-            assert row["bytes"] == row["model_bytes"] + extra, row  # with the fp32 hidden states
-        else:
-            assert row["bytes"] == row["model_bytes"], (rank["rank"], row)
+        assert row["bytes"] == row["model_bytes"], (rank["rank"], row)
 
 
 @pytest.mark.parametrize("changes", [{"zero_stage": 0}, {"zero_stage": 2}, {"zero_stage": 3},
@@ -120,38 +105,101 @@ def test_the_cost_models_collective_bytes_are_the_dry_runs(tmp_path, changes):
     # ZeRO-0's autocast from fp32 weights. Ring attention sends bf16 K/V (autocast's or FSDP's
     # bf16) cp-1 hops forward and cp-1 in backward, the fp32 K/V gradients cp-1 hops, and
     # its forward again when the block is recomputed: full, and selective (the op policy
-    # saves the attention kernels' outputs, not the ring's)
+    # saves the attention kernels' outputs, not the ring's). Beside the hidden states, the
+    # first stage hands on the rotary cos/sin tables every block reads, fp32 (the model's
+    # buffers), which need no gradient back
     report = check_plan(_plan_file(tmp_path, **changes), workers=2)
     for rank in report["ranks"]:
         assert rank["collectives"] and all(row["bytes"] for row in rank["collectives"])
-        _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0,
-                                             pipelined=changes.get("pp", 1) > 1)
+        _assert_model_bytes_are_the_dry_runs(rank)
 
 
-def _tp_plan_file(tmp_path: Path, sequence_parallel: bool, zero_stage: int) -> str:
+def _rope_table_bytes(plan: Plan, dtype_bytes: int) -> int:
+    """The rotary cos and sin tables, (seq, head_dim / 2) each, a pipeline stage of a tiny
+    model hands on beside the hidden states."""
+    config = build_from_ref(plan.model, verify=False).config
+    return 2 * plan.seq_len * config["hidden_size"] // config["num_attention_heads"] // 2 * dtype_bytes
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_interleaved_stages_hand_on_the_rotary_tables_as_they_got_them(tmp_path, zero_stage):
+    # A 4-layer tiny model over pp 2 x vpp 2: rank 0 holds stages 0 and 2, rank 2 stages 1
+    # and 3. Stage 0 slices the fp32 tables from its buffers and sends them; a later stage
+    # passes them on as it took them in, which at ZeRO-2 is FSDP's bf16 cast of its forward
+    # inputs (cast_forward_inputs), below it fp32. No gradient comes back for them.
+    config = json.loads((ROOT / "cost_models" / "models" / "tiny-gpt.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("_")} | {"num_hidden_layers": 4}
+    (tmp_path / "tiny4.json").write_text(json.dumps(config))
+    path = tmp_path / "vpp.json"
+    made = CliRunner().invoke(cli, ["plan", str(tmp_path / "tiny4.json"), "--gpu", "cpu", "--gpus", "4",
+                                    "--global-batch", "8", "--seq-len", "64", "--fix", "pp=2",
+                                    "--fix", "vpp=2", "--fix", f"zero={zero_stage}", "--fix",
+                                    "schedule=interleaved-1f1b", "-o", str(path)])
+    assert made.exit_code == 0, made.output
+    plan = Plan.load(str(path))
+    assert (plan.pp, plan.vpp, plan.zero_stage, len(plan.stages)) == (2, 2, zero_stage, 4)
+    stream = "bfloat16" if zero_stage >= 2 else "float32"  # the hidden states' dtype
+    later_dtype = stream  # what a stage after the first hands the tables on in
+    hidden = plan.micro_batch * plan.seq_len * config["hidden_size"] * (2 if zero_stage >= 2 else 4)
+    first, later = _rope_table_bytes(plan, 4), _rope_table_bytes(plan, 2 if zero_stage >= 2 else 4)
+    report = check_plan(str(path), workers=2)
+    ranks = {rank["pipeline_rank"]: rank for rank in report["ranks"]}
+    assert [ranks[0]["stages"], ranks[1]["stages"]] == [[0, 2], [1, 3]]
+
+    def expected(*parts: tuple[str, str, int]) -> dict:
+        out: dict = {}
+        for kind, dtype, nbytes in parts:
+            out[(kind, dtype)] = out.get((kind, dtype), 0) + nbytes
+        return out
+
+    # each rank: 3 hidden states each way (stage 0 or 1's one, the middle stage's two); the
+    # tables: stage 0 sends them fp32 to stage 1, stage 1 passes them on to stage 2, stage 2 to 3
+    assert {(k, d): _bytes(ranks[0], k, d) for k in ("send", "recv") for d in ("float32", "bfloat16")
+            if _bytes(ranks[0], k, d)} == expected(
+        ("send", stream, 3 * hidden), ("send", "float32", first), ("send", later_dtype, later),
+        ("recv", stream, 3 * hidden), ("recv", later_dtype, later))
+    assert {(k, d): _bytes(ranks[1], k, d) for k in ("send", "recv") for d in ("float32", "bfloat16")
+            if _bytes(ranks[1], k, d)} == expected(
+        ("recv", stream, 3 * hidden), ("recv", "float32", first), ("recv", later_dtype, later),
+        ("send", stream, 3 * hidden), ("send", later_dtype, later))
+    for rank in report["ranks"]:
+        _assert_model_bytes_are_the_dry_runs(rank)
+
+
+def _tp_plan_file(tmp_path: Path, sequence_parallel: bool, zero_stage: int, recompute: str = "none") -> str:
     """The tiny model at dp 2 x tp 2, with the style table the planner writes for it."""
     out = tmp_path / "tp.json"
     result = CliRunner().invoke(cli, ["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "4",
                                       "--global-batch", "8", "--seq-len", "64", "--fix", "tp=2",
-                                      "--fix", "pp=1", "--fix", f"zero={zero_stage}", "-o", str(out)])
+                                      "--fix", "pp=1", "--fix", f"zero={zero_stage}",
+                                      "--fix", f"recompute={recompute}", "-o", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["tp"] == 2 and data["dp"] == 2 and data["tp_styles"]
+    assert set(data["recompute"].values()) == {recompute}
     data["sequence_parallel"] = sequence_parallel
     out.write_text(json.dumps(data))
     return str(out)
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_tensor_parallel_collective_bytes_are_the_dry_runs(tmp_path, sequence_parallel, zero_stage):
+@pytest.mark.parametrize("sequence_parallel, zero_stage, recompute",
+                         [(True, 0, "none"), (False, 0, "none"), (True, 2, "none"), (False, 2, "none"),
+                          (True, 2, "selective"), (False, 2, "selective"), (True, 0, "full"),
+                          (False, 0, "full")],
+                         ids=["sp-zero0", "no-sp-zero0", "sp-zero2", "no-sp-zero2", "sp-zero2-selective",
+                              "no-sp-zero2-selective", "sp-zero0-full", "no-sp-zero0-full"])
+def test_tensor_parallel_collective_bytes_are_the_dry_runs(tmp_path, sequence_parallel, zero_stage, recompute):
     # Below ZeRO-2 the runtime autocasts from fp32 weights: the norms' outputs the attention
     # and MLP gather (and their gradients) are fp32, the row-parallel outputs bf16. The
     # norms' partial gradients under SP are summed once (FSDP per micro-batch in bf16, else
     # the runtime once a step in fp32), and the vocabulary-parallel loss all-reduces three
     # fp32 values per token. Before the column-parallel linears shared one input DTensor,
-    # every linear all-reduced its own input gradient (16 all-reduces here, not 10).
-    report = check_plan(_tp_plan_file(tmp_path, sequence_parallel, zero_stage), workers=1)
+    # every linear all-reduced its own input gradient (16 all-reduces here, not 10). A
+    # recomputed layer, full or selective (whose policy saves matmul outputs, not the
+    # collectives'), runs its forward's collectives again up to the last the backward needs:
+    # both input all-gathers and the attention's output reduction, not the MLP's (torch's
+    # checkpoint stops early), where a whole second forward would be 2 more than logged.
+    report = check_plan(_tp_plan_file(tmp_path, sequence_parallel, zero_stage, recompute), workers=1)
     rank = report["ranks"][0]
     kinds = {row["kind"] for row in rank["collectives"]}
     if zero_stage == 0:  # no FSDP gathers: all-gathers and reduce-scatters are SP's
@@ -362,8 +410,8 @@ def test_a_moe_plan_with_expert_parallelism_dry_runs_with_balanced_routing(tmp_p
             assert _bytes(rank, "reduce_scatter", "float32") > 4 * layers * sum(
                 p.numel() for p in layer.experts.parameters()) // plan.ep
         # the cost model's volume: the same all-to-alls, the gradients' reductions, the
-        # weights' gathers and the hidden states across pipeline stages
-        _assert_model_bytes_are_the_dry_runs(rank, stage_outputs_sent=rank["pipeline_rank"] == 0)
+        # weights' gathers and what crosses pipeline stages
+        _assert_model_bytes_are_the_dry_runs(rank)
 
 
 def test_a_model_sizing_tensors_from_their_values_is_refused_in_one_paragraph(monkeypatch):

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.errors import UserError
 from gpt_blocks import Stack
 from autoplan.models import build_model
+from autoplan.trace.graph import SideValue
 from autoplan.trace.tracer import trace_model
 
 
@@ -248,3 +249,63 @@ def test_blocks_inside_a_torch_nn_container_are_found_with_positional_inputs():
     graph = trace_model(model, (ids.to("meta"),), probe_runtime=False)
     assert [(b.name, b.count) for b in graph.blocks] == [("encoder.layers", 3)]
     assert graph.forward_flops() == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
+def _tiny_llama(layers: int) -> nn.Module:
+    with torch.device("meta"):
+        return build_model({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": layers,
+                            "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256})
+
+
+def test_pipeline_cuts_hand_on_the_rotary_tables_beside_the_hidden_states():
+    # the runtime's fx split hands on every value live across a cut: the cos and sin tables
+    # (seq, head_dim / 2) stage 0 slices from the model's fp32 buffers, which every block
+    # reads; not per sample, linear in the sequence, no gradient
+    graph = trace_model(_tiny_llama(4), tokens(2, 32), probe_runtime=False)
+    table = SideValue(elements=32 * 16 // 2, dtype="float32", element_bytes=4, requires_grad=False,
+                      batch_power=0, seq_power=1)
+    assert graph.pipeline_side_values == [(table, table)] * 3
+
+
+def test_a_value_carrying_a_gradient_is_handed_on_per_sample():
+    # a block reading the embedding output beside the hidden states (a skip from the input):
+    # that activation crosses every cut, per sample and token, and carries a gradient back
+    class SkipLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(256, 64)
+            self.layers = nn.ModuleList(SkipBlock() for _ in range(3))
+
+        def forward(self, ids):
+            x = x0 = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x, x0)
+            return x
+
+    class SkipBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x, x0):
+            return x + self.proj(x0)
+
+    with torch.device("meta"):
+        model = SkipLM()
+    graph = trace_model(model, tokens(2, 16), probe_runtime=False)
+    skip = SideValue(elements=2 * 16 * 64, dtype="float32", element_bytes=4, requires_grad=True,
+                     batch_power=1, seq_power=1)
+    assert graph.pipeline_side_values == [(skip,)] * 2
+
+
+def test_a_hugging_face_split_hands_on_the_hidden_states_alone():
+    # the runtime splits a Hugging Face causal LM into shells (runtime/pipeline_hf.py), each
+    # stage building its own rotary embedding from the positions: nothing else crosses
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    graph = trace_model(model, tokens(1, 32), probe_runtime=False)
+    assert graph.num_layers == 2 and graph.pipeline_side_values == []

@@ -71,6 +71,9 @@ def test_torchtitan_runtime_traits():
     # torch's ring attention passes fp32 K/V gradients cp hops; Transformer Engine's (Megatron)
     # passes them in K/V's 16-bit dtype cp - 1 hops
     assert traits["cp_grad_ring"] == "fp32-home"
+    # torch's non-reentrant checkpoint stops recomputing once the saved tensors are back;
+    # Megatron's reentrant one reruns the whole forward
+    assert traits["checkpoint_early_stop"] is True
     assert families.runtime_traits("megatron") == {"fp32_module_weights": False,
                                                    "selective_policy": "attention_core",
                                                    "sp_saves_gathered_inputs": False,
@@ -80,7 +83,9 @@ def test_torchtitan_runtime_traits():
                                                    "loss_keeps_logits": False,
                                                    "experts_replicated_over_tp": False,
                                                    "fsdp_root_regathered": True,
-                                                   "cp_grad_ring": "kv-dtype"}
+                                                   "cp_grad_ring": "kv-dtype",
+                                                   "checkpoint_early_stop": False,
+                                                   "pp_hands_on_side_values": False}
     # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts over
     # the TP ranks too; only autoplan's runtime keeps them whole on each (layers.Runtime default)
     assert traits["experts_replicated_over_tp"] is False
