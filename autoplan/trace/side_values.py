@@ -90,7 +90,10 @@ def pipeline_side_values(module: nn.Module, args: tuple, layer_paths: list[str],
     gm, cuts = found
     blocks = set(layer_paths)
     calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module" and n.target in blocks}
-    base = _run(gm, blocks, args)
+    try:
+        base = _run(gm, blocks, args)
+    except Exception:  # inputs the model refuses: the trace that follows says why, to the user
+        return []
     scaled = {}
     for name, new_batch, new_seq in (("batch", 2 * batch, seq), ("seq", batch, seq // 2)):
         if name == "seq" and (image or seq < 2 or seq % 2):
