@@ -23,6 +23,7 @@ from torch.distributed.tensor import (DTensor, Partial, Placement, Replicate, Sh
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
@@ -211,14 +212,9 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
     if not partial:
         return
     mesh = partial[0].grad.device_mesh
-    locals_ = [p.grad.to_local() for p in partial]
-    flat = torch.cat([g.reshape(-1) for g in locals_])
-    torch.distributed.all_reduce(flat, group=mesh.get_group())
-    offset = 0
-    for param, local in zip(partial, locals_):
-        summed = flat[offset: offset + local.numel()].view_as(local)
-        offset += local.numel()
-        param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False)
+    allreduce_grads(partial, mesh.get_group(), 1)  # sums the local tensors in place
+    for param in partial:
+        param.grad = DTensor.from_local(param.grad.to_local(), mesh, param.placements, run_check=False)
 
 
 def uses_loss_parallel(table: dict[str, dict[str, str]]) -> bool:
