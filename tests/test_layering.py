@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "dryrun": _TORCH_ONLY | {"runtime", "trace"},  # runs the runtime on trace's fake group
     "solve": _PLANNER,
     "planfile": _PLANNER | {"solve"},
-    "codegen": _PLANNER | {"solve"},
+    "codegen": _PLANNER | {"solve", "__init__"},  # the runtime wheel is named with the version
     "validate": _PLANNER | {"solve"},
     "importers": _PLANNER | {"solve"},
     "calibrate": _PLANNER | {"runtime", "validate"},

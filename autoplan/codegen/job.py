@@ -29,6 +29,7 @@ import jinja2
 
 from autoplan.codegen.exports import EXPORTS, export_files, export_notes
 from autoplan.codegen.launchers import LAUNCH_FILES, launcher_context
+from autoplan.codegen.runtime_wheel import runtime_wheel, wheel_name
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.paths import templates_dir
@@ -236,7 +237,8 @@ def env_settings(plan: Plan, nnodes: int) -> list[dict[str, str]]:
 def render_job(plan: Plan, source: ModelSource, *, command_line: str,
                price: tuple[float, str] | None = None, gpu_memory_gib: float | None = None,
                launchers: tuple[str, ...] = ()) -> dict[str, bytes]:
-    """All files of the job directory, name -> content. Pure: reads only the templates.
+    """All files of the job directory, name -> content. Pure: reads only the templates (and,
+    with launchers, autoplan's own runtime sources for the wheel the nodes install).
 
     `launchers` adds the cloud launch files (skypilot: sky.yaml, k8s: pytorchjob.yaml) to the
     torchrun and SLURM scripts every job has."""
@@ -258,7 +260,7 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
         "plan.json": plan.to_json(),
         **export_files(plan),
         "README.md": env.get_template("job_README.md.j2").render(
-            **common, **readme_context(plan, source, command_line, price, gpu_memory_gib),
+            **common, **readme_context(plan, source, command_line, price, gpu_memory_gib, launchers),
             stacks=stack_rows(launchers), stack_notes=[
                 (name, [md_escape(n) for n in notes]) for name, notes in export_notes(plan)]),
     }
@@ -267,6 +269,8 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
         name = LAUNCH_FILES[launcher]
         files[name] = env.get_template(f"{name}.j2").render(**common, **context)
     out = {name: text.encode() for name, text in files.items()}
+    if launchers:  # the cloud nodes install autoplan's runtime from this file, by path
+        out[wheel_name()] = runtime_wheel()
     if source.copy_name:
         out[source.copy_name] = source.copy_bytes
     return out
@@ -334,7 +338,8 @@ def launch_examples(nnodes: int) -> list[tuple[Quoted, Quoted]]:
 
 
 def readme_context(plan: Plan, source: ModelSource, command_line: str,
-                   price: tuple[float, str] | None, gpu_memory_gib: float | None) -> dict[str, Any]:
+                   price: tuple[float, str] | None, gpu_memory_gib: float | None,
+                   launchers: tuple[str, ...] = ()) -> dict[str, Any]:
     """The README's tables as rows of escaped (label, value) text."""
     what = {"catalog": "the autoplan catalog model", "config": "the HF-style config",
             "transformers": "the Hugging Face transformers class of the config",
@@ -343,7 +348,7 @@ def readme_context(plan: Plan, source: ModelSource, command_line: str,
     return {"model_md": md_escape(model), "command_line": Quoted(command_line),
             "plan_rows": _rows(_plan_rows(plan)),
             "estimate_rows": _rows(_estimate_rows(plan, price, gpu_memory_gib)),
-            "files": [(name, md_escape(what)) for name, what in _file_rows(source)]}
+            "files": [(name, md_escape(what)) for name, what in _file_rows(source, launchers)]}
 
 
 def _rows(rows: list[tuple[str, str]]) -> list[tuple[Quoted, Quoted]]:
@@ -413,10 +418,13 @@ def _estimate_rows(plan: Plan, price: tuple[float, str] | None,
     return rows
 
 
-def _file_rows(source: ModelSource) -> list[tuple[str, str]]:
+def _file_rows(source: ModelSource, launchers: tuple[str, ...]) -> list[tuple[str, str]]:
     rows = [("train.py", "the plan as data, the model, then autoplan.runtime (run it with torchrun)"),
             ("plan.json", "the exact plan (autoplan estimate/report --plan plan.json)")]
     if source.copy_name:
         rows.append((source.copy_name, "a copy of the model the plan was made for; train.py builds it"))
+    if launchers:
+        rows.append((wheel_name(), "autoplan's runtime (torch and the standard library only), which the "
+                     "cloud nodes install by path: `pip install --no-deps ./" + wheel_name() + "`"))
     return rows
 

@@ -1,7 +1,9 @@
 """The cloud launch files of a job: sky.yaml (SkyPilot) and pytorchjob.yaml (Kubernetes).
 
 Both start the same train.py under torchrun as launch.sh does, with the plan's nodes and
-processes per node, and install autoplan and torch on the nodes first.
+processes per node. The nodes install autoplan's runtime from the wheel `generate` writes
+beside them (runtime_wheel.py), by path and without dependencies, and torch pinned to the
+release the plan was made with: nothing is installed by a bare package name.
 
 - sky.yaml is a SkyPilot task (docs.skypilot.co, "YAML spec" and "Distributed jobs"):
   resources.accelerators NAME:COUNT, num_nodes, envs, setup, run; every node's run step gets
@@ -17,9 +19,11 @@ processes per node, and install autoplan and torch on the nodes first.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from typing import Any
 
+from autoplan.codegen.runtime_wheel import wheel_name
 from autoplan.plan import Plan
 
 LAUNCHERS = ("torchrun", "slurm", "skypilot", "k8s")
@@ -31,11 +35,19 @@ SKYPILOT_ACCELERATORS = {
     "h200-sxm-141gb": "H200", "b200": "B200", "gh200": "GH200", "l40s": "L40S", "v100-sxm2-32gb": "V100-32GB",
     "mi300x": "MI300X",
 }
-# What the nodes install: autoplan (AUTOPLAN_PIP_SPEC, e.g. a git URL or a wheel) and torch.
-AUTOPLAN_PIP_SPEC = "autoplan"
-TORCH_PIP_SPEC = "torch>=2.6"
+TORCH_FALLBACK_VERSION = "2.6.0"  # the oldest torch the runtime supports
 K8S_IMAGE = "pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime"  # Docker Hub's official PyTorch image
 K8S_MOUNT = "/shared"
+
+
+def torch_pip_spec() -> str:
+    """torch pinned to this installation's release (its local build tag, such as +cpu, dropped:
+    the index's default build for the node's platform is the one to install)."""
+    try:
+        version = importlib.metadata.version("torch").split("+", 1)[0]
+    except importlib.metadata.PackageNotFoundError:
+        version = TORCH_FALLBACK_VERSION
+    return f"torch=={version}"
 
 
 def skypilot_accelerator(gpu: str) -> tuple[str | None, str | None]:
@@ -62,7 +74,7 @@ def launcher_context(plan: Plan, job_name: str, nnodes: int, nproc: int) -> dict
     accelerator, note = skypilot_accelerator(plan.gpu)
     name = k8s_name(job_name)
     return {"accelerator": accelerator, "launcher_notes": [note] if note else [], "k8s_name": name,
-            "autoplan_pip": AUTOPLAN_PIP_SPEC, "torch_pip": TORCH_PIP_SPEC, "k8s_image": K8S_IMAGE,
+            "autoplan_pip": f"./{wheel_name()}", "torch_pip": torch_pip_spec(), "k8s_image": K8S_IMAGE,
             "claim": f"{name}-shared", "mount": K8S_MOUNT, "workers": nnodes - 1,
             "replica_specs": [("Master", 1)] + ([("Worker", nnodes - 1)] if nnodes > 1 else []),
             "gpus_per_pod": 0 if plan.gpu == "cpu" else nproc}
