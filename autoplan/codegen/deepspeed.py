@@ -53,11 +53,18 @@ def ds_config(plan: Plan) -> dict[str, Any]:
     return config
 
 
+def zero_stage(plan: Plan) -> int:
+    """The stage written: DeepSpeed's pipeline engine refuses ZeRO-2 and -3 (deepspeed/runtime/
+    pipe/engine.py asserts stage < 2), so a pipelined plan gets ZeRO-1, the nearest it runs."""
+    return min(plan.zero_stage, 1) if plan.pp > 1 else plan.zero_stage
+
+
 def _zero_section(plan: Plan) -> dict[str, Any]:
-    section: dict[str, Any] = {"stage": plan.zero_stage}
-    if plan.offload in ("optimizer", "both") and plan.zero_stage >= 1:
+    stage = zero_stage(plan)
+    section: dict[str, Any] = {"stage": stage}
+    if plan.offload in ("optimizer", "both") and stage >= 1:
         section["offload_optimizer"] = dict(_OFFLOAD_CPU)
-    if plan.offload in ("params", "both") and plan.zero_stage == 3:
+    if plan.offload in ("params", "both") and stage == 3:
         section["offload_param"] = dict(_OFFLOAD_CPU)
     return section
 
@@ -85,10 +92,15 @@ def ds_config_notes(plan: Plan) -> list[str]:
     if plan.dp_replicate > 1:
         notes.append(f"dp_replicate={plan.dp_replicate} (HSDP) has no exact DeepSpeed equivalent; "
                      "ZeRO shards over all data-parallel ranks.")
-    if plan.offload in ("optimizer", "both") and plan.zero_stage < 1:
+    stage = zero_stage(plan)
+    if stage != plan.zero_stage:
+        notes.append(f"ZeRO-{plan.zero_stage} with pipeline parallelism: DeepSpeed's pipeline engine runs "
+                     "ZeRO stage 0 or 1 only; stage 1 is written (gradients stay whole on each "
+                     "data-parallel rank, more memory than the plan's estimate).")
+    if plan.offload in ("optimizer", "both") and stage < 1:
         notes.append("the plan offloads the optimizer at ZeRO stage 0, which DeepSpeed does not "
                      "allow (offload_optimizer needs stage 1-3); offload_optimizer is left out.")
-    if plan.offload in ("params", "both") and plan.zero_stage != 3:
+    if plan.offload in ("params", "both") and stage != 3:
         notes.append("the plan offloads parameters below ZeRO stage 3, which DeepSpeed does not "
                      "allow (offload_param needs stage 3); offload_param is left out.")
     if any(mode != "none" for mode in plan.recompute.values()):

@@ -72,7 +72,7 @@ def pipeline_layout(counts: list[int]) -> str:
 
 def _sharding(plan: Plan) -> list[tuple[str, str | None]]:
     args: list[tuple[str, str | None]] = []
-    if plan.zero_stage == 1:
+    if plan.zero_stage == 1 or (plan.zero_stage in _SHARDING and plan.pp > 1):
         args.append(("--use-distributed-optimizer", None))
     elif plan.zero_stage in _SHARDING:  # Megatron-FSDP checkpoints only in its own format (validate_args)
         args += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", _SHARDING[plan.zero_stage]),
@@ -130,6 +130,11 @@ def megatron_notes(plan: Plan) -> list[str]:
                      "is the nearest (its bubble is larger than zero-bubble's)." if plan.schedule == "zero-bubble"
                      else f"the gpipe schedule: Megatron-LM runs 1F1B or interleaved 1F1B; {nearest} is the "
                      "nearest (same bubble, fewer micro-batches in flight).")
+    if plan.zero_stage in _SHARDING and plan.pp > 1:
+        notes.append(f"ZeRO-{plan.zero_stage} with pipeline parallelism: Megatron-FSDP does not run with "
+                     "pipelining; --use-distributed-optimizer (ZeRO-1: optimizer states sharded, gradients "
+                     "and parameters whole on each data-parallel rank) is the nearest, and needs more memory "
+                     "than the plan's estimate.")
     if plan.dp_replicate > 1:
         notes.append(f"HSDP ({plan.dp_replicate} replicas x {plan.dp_shard} shards): the arguments shard over all "
                      f"{plan.dp} data-parallel ranks.")
@@ -168,16 +173,25 @@ def _full_blocks_lead(plan: Plan) -> bool:
     return True
 
 
+def _bare(value: str) -> str:
+    """A value as `$(grep ...)` hands it on: word splitting only, so no quotes (they would reach
+    Megatron's parser) and no white space."""
+    if not value or shlex.split(value) != [value]:
+        raise ValueError(f"a Megatron argument value needs quoting: {value!r}")
+    return value
+
+
 def megatron_args(plan: Plan) -> str:
     """megatron.args: a header (how to use it, what could not be expressed), then one argument a line."""
     notes = megatron_notes(plan)
     header = ["Megatron-LM arguments written by autoplan from plan.json",
               f"model {plan.model.name}, {plan.world_size} x {plan.gpu}; add the model, data and "
               "tokenizer arguments of your setup",
-              "use: torchrun ... pretrain_gpt.py $(grep -v '^#' megatron.args)",
+              "use: set -f; torchrun ... pretrain_gpt.py $(grep -v '^#' megatron.args)",
+              "(set -f: the shell must not expand the * of a pipeline layout; values carry no quotes)",
               "(autoplan estimate MODEL --from-megatron @megatron.args reads it back)"]
     header += ["", "Not expressible in Megatron-LM (nearest setting written):"] + [f"- {n}" for n in notes] \
         if notes else ["", "Everything in the plan is expressed."]
     lines = [f"# {' '.join(line.split())}".rstrip() for line in header]
-    lines += [flag if value is None else f"{flag} {shlex.quote(value)}" for flag, value in megatron_arguments(plan)]
+    lines += [flag if value is None else f"{flag} {_bare(value)}" for flag, value in megatron_arguments(plan)]
     return "\n".join(lines) + "\n"
