@@ -236,7 +236,7 @@ def env_settings(plan: Plan, nnodes: int) -> list[dict[str, str]]:
 
 def render_job(plan: Plan, source: ModelSource, *, command_line: str,
                price: tuple[float, str] | None = None, gpu_memory_gib: float | None = None,
-               launchers: tuple[str, ...] = ()) -> dict[str, bytes]:
+               launchers: tuple[str, ...] = (), versions: dict[str, str] | None = None) -> dict[str, bytes]:
     """All files of the job directory, name -> content. Pure: reads only the templates (and,
     with launchers, autoplan's own runtime sources for the wheel the nodes install).
 
@@ -258,11 +258,11 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
         "launch.sh": env.get_template("launch.sh.j2").render(**common),
         "slurm.sbatch": env.get_template("slurm.sbatch.j2").render(**common, sbatch_extra=sbatch_extra),
         "plan.json": plan.to_json(),
-        **export_files(plan),
+        **export_files(plan, versions),
         "README.md": env.get_template("job_README.md.j2").render(
             **common, **readme_context(plan, source, command_line, price, gpu_memory_gib, launchers),
             stacks=stack_rows(launchers), stack_notes=[
-                (name, [md_escape(n) for n in notes]) for name, notes in export_notes(plan)]),
+                (name, [md_escape(n) for n in notes]) for name, notes in export_notes(plan, versions)]),
     }
     context = launcher_context(plan, job_name(plan), nnodes, nproc)
     for launcher in launchers:
@@ -314,9 +314,9 @@ def stack_rows(launchers: tuple[str, ...]) -> list[tuple[Quoted, Quoted, Quoted]
             ("autoplan.runtime, Kubernetes (Kubeflow PyTorchJob)",
              *cloud("k8s", "kubectl apply -f pytorchjob.yaml (set the volume claim first)")),
             ("torchtitan", EXPORTS["torchtitan"].file_name,
-             "torchrun ... -m torchtitan.train --job.config_file torchtitan.toml (0.3: see its header)"),
+             "torchrun ... -m torchtitan.train (the header gives the release it is written for and its command)"),
             ("Megatron-LM", EXPORTS["megatron"].file_name,
-             "torchrun ... pretrain_gpt.py $(grep -v '^#' megatron.args) plus your model and data arguments"),
+             "set -f; torchrun ... pretrain_gpt.py $(grep -v '^#' megatron.args) plus your model and data arguments"),
             ("DeepSpeed", EXPORTS["deepspeed"].file_name,
              "deepspeed your_train.py --deepspeed_config ds_config.json")]
     return [(md_escape(stack), md_escape(name), md_escape(command)) for stack, name, command in rows]

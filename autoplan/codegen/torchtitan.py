@@ -13,6 +13,16 @@ torchtitan up to 0.2 reads the file itself (`--job.config_file torchtitan.toml`)
 same keys as command-line overrides (`--parallelism.tensor_parallel_degree 2`) on top of a
 config_registry function, which `torchtitan_overrides` writes into the file's header.
 What torchtitan cannot say is listed by `torchtitan_notes`, with the nearest setting used.
+
+Names that changed between releases follow `version` (generate/plan `--stack-version
+torchtitan=X.Y`, the current release by default):
+- the output projection is `lm_head` in 0.3 (torchtitan/models/common/decoder.py) and `output`
+  before (torchtitan/models/llama3/model/model.py, 0.2);
+- `enable_sequence_parallel` is a [parallelism] key from 0.3 on; 0.2 always shards the sequence
+  under tensor parallelism;
+- 0.3 captures the step in CUDA graphs by default and refuses that with pipeline parallelism and
+  with the default expert-parallel dispatcher (Trainer.Config._validate_cuda_graphs), so such a
+  plan gets `disable_cuda_graphs = true` in [training], named in the header.
 """
 
 from __future__ import annotations
@@ -36,15 +46,32 @@ _MODELS = {"llama3.1-8b": ("llama3", "8B", "llama3_8b"), "llama3.1-70b": ("llama
            "deepseek-v3": ("deepseek_v3", "671B", "deepseek_v3_671b"),
            "deepseek-v2-lite": ("deepseek_v3", "16B", "deepseek_v3_16b")}
 _PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "bfloat16", "fp8": "bfloat16"}
+CURRENT_VERSION = "0.3.0"
+KNOWN_VERSIONS = ("0.2", "0.3")  # major.minor releases whose key names this module knows
 
 
-def torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
+def is_legacy(version: str) -> bool:
+    """True for the releases before 0.3 (their own TOML reader, `output` head, no SP key)."""
+    return tuple(int(part) for part in version.split(".")[:2]) < (0, 3)
+
+
+def head_name(version: str) -> str:
+    return "output" if is_legacy(version) else "lm_head"
+
+
+def _needs_cuda_graphs_off(plan: Plan, version: str) -> bool:
+    return not is_legacy(version) and (plan.pp > 1 or plan.ep > 1)
+
+
+def torchtitan_config(plan: Plan, version: str = CURRENT_VERSION) -> dict[str, dict[str, Any]]:
     """The job configuration as {section: {key: value}} (what torchtitan.toml holds)."""
     opt = plan.optimizer
     training = {"local_batch_size": _local_batch(plan), "global_batch_size": plan.global_batch,
                 "seq_len": plan.seq_len, "mixed_precision_param": _PRECISION[plan.precision],
                 "enable_cpu_offload": plan.offload != "none",
                 "max_norm": float(opt.get("grad_clip", 1.0) or 0.0), "steps": int(opt.get("max_steps", 1000))}
+    if _needs_cuda_graphs_off(plan, version):
+        training["disable_cuda_graphs"] = True
     config: dict[str, dict[str, Any]] = {}
     model = _MODELS.get(plan.model.name) if plan.model.source == "catalog" else None
     if model or plan.precision == "fp8":
@@ -52,7 +79,7 @@ def torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
         if plan.precision == "fp8":
             config["model"]["converters"] = ["float8"]
     config["training"] = training
-    config["parallelism"] = _parallelism(plan)
+    config["parallelism"] = _parallelism(plan, version)
     config["activation_checkpoint"] = _activation_checkpoint(plan)
     config["optimizer"] = {"name": "AdamW", "lr": float(opt.get("lr", 3e-4)),
                            "beta1": float(opt.get("betas", [0.9, 0.95])[0]),
@@ -70,19 +97,19 @@ def _local_batch(plan: Plan) -> int:
     return plan.global_batch // plan.dp if plan.pp > 1 else plan.micro_batch
 
 
-def _parallelism(plan: Plan) -> dict[str, Any]:
+def _parallelism(plan: Plan, version: str) -> dict[str, Any]:
     replicate, shard = (plan.dp, 1) if plan.zero_stage == 0 else (plan.dp_replicate, plan.dp_shard)
     section: dict[str, Any] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard}
     if shard > 1:
         section["fsdp_reshard_after_forward"] = "default" if plan.zero_stage == 3 else "never"
     section["tensor_parallel_degree"] = plan.tp
-    if plan.tp > 1:
+    if plan.tp > 1 and not is_legacy(version):
         section["enable_sequence_parallel"] = plan.sequence_parallel
     section["pipeline_parallel_degree"] = plan.pp
     if plan.pp > 1:
         section["pipeline_parallel_schedule"] = _schedule_name(plan)
         section["pipeline_parallel_microbatch_size"] = plan.micro_batch
-        section["module_fqns_per_model_part"] = model_parts(stage_block_counts(plan))
+        section["module_fqns_per_model_part"] = model_parts(stage_block_counts(plan), head_name(version))
     section["context_parallel_degree"] = plan.cp
     section["expert_parallel_degree"] = plan.ep
     return section
@@ -99,19 +126,19 @@ def stage_block_counts(plan: Plan) -> list[int]:
     return [len(stage) for stage in plan.stages]
 
 
-def model_parts(counts: list[int]) -> list[list[str]]:
+def model_parts(counts: list[int], head: str = "lm_head") -> list[list[str]]:
     """torchtitan's module_fqns_per_model_part for stages of `counts` blocks (in model order).
 
-    torchtitan's decoder models name their parts tok_embeddings, layers.<i>, norm, output
-    (torchtitan/models/llama3/model/model.py); the embedding goes with the first stage, the final
-    norm and output projection with the last, as autoplan.runtime places them."""
+    torchtitan's decoder models name their parts tok_embeddings, layers.<i>, norm and the head
+    (`head_name`); the embedding goes with the first stage, the final norm and output projection
+    with the last, as autoplan.runtime places them."""
     parts, start = [], 0
     for index, count in enumerate(counts):
         part = [f"layers.{i}" for i in range(start, start + count)]
         if index == 0:
             part.insert(0, "tok_embeddings")
         if index == len(counts) - 1:
-            part += ["norm", "output"]
+            part += ["norm", head]
         parts.append(part)
         start += count
     return parts
@@ -134,9 +161,12 @@ def _activation_checkpoint(plan: Plan) -> dict[str, Any]:
     return {"mode": "full"} if every == 1 else {"mode": "selective", "selective_ac_option": str(every)}
 
 
-def torchtitan_notes(plan: Plan) -> list[str]:
+def torchtitan_notes(plan: Plan, version: str = CURRENT_VERSION) -> list[str]:
     """What of `plan` torchtitan's configuration cannot say, and the nearest setting written instead."""
     notes = []
+    if plan.tp > 1 and is_legacy(version) and not plan.sequence_parallel:
+        notes.append(f"tensor parallelism without sequence parallelism: torchtitan {version} always shards "
+                     "the sequence (no enable_sequence_parallel key); sequence parallelism is the nearest.")
     if plan.model.source != "catalog" or plan.model.name not in _MODELS:
         notes.append(f"torchtitan has no model family for {plan.model.name}; [model] is left for you to name "
                      "(torchtitan trains the models of torchtitan/models only).")
@@ -188,17 +218,24 @@ def torchtitan_overrides(config: dict[str, dict[str, Any]]) -> list[str]:
     return args
 
 
-def torchtitan_toml(plan: Plan) -> str:
+def torchtitan_toml(plan: Plan, version: str = CURRENT_VERSION) -> str:
     """torchtitan.toml: a header (how to run it, what could not be expressed) and the sections."""
-    config = torchtitan_config(plan)
+    config = torchtitan_config(plan, version)
     model = _MODELS.get(plan.model.name) if plan.model.source == "catalog" else None
     module = f"--module {model[0]} --config {model[2]}" if model else "--module <yours> --config <yours>"
-    header = ["torchtitan job configuration written by autoplan from plan.json",
-              f"model {plan.model.name}, {plan.world_size} x {plan.gpu}",
-              "torchtitan <= 0.2: torchrun ... -m torchtitan.train --job.config_file torchtitan.toml",
-              f"torchtitan 0.3: torchrun ... -m torchtitan.train {module} (overrides of [parallelism] and "
-              "[training] below; choose FullAC / SelectiveAC in the config_registry for activation_checkpoint)"]
-    notes = torchtitan_notes(plan)
+    header = [f"torchtitan {version} job configuration written by autoplan from plan.json "
+              "(another release: autoplan generate --stack-version torchtitan=X.Y)",
+              f"model {plan.model.name}, {plan.world_size} x {plan.gpu}"]
+    if is_legacy(version):
+        header.append("run: torchrun ... -m torchtitan.train --job.config_file torchtitan.toml")
+    else:
+        header.append(f"run: torchrun ... -m torchtitan.train {module} (overrides of [parallelism] and "
+                      "[training] below; choose FullAC / SelectiveAC in the config_registry for "
+                      "activation_checkpoint)")
+    if _needs_cuda_graphs_off(plan, version):
+        header.append("changed from torchtitan's defaults for this plan: [training] disable_cuda_graphs = true "
+                      "(torchtitan 0.3 refuses CUDA graphs with pipeline or expert parallelism)")
+    notes = torchtitan_notes(plan, version)
     header += ["", "Not expressible in torchtitan (nearest setting written):"] + [f"- {n}" for n in notes] \
         if notes else ["", "Everything in the plan is expressed."]
     lines = [f"# {' '.join(line.split())}".rstrip() for line in header]

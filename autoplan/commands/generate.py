@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from autoplan.codegen.exports import export_notes
+from autoplan.codegen.exports import export_notes, parse_stack_versions
 from autoplan.codegen.job import default_output_dir, model_source, render_job, write_job
 from autoplan.codegen.launchers import LAUNCH_FILES, LAUNCHERS
 from autoplan.commands import options as o
@@ -31,9 +31,11 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
 @click.option("--launcher", "launchers", multiple=True, type=click.Choice(LAUNCHERS),
               help="Also write the launch file of this launcher (repeatable): skypilot -> sky.yaml, "
                    "k8s -> pytorchjob.yaml; torchrun (launch.sh) and slurm (slurm.sbatch) are always written.")
+@o.stack_version_option
 @click.pass_context
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-            global_batch, seq_len, image_size, objective, fix, precision, time_limit, output, force, launchers):
+            global_batch, seq_len, image_size, objective, fix, precision, time_limit, output, force, launchers,
+            stack_versions):
     """Write train.py, launch.sh, slurm.sbatch, plan.json, README.md and the plan for torchtitan
     (torchtitan.toml), Megatron-LM (megatron.args) and DeepSpeed (ds_config.json) for MODEL.
 
@@ -41,6 +43,7 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
     """
     from autoplan.models.sources import load_model
 
+    versions = parse_stack_versions(stack_versions)
     if output and Path(output).exists() and not Path(output).is_dir():
         raise UserError(f"output path {output} is a file, not a directory; give -o a directory "
                         "(new or empty) for the job")
@@ -77,19 +80,20 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
     source = model_source(model, plan.model.source, plan.model.name, model_class)
     files = render_job(plan, source, command_line=_command_line(ctx, model, plan_file),
                        price=_price(plan.gpu), gpu_memory_gib=_gpu_memory_gib(plan.gpu),
-                       launchers=tuple(dict.fromkeys(x for x in launchers if x in LAUNCH_FILES)))
+                       launchers=tuple(dict.fromkeys(x for x in launchers if x in LAUNCH_FILES)),
+                       versions=versions)
     out_dir = Path(output) if output else default_output_dir(plan)
     write_job(files, out_dir, force)
     click.echo(f"plan: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} ep={plan.ep} "
                f"zero={plan.zero_stage} micro-batch={plan.micro_batch} {plan.precision}")
     click.echo(f"wrote {out_dir}/: {', '.join(sorted(files))}")
     click.echo(f"launch: {shlex.quote(str(out_dir))}/launch.sh --steps 100")
-    _echo_export_notes(plan)
+    _echo_export_notes(plan, versions)
 
 
-def _echo_export_notes(plan) -> None:
+def _echo_export_notes(plan, versions: dict[str, str]) -> None:
     """What the other stacks' files cannot express (also in each file's header), on stderr."""
-    for name, notes in export_notes(plan):
+    for name, notes in export_notes(plan, versions):
         click.echo(f"{name}: not expressible there, nearest setting written:", err=True)
         for note in notes:
             click.echo(f"  - {note}", err=True)

@@ -60,3 +60,7 @@ def top_option(default: int):
                         help="Runners-up to show (per cluster in a report).")
 time_limit_option = click.option("--time-limit", type=float, default=None, metavar="SECONDS",
                                  help="Search time limit in seconds (per cluster in a sweep).")
+stack_version_option = click.option(
+    "--stack-version", "stack_versions", multiple=True, metavar="STACK=VERSION",
+    help="Write another stack's file for this release of it (repeatable), e.g. torchtitan=0.2.2 "
+         "(default: the current release; names that changed between releases follow it).")

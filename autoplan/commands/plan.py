@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from autoplan.codegen.exports import EXPORTS
+from autoplan.codegen.exports import EXPORTS, parse_stack_versions, render_export
 from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.importers import compare_with_option
@@ -67,18 +67,20 @@ def _positive_time_limit(seconds: float) -> float:
               show_default=True, help="How to print the plan: text, json (as --json), or the configuration of "
               "another stack: torchtitan (TOML), megatron (arguments), deepspeed (JSON); what that stack cannot "
               "express goes to stderr and the file's header.")
+@o.stack_version_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @compare_with_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
-            seq_len, image_size, objective, fix, precision, time_limit, top, as_json, output_format, output, force,
-            compare_with):
+            seq_len, image_size, objective, fix, precision, time_limit, top, as_json, output_format, stack_versions,
+            output, force, compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
     from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
 
     if as_json and output_format not in ("text", "json"):
         raise UserError(f"--json and --format {output_format} ask for two outputs; give one of them")
     export = output_format if output_format in EXPORT_FORMATS else None
+    versions = parse_stack_versions(stack_versions)
     as_json = as_json or output_format == "json"
     if output and Path(output).exists() and not force:
         raise UserError(f"{output} exists; pass --force to overwrite it or choose another -o path")
@@ -99,7 +101,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
     if output:
         job.plan.save(output)
     if export is not None:
-        _echo_export(job.plan, export)
+        _echo_export(job.plan, export, versions)
         return
     if as_json:
         out = job_json(job, explanation)
@@ -118,9 +120,10 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
             click.echo(f"plan written to {output}")
 
 
-def _echo_export(plan, name: str) -> None:
+def _echo_export(plan, name: str, versions: dict[str, str]) -> None:
     """The plan in another stack's format on stdout; what it cannot express on stderr."""
     export = EXPORTS[name]
-    click.echo(export.render(plan), nl=False)
-    for note in export.notes(plan):
+    text, notes = render_export(plan, name, versions)
+    click.echo(text, nl=False)
+    for note in notes:
         click.echo(f"{export.file_name}: not expressible in {export.stack}: {note}", err=True)

@@ -170,7 +170,9 @@ def test_uneven_stages_use_megatron_layout_and_torchtitan_model_parts():
     assert "--pipeline-model-parallel-layout Et*3|t*5,L\n" in megatron_args(plan)
     parts = torchtitan_config(plan)["parallelism"]["module_fqns_per_model_part"]
     assert parts == [["tok_embeddings", "layers.0", "layers.1", "layers.2"],
-                     ["layers.3", "layers.4", "layers.5", "layers.6", "layers.7", "norm", "output"]]
+                     ["layers.3", "layers.4", "layers.5", "layers.6", "layers.7", "norm", "lm_head"]]
+    legacy = torchtitan_config(plan, "0.2.2")["parallelism"]["module_fqns_per_model_part"]
+    assert legacy[-1][-1] == "output"
 
 
 def test_pipeline_layout_matches_megatrons_parser_when_installed():
@@ -201,37 +203,6 @@ def test_megatron_arguments_are_megatron_lm_arguments():
             assert takes_value == known[token], f"{token}: value {'given' if takes_value else 'missing'}"
             checked.add(token)
     assert len(checked) >= 25
-
-
-def test_torchtitan_toml_loads_in_torchtitans_config_manager(tmp_path, monkeypatch):
-    """torchtitan 0.3's ConfigManager parses the file's [training] and [parallelism] into its own
-    TrainingConfig / ParallelismConfig dataclasses with the same values.
-
-    The sections are loaded through a registry module holding just those two dataclasses because
-    torchtitan's model registries import triton (GPU only) at import time."""
-    pytest.importorskip("torchtitan.config", reason="torchtitan is not installed (pip install torchtitan)")
-    from torchtitan.config import ConfigManager
-
-    from autoplan.codegen.torchtitan import torchtitan_overrides
-
-    (tmp_path / "autoplan_tt_sections.py").write_text(
-        "from dataclasses import dataclass, field\n"
-        "from torchtitan.config import ParallelismConfig, TrainingConfig\n\n\n"
-        "@dataclass\nclass Sections:\n"
-        "    training: TrainingConfig = field(default_factory=TrainingConfig)\n"
-        "    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)\n"
-        "    hf_assets_path: str = '.'\n\n\n"
-        "def sections():\n    return Sections()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for plan in (make_plan(dp=2, tp=2, pp=2, vpp=2, schedule="interleaved-1f1b", counts=[1, 2, 2, 3],
-                           micro_batch=2, global_batch=32, offload="both", precision="fp32", sequence_parallel=False),
-                 make_plan(dp=4, cp=2, ep=8, dp_replicate=2, zero_stage=2)):
-        data = tomllib.loads(torchtitan_toml(plan))
-        parsed = ConfigManager().parse_args(["--module", "autoplan_tt_sections", "--config", "sections",
-                                             *torchtitan_overrides(data)])
-        for section in ("training", "parallelism"):
-            for key, value in data[section].items():
-                assert getattr(getattr(parsed, section), key) == value, (section, key)
 
 
 def test_plan_format_prints_the_export_and_its_notes():
@@ -289,3 +260,45 @@ def test_megatron_args_reach_the_parser_unquoted(tmp_path):
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split("\n")
     layout = words[words.index("--pipeline-model-parallel-layout") + 1]
     assert layout == "Et*3|t*5,L"
+
+
+def test_torchtitan_release_names_follow_the_stack_version():
+    """0.3 (the default) names the head lm_head, has enable_sequence_parallel and needs CUDA graphs
+    off for pipelined or expert-parallel plans; 0.2 has neither key and reads the file itself."""
+    tp_pp = make_plan(dp=2, tp=2, pp=2, schedule="1f1b", sequence_parallel=False)
+    current = torchtitan_config(tp_pp)
+    assert current["training"]["disable_cuda_graphs"] is True
+    assert current["parallelism"]["enable_sequence_parallel"] is False
+    assert "disable_cuda_graphs = true (torchtitan 0.3 refuses CUDA graphs" in torchtitan_toml(tp_pp)
+    assert "disable_cuda_graphs" not in torchtitan_config(make_plan())["training"]
+    assert torchtitan_config(make_plan(ep=4))["training"]["disable_cuda_graphs"] is True
+    legacy = torchtitan_config(tp_pp, "0.2.2")
+    assert "disable_cuda_graphs" not in legacy["training"]
+    assert "enable_sequence_parallel" not in legacy["parallelism"]
+    assert any("always shards the sequence" in n for n in torchtitan_notes(tp_pp, "0.2.2"))
+    assert "--job.config_file torchtitan.toml" in torchtitan_toml(tp_pp, "0.2.2")
+
+
+@pytest.mark.parametrize("option,fragment", [("torchtitan", "STACK=VERSION"), ("nemo=1.0", "STACK=VERSION"),
+                                             ("torchtitan=0.1", "releases 0.2, 0.3"),
+                                             ("torchtitan=latest", "releases 0.2, 0.3"),
+                                             ("megatron=core_v0.19.0", "no release-specific names")])
+def test_a_stack_version_autoplan_cannot_write_is_refused(option, fragment):
+    from autoplan.codegen.exports import parse_stack_versions
+
+    with pytest.raises(UserError, match=fragment):
+        parse_stack_versions((option,))
+
+
+def test_plan_format_writes_the_release_asked_for():
+    from click.testing import CliRunner
+
+    from autoplan.cli import cli
+
+    args = ["plan", "llama3.1-8b", "--gpu", "h100", "--gpus", "16", "--global-batch", "64", "--seq-len", "4096",
+            "--fix", "pp=2", "--fix", "tp=2", "--format", "torchtitan"]
+    legacy = CliRunner().invoke(cli, [*args, "--stack-version", "torchtitan=0.2.2"], catch_exceptions=False)
+    assert legacy.exit_code == 0, legacy.output
+    assert tomllib.loads(legacy.stdout)["parallelism"]["module_fqns_per_model_part"][-1][-1] == "output"
+    current = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert tomllib.loads(current.stdout)["parallelism"]["module_fqns_per_model_part"][-1][-1] == "lm_head"
