@@ -1,6 +1,7 @@
-"""The cloud launch files of a job: sky.yaml (SkyPilot) and pytorchjob.yaml (Kubernetes).
+"""The cloud launch files of a job: sky.yaml (SkyPilot), pytorchjob.yaml and trainjob.yaml
+(Kubernetes, Kubeflow's v1 training-operator and its successor, Kubeflow Trainer v2).
 
-Both start the same train.py under torchrun as launch.sh does, with the plan's nodes and
+All start the same train.py under torchrun as launch.sh does, with the plan's nodes and
 processes per node. The nodes install autoplan's runtime from the wheel `generate` writes
 beside them (runtime_wheel.py), by path and without dependencies, and torch pinned to the
 release the plan was made with: nothing is installed by a bare package name.
@@ -15,6 +16,11 @@ release the plan was made with: nothing is installed by a bare package name.
   the parameter CHECKPOINT_CLAIM) holding the job directory and its checkpoints. The operator
   sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT
   (pkg/controller.v1/pytorch/envvar.go).
+- trainjob.yaml is a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1; schema of
+  manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml at v2.3.0) on the torch-distributed
+  ClusterTrainingRuntime: trainer.numNodes / numProcPerNode / resourcesPerNode, and the shared
+  volume patched into the runtime's `node` job (runtimePatches). The torch plugin sets the same
+  PET_* variables (pkg/constants/constants.go).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from typing import Any
 from autoplan.codegen.runtime_wheel import wheel_name
 from autoplan.plan import Plan
 
-LAUNCHERS = ("torchrun", "slurm", "skypilot", "k8s")
-LAUNCH_FILES = {"skypilot": "sky.yaml", "k8s": "pytorchjob.yaml"}
+LAUNCHERS = ("torchrun", "slurm", "skypilot", "k8s", "trainjob")
+LAUNCH_FILES = {"skypilot": "sky.yaml", "k8s": "pytorchjob.yaml", "trainjob": "trainjob.yaml"}
 # autoplan GPU key -> SkyPilot accelerator name (`sky show-gpus -a`,
 # docs.skypilot.co/en/stable/compute/gpus.html).
 SKYPILOT_ACCELERATORS = {

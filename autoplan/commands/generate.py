@@ -30,7 +30,8 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
 @click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
 @click.option("--launcher", "launchers", multiple=True, type=click.Choice(LAUNCHERS),
               help="Also write the launch file of this launcher (repeatable): skypilot -> sky.yaml, "
-                   "k8s -> pytorchjob.yaml; torchrun (launch.sh) and slurm (slurm.sbatch) are always written.")
+                   "k8s -> pytorchjob.yaml (Kubeflow v1), trainjob -> trainjob.yaml (Kubeflow Trainer v2); torchrun "
+                   "(launch.sh) and slurm (slurm.sbatch) are always written.")
 @o.stack_version_option
 @click.pass_context
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,

@@ -1,11 +1,10 @@
-"""sky.yaml and pytorchjob.yaml: the plan's nodes, processes and GPUs, read back by YAML, SkyPilot's
-own loader (when installed) and the PyTorchJob v1 schema's fields."""
+"""sky.yaml, pytorchjob.yaml and trainjob.yaml: the plan's nodes, processes and GPUs, read back by
+YAML, SkyPilot's own loader (when installed) and the CRDs' own openAPI schemas under strict field
+validation (tests/codegen/k8s_schema.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +13,11 @@ from autoplan.codegen.launchers import k8s_name
 from autoplan.config import ParallelConfig
 from autoplan.plan import ModelRef, Plan
 from codegen_helpers import generate
+from k8s_schema import load_crd, problems
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install pyyaml)")
-SCHEMA = json.loads((Path(__file__).parent / "data" / "pytorchjob_v1_schema_fields.json").read_text())["schema"]
+PYTORCHJOB = load_crd("kubeflow_pytorchjob_v1.9.0.schema.json")
+TRAINJOB = load_crd("kubeflow_trainjob_v2.3.0.schema.json")
 SKY_VARS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE")
 
 
@@ -26,48 +27,24 @@ def job_files(world_size: int, gpus_per_node: int, gpu: str = "h100-sxm-80gb") -
                 parallel=ParallelConfig(global_batch=world_size, seq_len=128, dp=world_size,
                                         stage_layers=(2,), layer_recompute=("none", "none")))
     files = render_job(plan, ModelSource("catalog", catalog_name="llama3.1-8b"), command_line="autoplan generate",
-                       launchers=("skypilot", "k8s"))
+                       launchers=("skypilot", "k8s", "trainjob"))
     return {name: content.decode() for name, content in files.items() if not name.endswith(".whl")}
 
 
-def schema_problems(value, schema: dict, path: str = "") -> list[str]:
-    """Where `value` leaves the schema skeleton: unknown keys, wrong types, missing required keys."""
-    kind = schema.get("type")
-    expected = {"object": dict, "array": list, "string": str, "integer": int, "boolean": bool,
-                "int-or-string": (int, str)}.get(kind)
-    if expected and not isinstance(value, expected) or (kind == "integer" and isinstance(value, bool)):
-        return [f"{path}: {type(value).__name__}, schema says {kind}"]
-    problems = []
-    if isinstance(value, dict):
-        props, extra = schema.get("properties"), schema.get("additionalProperties")
-        problems += [f"{path}.{key}: required" for key in schema.get("required", []) if key not in value]
-        for key, item in value.items():
-            if props is not None and key in props:
-                problems += schema_problems(item, props[key], f"{path}.{key}")
-            elif extra is not None:
-                problems += schema_problems(item, extra, f"{path}.{key}")
-            elif props is not None:
-                problems.append(f"{path}.{key}: not a field of the schema")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            problems += schema_problems(item, schema["items"], f"{path}[{i}]")
-    return problems
-
-
-def test_schema_check_finds_unknown_and_mistyped_fields():
+def test_strict_schema_check_finds_unknown_and_mistyped_fields():
     job = yaml.safe_load(job_files(16, 8)["pytorchjob.yaml"])
-    job["spec"]["nprocPerNode"] = 8  # the v1 schema has it as a string
+    job["spec"]["nprocPerNode"] = 8
     job["spec"]["pytorchReplicaSpecs"]["Master"]["replica"] = 1
-    problems = schema_problems(job, SCHEMA)
-    assert any("nprocPerNode: int" in p for p in problems)
-    assert any("Master.replica: not a field" in p for p in problems)
+    found = problems(job, PYTORCHJOB)
+    assert any(p.startswith("spec.nprocPerNode:") for p in found), found
+    assert any("'replica' was unexpected" in p for p in found), found
 
 
 @pytest.mark.parametrize("world_size,gpus_per_node,workers", [(64, 8, 7), (8, 8, 0), (4, 2, 1)])
 def test_pytorchjob_has_the_plans_shape_and_fits_the_schema(world_size, gpus_per_node, workers):
     text = job_files(world_size, gpus_per_node)["pytorchjob.yaml"]
     job = yaml.safe_load(text)
-    assert schema_problems(job, SCHEMA) == []
+    assert problems(job, PYTORCHJOB) == []
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] == 1
@@ -83,6 +60,28 @@ def test_pytorchjob_has_the_plans_shape_and_fits_the_schema(world_size, gpus_per
         script = container["args"][0]
         assert all(f"${{PET_{v}}}" in script for v in ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR"))
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+@pytest.mark.parametrize("world_size,gpus_per_node,gpu", [(64, 8, "h100-sxm-80gb"), (8, 8, "h100-sxm-80gb"),
+                                                        (4, 2, "cpu")])
+def test_trainjob_has_the_plans_shape_and_fits_the_schema(world_size, gpus_per_node, gpu):
+    job = yaml.safe_load(job_files(world_size, gpus_per_node, gpu=gpu)["trainjob.yaml"])
+    assert problems(job, TRAINJOB) == []
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (world_size // gpus_per_node, gpus_per_node)
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    limits = trainer.get("resourcesPerNode", {}).get("limits", {})
+    assert limits.get("nvidia.com/gpu") == (None if gpu == "cpu" else gpus_per_node)
+    (patch,) = job["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert node["name"] == "node"  # the torch-distributed runtime's job and container name
+    pod = node["template"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["name"] == "node"
+    assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v] \
+        == [f"{job['metadata']['name']}-shared"]
+    script = trainer["args"][0]
+    assert all(f"${{PET_{v}}}" in script for v in ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR"))
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
 def test_sky_yaml_has_the_plans_shape():
