@@ -310,7 +310,8 @@ def stack_rows(launchers: tuple[str, ...]) -> list[tuple[Quoted, Quoted, Quoted]
 
     rows = [("autoplan.runtime, torchrun", "launch.sh", "./launch.sh --steps 100"),
             ("autoplan.runtime, SLURM", "slurm.sbatch", "sbatch slurm.sbatch --steps 100"),
-            ("autoplan.runtime, SkyPilot", *cloud("skypilot", "sky launch -c JOB sky.yaml")),
+            ("autoplan.runtime, SkyPilot (managed spot job)",
+             *cloud("skypilot", "sky jobs launch -n JOB sky.yaml --env CHECKPOINT_BUCKET=BUCKET")),
             ("autoplan.runtime, Kubernetes (Kubeflow PyTorchJob, training-operator v1)",
              *cloud("k8s", "kubectl apply -f pytorchjob.yaml (set the volume claim first)")),
             ("autoplan.runtime, Kubernetes (Kubeflow Trainer v2 TrainJob)",

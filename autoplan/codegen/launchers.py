@@ -9,7 +9,11 @@ release the plan was made with: nothing is installed by a bare package name.
 - sky.yaml is a SkyPilot task (docs.skypilot.co, "YAML spec" and "Distributed jobs"):
   resources.accelerators NAME:COUNT, num_nodes, envs, setup, run; every node's run step gets
   SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS (one IP a line, the head first) and
-  SKYPILOT_NUM_GPUS_PER_NODE.
+  SKYPILOT_NUM_GPUS_PER_NODE. It is written for `sky jobs launch` (managed jobs): spot
+  instances with job_recovery, network_tier best for several nodes (sky/utils/
+  resources_utils.py NetworkTier), and a bucket mounted at /checkpoints (file_mounts with a
+  storage name; ${CHECKPOINT_BUCKET} is filled from envs, sky/task.py _fill_in_env_vars) that
+  every start resumes from.
 - pytorchjob.yaml is a Kubeflow training-operator PyTorchJob (kubeflow.org/v1; schema of
   manifests/base/crds/kubeflow.org_pytorchjobs.yaml at v1.9.0): one Master and nodes-1 Worker
   replicas, nprocPerNode, nvidia.com/gpu limits, a shared volume (a PersistentVolumeClaim,
@@ -107,5 +111,5 @@ def generate_command(plan: Plan) -> str:
         parts += ["--inter-node-bandwidth", f"{plan.inter_node_bandwidth_gb_per_s:g}"]
     for key, value in fixed.items():
         parts += ["--fix", f"{key}={value}"]
-    parts += ["--launcher", "skypilot", "--launcher", "k8s"]
+    parts += ["--launcher", "skypilot", "--launcher", "k8s", "--launcher", "trainjob"]
     return " ".join(shlex.quote(part) for part in parts)

@@ -104,16 +104,6 @@ def test_cpu_jobs_ask_for_no_gpus():
     assert "resources" not in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
 
 
-def test_sky_yaml_loads_in_skypilot():
-    sky = pytest.importorskip("sky", reason="SkyPilot is not installed (not in the test extra: it pins click<8.2)")
-    for world_size, per_node in ((64, 8), (8, 8)):
-        text = job_files(world_size, per_node)["sky.yaml"]
-        task = sky.Task.from_yaml_config(yaml.safe_load(text))
-        assert task.num_nodes == world_size // per_node
-        (resources,) = task.resources
-        assert resources.accelerators == {"H100": per_node}
-
-
 def test_k8s_names_are_dns_labels():
     assert k8s_name("llama3.1-70b-64xh100-sxm-80gb") == "llama3-1-70b-64xh100-sxm-80gb"
     assert k8s_name("9_Odd Name" + "x" * 80) == "odd-name" + "x" * 37
