@@ -11,7 +11,7 @@ selective_ac_option; [model] name, flavor, converters.
 
 torchtitan up to 0.2 reads the file itself (`--job.config_file torchtitan.toml`); 0.3 takes the
 same keys as command-line overrides (`--parallelism.tensor_parallel_degree 2`) on top of a
-config_registry function, which `torchtitan_overrides` writes into the file's header.
+config_registry function; `torchtitan_overrides` spells them out in the file's header.
 What torchtitan cannot say is listed by `torchtitan_notes`, with the nearest setting used.
 
 Names that changed between releases follow `version` (generate/plan `--stack-version
@@ -28,6 +28,7 @@ torchtitan=X.Y`, the current release by default):
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from autoplan.plan import Plan
@@ -182,17 +183,20 @@ def torchtitan_notes(plan: Plan, version: str = CURRENT_VERSION) -> list[str]:
         notes.append("fp16: torchtitan's mixed precision is bfloat16 or float32; bfloat16 is written.")
     if plan.pp > 1 and plan.schedule == "zero-bubble" and plan.vpp not in (1, 2):
         notes.append(f"zero-bubble with {plan.vpp} stages per rank: InterleavedZeroBubble is written.")
-    notes += _recompute_notes(plan)
+    notes += _recompute_notes(plan, version)
     return notes
 
 
-def _recompute_notes(plan: Plan) -> list[str]:
+def _recompute_notes(plan: Plan, version: str) -> list[str]:
     modes = _block_modes(plan)
     if len(set(modes)) <= 1:
         return []
     section = _activation_checkpoint(plan)
     counts = ", ".join(f"{modes.count(m)} {m}" for m in ("full", "selective", "none") if modes.count(m))
     written = section["mode"] + (f" {section['selective_ac_option']}" if "selective_ac_option" in section else "")
+    if not is_legacy(version) and ac_kind(section) != section["mode"]:
+        written += (f" (torchtitan {version}'s selective recomputation is op-level only: its "
+                    f"activation-checkpoint:{ac_kind(section)} recomputes every block)")
     return [f"per-block recomputation ({counts}) has no torchtitan setting: activation_checkpoint "
             f"{written} is the nearest (torchtitan applies one mode to every block; see plan.json recompute)."]
 
@@ -201,9 +205,10 @@ def torchtitan_overrides(config: dict[str, dict[str, Any]]) -> list[str]:
     """The configuration as torchtitan 0.3 command-line overrides (tyro: --section.key value).
 
     Booleans are tyro flags (--section.key / --section.no-key); a list of lists is one word per
-    inner list, comma-joined (torchtitan's list[str] rule). [model], [activation_checkpoint],
+    inner list, comma-joined (torchtitan's list[str] rule). The recomputation mode is tyro's
+    subcommand of the activation_checkpoint union, last (`activation-checkpoint:full`). [model],
     [optimizer] and [lr_scheduler] are left out: torchtitan 0.3 chooses the model with
-    --module/--config and those components' classes in its config_registry."""
+    --module/--config and those components in its config_registry."""
     args: list[str] = []
     for section, values in config.items():
         if section not in ("training", "parallelism"):
@@ -215,7 +220,15 @@ def torchtitan_overrides(config: dict[str, dict[str, Any]]) -> list[str]:
                 args += [f"--{section}.{key}", *(",".join(part) for part in value)]
             else:
                 args += [f"--{section}.{key}", str(value)]
-    return args
+    return args + [f"activation-checkpoint:{ac_kind(config['activation_checkpoint'])}"]
+
+
+def ac_kind(section: dict[str, Any]) -> str:
+    """torchtitan 0.3's recomputation class for an [activation_checkpoint] section. 0.3's
+    SelectiveAC is op-level only: the layer option ("every Nth block in full") becomes full."""
+    if section["mode"] == "selective" and section.get("selective_ac_option", "op") != "op":
+        return "full"
+    return section["mode"]
 
 
 def torchtitan_toml(plan: Plan, version: str = CURRENT_VERSION) -> str:
@@ -229,9 +242,9 @@ def torchtitan_toml(plan: Plan, version: str = CURRENT_VERSION) -> str:
     if is_legacy(version):
         header.append("run: torchrun ... -m torchtitan.train --job.config_file torchtitan.toml")
     else:
-        header.append(f"run: torchrun ... -m torchtitan.train {module} (overrides of [parallelism] and "
-                      "[training] below; choose FullAC / SelectiveAC in the config_registry for "
-                      "activation_checkpoint)")
+        header.append(f"run: torchrun ... -m torchtitan.train {module} followed by the overrides of "
+                      "[training], [parallelism] and [activation_checkpoint] below:")
+        header.append(shlex.join(torchtitan_overrides(config)))
     if _needs_cuda_graphs_off(plan, version):
         header.append("changed from torchtitan's defaults for this plan: [training] disable_cuda_graphs = true "
                       "(torchtitan 0.3 refuses CUDA graphs with pipeline or expert parallelism)")

@@ -11,6 +11,7 @@ torchtitan's model packages import triton at import time; triton installs and im
 
 from __future__ import annotations
 
+import shlex
 import tomllib
 
 import pytest
@@ -29,7 +30,7 @@ MODELS = {"llama3.1-8b": ("llama3", "llama3_8b", 32), "llama3.1-70b": ("llama3",
           "deepseek-v2-lite": ("deepseek_v3", "deepseek_v3_16b", 27)}
 
 
-def make_plan(model: str, counts: list[int] | None = None, dp: int = 8, **kw) -> Plan:
+def make_plan(model: str, counts: list[int] | None = None, dp: int = 8, modes: tuple[str, ...] = (), **kw) -> Plan:
     layers = MODELS[model][2]
     pp, vpp = kw.get("pp", 1), kw.get("vpp", 1)
     counts = counts or [layers // (pp * vpp)] * (pp * vpp)
@@ -38,7 +39,8 @@ def make_plan(model: str, counts: list[int] | None = None, dp: int = 8, **kw) ->
     base = Plan(model=ModelRef("catalog", model), gpu="h100-sxm-80gb", world_size=world, gpus_per_node=8,
                 parallel=ParallelConfig(global_batch=64, seq_len=4096, dp=dp, zero_stage=3, micro_batch=1))
     names = tuple(f"layers.{i}" for i in range(layers))
-    plan = base.with_(**kw, blocks=names, stage_layers=tuple(counts), layer_recompute=("none",) * layers)
+    plan = base.with_(**kw, blocks=names, stage_layers=tuple(counts),
+                      layer_recompute=modes or ("none",) * layers)
     plan.check()
     return plan
 
@@ -51,14 +53,27 @@ PLANS = {
     "moe-ep": make_plan("deepseek-v2-lite", dp=8, ep=8),
     "moe-ep-pp": make_plan("deepseek-v2-lite", dp=4, ep=4, pp=2, schedule="1f1b", counts=[13, 14]),
     "cp": make_plan("llama3.1-8b", dp=4, cp=2),
+    "full-recompute": make_plan("llama3.1-8b", modes=("full",) * 32),
+    "selective-recompute": make_plan("llama3.1-8b", dp=4, tp=2, modes=("selective",) * 32),
+    "mixed-recompute": make_plan("llama3.1-8b", modes=("full", "none", "none", "none") * 8),
 }
+AC_CLASS = {"none": "NoneType", "full": "FullAC.Config", "selective": "SelectiveAC.Config"}
+
+
+def header_command(text: str) -> list[str]:
+    """The overrides the file's header tells the user to pass (the line after its run line)."""
+    lines = [line[2:] for line in text.splitlines() if line.startswith("# ")]
+    run = next(i for i, line in enumerate(lines) if line.startswith("run: "))
+    return shlex.split(lines[run + 1])
 
 
 def parse(plan: Plan):
     module, function, _ = MODELS[plan.model.name]
-    data = tomllib.loads(torchtitan_toml(plan))
+    text = torchtitan_toml(plan)
+    data = tomllib.loads(text)
+    assert header_command(text) == torchtitan_overrides(data)
     return data, manager.ConfigManager().parse_args(["--module", module, "--config", function,
-                                                     *torchtitan_overrides(data)])
+                                                     *header_command(text)])
 
 
 @pytest.mark.parametrize("case", PLANS)
@@ -73,6 +88,9 @@ def test_torchtitan_accepts_the_file_and_reads_the_same_plan(case):
             par.expert_parallel_degree) == (plan.tp, plan.pp, plan.cp, plan.ep)
     assert par.data_parallel_shard_degree * par.data_parallel_replicate_degree == plan.dp
     assert config.training.global_batch_size == plan.global_batch
+    modes = set(plan.recompute.values())
+    written = "full" if len(modes) > 1 else modes.pop()  # a mix with full blocks: full, and noted
+    assert type(config.activation_checkpoint).__qualname__ == AC_CLASS[written]
     if plan.pp > 1:
         assert par.pipeline_parallel_microbatch_size == plan.micro_batch
         assert [sum(n.startswith("layers.") for n in part) for part in par.module_fqns_per_model_part] == \
