@@ -7,9 +7,6 @@ these on training nodes, where the planner's dependencies are not installed.
 
 from __future__ import annotations
 
-
-import torch.nn as nn
-
 from autoplan.models.registry import MODEL_TYPES, ConfigError, build_model
 
-__all__ = ["MODEL_TYPES", "ConfigError", "build_model", "nn"]
+__all__ = ["MODEL_TYPES", "ConfigError", "build_model"]

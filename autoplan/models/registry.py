@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch.nn as nn
+if TYPE_CHECKING:  # the builders import torch themselves: listing the catalog needs none of it
+    import torch.nn as nn
 
 
 class ConfigError(ValueError):
@@ -35,7 +36,7 @@ def _deepseek(config: dict[str, Any]) -> nn.Module:
     return build_deepseek(config)
 
 
-MODEL_TYPES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
+MODEL_TYPES: dict[str, Callable[[dict[str, Any]], "nn.Module"]] = {
     "llama": _llama,
     "mistral": _llama,
     "qwen2": _llama,

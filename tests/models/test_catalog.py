@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from autoplan.models.catalog import (
+    catalog_names,
     catalog_metadata,
     config_from_published,
     count_parameters,
@@ -50,6 +51,13 @@ PUBLISHED_EXACT = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED_EXACT))
 def test_catalog_parameter_counts_match_released_checkpoints(name):
     assert count_parameters(load_catalog_config(name)) == PUBLISHED_EXACT[name]
+
+
+@pytest.mark.parametrize("name", catalog_names())
+def test_stored_parameter_counts_are_the_built_models(name):
+    """`autoplan models` reads the count stored in the catalog file instead of building the model;
+    it must be the count of the model the config builds (edit a config: update the count)."""
+    assert catalog_metadata(name)["parameters"] == count_parameters(load_catalog_config(name))
 
 
 @pytest.mark.parametrize("name, nominal_b, tolerance", [
