@@ -30,6 +30,7 @@ COMMANDS = {
     "generate": "Write a runnable torchrun job directory for a plan.",
     "report": "Time, GPU-hours and cost across GPU types and cluster sizes, with charts.",
     "calibrate": "Measure this cluster (run under torchrun) and write a hardware file.",
+    "tune": "Run the best few plans here for a few steps each and rank them by measurement.",
 }
 
 
