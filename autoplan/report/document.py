@@ -47,7 +47,7 @@ def row_dict(row: Row) -> dict[str, Any]:
                            "label": row.label, "fits": row.fits, "reason": row.reason,
                            "usd_per_gpu_hour": row.usd_per_gpu_hour, "capacity_gib": row.capacity_gib,
                            "frontier": row.frontier, "solver_status": row.solver_status,
-                           "solver_wall_s": row.solver_wall_s}
+                           "solver_wall_s": row.solver_wall_s, "search": row.search}
     if row.fits:
         e = row.estimate
         out.update({k: e[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",

@@ -36,6 +36,11 @@ def print_report(doc: dict[str, Any], console) -> None:
         for r in doc["rows"]:
             if not r["fits"]:
                 console.print(f"  {r['label']} does not fit: {r['reason']}")
+            elif r.get("search", {}).get("time_limited"):
+                s = r["search"]
+                console.print(f"  {r['label']}: the {s['time_limit_s']:g} s time limit stopped the search: "
+                              f"searched {s['searched']} of {s['total']} configurations; the best found is "
+                              f"shown (--time-limit SECONDS searches longer)")
     if doc.get("detail"):
         _print_detail(doc["detail"], console)
     a = doc["assumptions"]

@@ -182,8 +182,8 @@ def infeasible_report(job) -> str:
     headroom = job.cluster.memory_headroom_bytes / GIB
     has = f"the GPU has {capacity:.1f} GiB" + (f", less the {headroom:g} GiB of --memory-headroom"
                                                if headroom else "")
-    lines = [f"No plan fits: {r.configurations_considered} configurations searched on "
-             f"{job.cluster.num_gpus} x {job.cluster.gpu.key}."]
+    lines = [f"No plan fits: {_searched(r).split(';')[0]} on {job.cluster.num_gpus} x {job.cluster.gpu.key}."]
+    lines += [note for note in r.notes if "time limit" in note]
     frugal = _most_frugal_estimate(job)
     fixed = job.request.fixed
     if fixed and r.least_memory_gib <= capacity - headroom and (frugal is None
@@ -277,6 +277,7 @@ def job_json(job, explanation: list[str]) -> dict[str, Any]:
         "alternatives": [{**candidate_json(a, r.best), "equivalent_within_error_band": equivalent(r, a)}
                          for a in r.alternatives],
         "fastest": candidate_json(r.fastest) if r.fastest else None,
+        "search": r.search_json(),
         "solver": {"status": r.status, "wall_s": r.wall_s,
                    "configurations_considered": r.configurations_considered,
                    "configurations_solved": r.configurations_solved, "notes": list(r.notes)},
@@ -284,13 +285,20 @@ def job_json(job, explanation: list[str]) -> dict[str, Any]:
     }
 
 
+def _searched(r) -> str:
+    """"581 configurations", or, when the time limit stopped the search, what it covered."""
+    if r.time_limited:
+        return (f"searched {r.configurations_searched} of {r.configurations_considered} configurations "
+                f"in the {r.time_limit_s:g} s time limit; the best found is shown")
+    return f"{r.configurations_considered} configurations"
+
+
 def render_job(job, explanation: list[str], console) -> None:
     from rich.table import Table
 
     r, e, c = job.result, job.result.best.estimate, job.result.best.config
     head = Table(title=f"autoplan plan: {job.model.name} on {c.world_size} x {job.cluster.gpu.key} "
-                       f"[{r.status}, {r.wall_s:.1f} s, {r.configurations_considered} configurations]",
-                 show_header=False)
+                       f"[{r.status}, {r.wall_s:.1f} s, {_searched(r)}]", show_header=False)
     head.add_row("degrees", f"dp={c.dp} tp={c.tp} pp={c.pp} cp={c.cp} ep={c.ep}")
     head.add_row("ZeRO / offload", f"{c.zero_stage} / {c.offload}")
     head.add_row("batching", f"micro-batch {c.micro_batch} x {c.num_microbatches} micro-batches, "
