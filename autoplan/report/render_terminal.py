@@ -162,7 +162,10 @@ def _print_detail(d: dict[str, Any], console) -> None:
                                    f"({d['headroom_gib']:.1f} GiB headroom)")
     head.add_row("time to train", f"{duration(d['time_to_train_s'])} ({time_range(d['time_range_s'])}), "
                                   f"{d['steps']:,} steps")
-    head.add_row("cost", f"{usd(d['cost_usd'])} ({usd_range(d['cost_range_usd'])}), {count(d['gpu_hours'])} GPU-hours")
+    unpriced = " (the price list gives this device 0 USD per hour; --price GPU=USD sets one)" \
+        if not d["usd_per_gpu_hour"] else ""
+    head.add_row("cost", f"{usd(d['cost_usd'])} ({usd_range(d['cost_range_usd'])}), {count(d['gpu_hours'])} "
+                         f"GPU-hours{unpriced}")
     head.add_row("checkpoints", f"{g['checkpoint_bytes'] / 1e9:.0f} GB, {duration(g['checkpoint_write_s'])} to write; "
                                 f"Young/Daly interval {duration(g['checkpoint_interval_s'])} "
                                 f"(every {g['checkpoint_interval_steps']} steps)")
