@@ -4,7 +4,7 @@ The ranks that differ (rank 0 of the first, a middle and the last pipeline stage
 plan with autoplan.runtime on torch's fake process group and run one training step on fake
 CPU tensors (autoplan.dryrun). Their peak memory by category and every collective with its
 bytes are set beside the cost model's estimate of the same plan, and the job is said to fit
-or not against the GPU's memory. The collectives are compared per kind and dtype with the
+or not against the plan's own budget: the GPU's memory less the headroom the plan keeps. The collectives are compared per kind and dtype with the
 cost model's volume (autoplan.cost.volume) over the window the dry run measures: the step's
 last micro-batch (with the once-a-step collectives of its first when it is the only one) and
 the end of the step.
@@ -32,6 +32,7 @@ from pathlib import Path
 import click
 
 from autoplan.commands import options as o
+from autoplan.cost.hw import memory_budget_bytes
 from autoplan.errors import NoFeasiblePlan
 from autoplan.hardware import resolve_cluster
 from autoplan.planfile import load_checked_plan
@@ -47,7 +48,7 @@ def plan_path_of(target: str) -> str:
     return str(path / "plan.json") if path.is_dir() else target
 
 
-def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float,
+def rank_report(run, seconds: float, stage_estimate: dict, budget_bytes: float,
                 host_model_gib: float | None = None,
                 model_collectives: dict[tuple[str, str], float] | None = None) -> dict:
     """One rank's dry-run beside the cost model's estimate of its pipeline stage (GiB);
@@ -80,7 +81,7 @@ def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float,
             "in_flight_microbatches": in_flight, "held_activations_gib": held / GIB,
             "activations_by_stage": _activations_by_stage(run),
             "seconds": seconds, "memory": rows, "peak_gib": total,
-            "spare_gib": gpu_bytes / GIB - total,
+            "spare_gib": budget_bytes / GIB - total,
             "collectives": collective_rows(summarise(run.collectives), model_collectives or {})}
 
 
@@ -151,16 +152,18 @@ def check_plan(target: str, workers: int) -> dict:
     cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, plan.inter_node_bandwidth_gb_per_s)
     gpu_bytes = cluster.gpu.memory_bytes
+    budget_bytes = memory_budget_bytes(cluster)  # the GPU less the plan's own headroom
     stages = est.get("per_stage") or [{"memory_gib": est.get("memory_gib_per_gpu"),
                                        "memory_breakdown_gib": est.get("memory_breakdown_gib", {})}]
     runs = dry_run(plan, workers)
     # the cost model's host memory is its fullest rank's; with one pipeline stage, every rank's
     host = est.get("host_memory_gib_per_gpu") if plan.pp == 1 else None
-    ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], gpu_bytes, host,
+    ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], budget_bytes, host,
                          model_collectives(checked, run.pp_rank))
              for run, secs in runs]
     worst = max(ranks, key=lambda r: r["peak_gib"])
     return {"plan": plan_path_of(target), "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,
+            "memory_headroom_gib": (gpu_bytes - budget_bytes) / GIB, "budget_gib": budget_bytes / GIB,
             "world_size": plan.world_size, "device": "fake cpu tensors (no memory allocated)",
             "fits": worst["spare_gib"] >= 0, "worst_rank": worst["rank"],
             "spare_gib": worst["spare_gib"], "ranks": ranks,
@@ -189,13 +192,28 @@ def render(report: dict, console) -> None:
             comms.add_row(row["kind"], row["dtype"], str(row["count"]), _size(row["bytes"]),
                           _size(row["model_bytes"]), "" if row["ratio"] is None else f"{row['ratio']:.2f}")
         console.print(comms)
-    verdict = (f"this job fits, with {report['spare_gib']:.1f} GiB to spare" if report["fits"]
-               else f"this job does not fit: {-report['spare_gib']:.1f} GiB over")
-    console.print(f"{verdict} on the worst rank ({report['worst_rank']}) of "
-                  f"{report['gpu_memory_gib']:.0f} GiB {report['gpu']} (dry run on "
-                  f"{report['device']}; {report['wall_s']:.0f} s)")
+    console.print(f"{verdict(report)} (dry run on {report['device']}; {report['wall_s']:.0f} s)")
     if report.get("routing"):
         console.print(f"MoE routing: {report['routing']}")
+
+
+def budget_text(report: dict) -> str:
+    """The plan's memory budget per GPU, in words: 72 GiB (80 GiB h100-sxm-80gb less 8 GiB of headroom)."""
+    headroom = report["memory_headroom_gib"]
+    kept = f" less {headroom:g} GiB of headroom" if headroom else ", no headroom kept"
+    return (f"{report['budget_gib']:.1f} GiB ({report['gpu_memory_gib']:.0f} GiB {report['gpu']}"
+            f"{kept})")
+
+
+def verdict(report: dict) -> str:
+    """Whether the worst rank fits in the plan's budget, and what is left of the headroom."""
+    where = f"the worst rank ({report['worst_rank']})"
+    if not report["fits"]:
+        return (f"this job does not fit: {where} is {-report['spare_gib']:.1f} GiB over the plan's "
+                f"budget of {budget_text(report)}")
+    return (f"this job fits: {where} leaves {report['spare_gib']:.1f} GiB of the plan's budget of "
+            f"{budget_text(report)}, and {report['spare_gib'] + report['memory_headroom_gib']:.1f} GiB "
+            f"of the GPU free")
 
 
 def _gib(value) -> str:
@@ -229,4 +247,4 @@ def command(target: str, workers: int, as_json: bool) -> None:
         render(report, Console())
     if not report["fits"]:
         raise NoFeasiblePlan(f"the dry run does not fit: {-report['spare_gib']:.1f} GiB over the "
-                             f"{report['gpu_memory_gib']:.0f} GiB of a {report['gpu']}")
+                             f"plan's budget of {budget_text(report)}")

@@ -54,12 +54,21 @@ fix_option = click.option("--fix", multiple=True, metavar="KEY=VALUE",
                           help="Fix a choice (repeatable): " + ", ".join(FIX_KEYS) + ".")
 
 
-def top_option(default: int):
+def top_option(default: int, per_cluster: bool = False):
     """--top: `plan` shows 3 runners-up by default; a `report` sweep none (each costs search time)."""
+    where = " per cluster" if per_cluster else ""
     return click.option("--top", type=int, default=default, show_default=True,
-                        help="Runners-up to show (per cluster in a report).")
-time_limit_option = click.option("--time-limit", type=float, default=None, metavar="SECONDS",
-                                 help="Search time limit in seconds (per cluster in a sweep).")
+                        help=f"Runners-up to show{where}.")
+
+
+def time_limit_option(per_cluster: bool = False):
+    """--time-limit: the search's, for `plan` / `generate`, or each cluster's in a `report` sweep."""
+    where = " of each cluster's search" if per_cluster else " of the search"
+    return click.option("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help=f"Time limit{where}, in seconds (default 60); a search it stops shows the best "
+                             "plan found, FEASIBLE, and how many configurations it searched.")
+
+
 stack_version_option = click.option(
     "--stack-version", "stack_versions", multiple=True, metavar="STACK=VERSION",
     help="Write another stack's file for this release of it (repeatable), e.g. torchtitan=0.2.2 "

@@ -23,7 +23,7 @@ def plan_options(func):
         o.image_size_option,
         click.option("--objective", type=click.Choice(["time", "cost"]), default="time", show_default=True,
                      help="Minimise step time, or cost per step."),
-        o.fix_option, o.precision_option, o.time_limit_option,
+        o.fix_option, o.precision_option, o.time_limit_option(),
     ]):
         func = option(func)
     return func

@@ -119,7 +119,7 @@ _SWEEP_ONLY = ("model", "gpu", "hardware", "gpus", "gpus_per_node", "global_batc
                                            "--plan is given).")
 @o.gpus_per_node_option
 @o.fix_option
-@o.top_option(0)
+@o.top_option(0, per_cluster=True)
 @click.option("--price", multiple=True, metavar="GPU=USD",
               help="USD per GPU-hour for a GPU (repeatable); overrides the price list.")
 @click.option("--price-list", default="default", show_default=True, help="Price list in cost_models/prices/.")
@@ -131,7 +131,7 @@ _SWEEP_ONLY = ("model", "gpu", "hardware", "gpus", "gpus_per_node", "global_batc
 @click.option("--checkpoint-gb-per-s", type=float, default=None,
               help="Checkpoint write bandwidth per GPU in GB/s (default 0.122: Llama 3 storage, 2 TB/s / 16,384 GPUs).")
 @click.option("--restart-minutes", type=float, default=None, help="Time to restart after an interruption (default 10).")
-@o.time_limit_option
+@o.time_limit_option(per_cluster=True)
 @o.memory_headroom_option
 @o.inter_node_bandwidth_option
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,

@@ -233,11 +233,13 @@ def assemble(graph: ModelGraph, config: ParallelConfig, cluster, stages: list[St
     worst = max(range(config.pp), key=lambda r: sum(ranks[r].values()))
     total = sum(ranks[worst].values())
     capacity = hw.usable_memory_bytes(cluster)
-    kept_free = (f" once {cluster.memory_headroom_bytes / GIB:g} GiB of headroom is kept free"
+    kept_free = (f", less {cluster.memory_headroom_bytes / GIB:g} GiB of headroom"
                  if cluster.memory_headroom_bytes else "")
     reasons = [] if total <= capacity else [
-        f"pipeline stage {worst} needs {total / GIB:.1f} GiB per GPU but {cluster.gpu.key} has "
-        f"{capacity / GIB:.1f} GiB{kept_free}"]
+        f"{f'pipeline stage {worst}' if config.pp > 1 else 'each rank'} needs {total / GIB:.1f} GiB per GPU "
+        f"but {cluster.gpu.key} has "
+        f"{capacity / GIB:.1f} GiB for the estimate ({cluster.gpu.memory_bytes / GIB:g} GiB{kept_free}, "
+        f"less {hw.model_error_fraction():.0%} for the estimate's measured error)"]
     host_per_rank = max(sum(s.host_bytes for s in stages if s.physical_stage == r) for r in range(config.pp))
     host_per_node, host_reason = host_memory_check(host_per_rank, cluster)
     reasons += [host_reason] if host_reason else []

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import tomllib
+
 from autoplan.cost.comm import Fabric
+from autoplan.paths import cost_models_dir
 
 
 def peak_flops_per_s(gpu, precision: str) -> float:
@@ -30,9 +34,22 @@ def hbm_bytes_per_s(gpu) -> float:
     return gpu.hbm_bandwidth_bytes_per_s * gpu.efficiency.hbm_fraction
 
 
-def usable_memory_bytes(cluster) -> float:
-    """What a plan may fill on each GPU: its memory less the cluster's headroom."""
+def memory_budget_bytes(cluster) -> float:
+    """Each GPU's memory less the cluster's headroom: what a job may use (`autoplan check`)."""
     return cluster.gpu.memory_bytes - cluster.memory_headroom_bytes
+
+
+@functools.cache
+def model_error_fraction() -> float:
+    """How far the runtime's memory may exceed the estimate (cost_models/memory_model_error.toml)."""
+    with open(cost_models_dir() / "memory_model_error.toml", "rb") as f:
+        return float(tomllib.load(f)["fraction_of_estimate"])
+
+
+def usable_memory_bytes(cluster) -> float:
+    """What a plan's estimate may fill on each GPU: the budget less the estimate's measured
+    error, so that the runtime's own memory stays within the budget."""
+    return memory_budget_bytes(cluster) / (1.0 + model_error_fraction())
 
 
 def fabric(cluster) -> Fabric:

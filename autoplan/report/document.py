@@ -47,7 +47,7 @@ def row_dict(row: Row) -> dict[str, Any]:
                            "label": row.label, "fits": row.fits, "reason": row.reason,
                            "usd_per_gpu_hour": row.usd_per_gpu_hour, "capacity_gib": row.capacity_gib,
                            "frontier": row.frontier, "solver_status": row.solver_status,
-                           "solver_wall_s": row.solver_wall_s}
+                           "solver_wall_s": row.solver_wall_s, "search": row.search}
     if row.fits:
         e = row.estimate
         out.update({k: e[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
@@ -119,6 +119,9 @@ def sweep_dict(sweep: Sweep) -> dict[str, Any]:
     }
 
 
+CPU_DEVICE = "cpu"
+
+
 def load_plan_detail(path: str, *, tokens: int | None, prices, assumptions: GoodputAssumptions,
                      error: ErrorBand | None) -> PlanDetail:
     """A plan file priced for `tokens`, or for one optimizer step when None (the model is traced
@@ -126,7 +129,9 @@ def load_plan_detail(path: str, *, tokens: int | None, prices, assumptions: Good
     checked = load_checked_plan(path)  # the estimate is recomputed, never read from the file
     plan, graph = checked.plan, checked.graph
     gpu = load_gpu(plan.gpu)
-    usd = prices.usd_per_gpu_hour(gpu.key)
+    # the cpu device stands in for GPUs in the CPU walkthrough and has no rental price: 0, which
+    # the report says, unless --price gives one
+    usd = 0.0 if gpu.key == CPU_DEVICE and not prices.has(gpu.key) else prices.usd_per_gpu_hour(gpu.key)
     tokens_per_step = plan.global_batch * plan.seq_len
     run = price_run(plan.estimate["step_time_s"], plan.world_size, tokens or tokens_per_step, tokens_per_step,
                     graph.parameters, plan.precision, usd, assumptions, error)

@@ -36,6 +36,11 @@ def print_report(doc: dict[str, Any], console) -> None:
         for r in doc["rows"]:
             if not r["fits"]:
                 console.print(f"  {r['label']} does not fit: {r['reason']}")
+            elif r.get("search", {}).get("time_limited"):
+                s = r["search"]
+                console.print(f"  {r['label']}: the {s['time_limit_s']:g} s time limit stopped the search: "
+                              f"searched {s['searched']} of {s['total']} configurations; the best found is "
+                              f"shown (--time-limit SECONDS searches longer)")
     if doc.get("detail"):
         _print_detail(doc["detail"], console)
     a = doc["assumptions"]
@@ -157,7 +162,10 @@ def _print_detail(d: dict[str, Any], console) -> None:
                                    f"({d['headroom_gib']:.1f} GiB headroom)")
     head.add_row("time to train", f"{duration(d['time_to_train_s'])} ({time_range(d['time_range_s'])}), "
                                   f"{d['steps']:,} steps")
-    head.add_row("cost", f"{usd(d['cost_usd'])} ({usd_range(d['cost_range_usd'])}), {count(d['gpu_hours'])} GPU-hours")
+    unpriced = " (the price list gives this device 0 USD per hour; --price GPU=USD sets one)" \
+        if not d["usd_per_gpu_hour"] else ""
+    head.add_row("cost", f"{usd(d['cost_usd'])} ({usd_range(d['cost_range_usd'])}), {count(d['gpu_hours'])} "
+                         f"GPU-hours{unpriced}")
     head.add_row("checkpoints", f"{g['checkpoint_bytes'] / 1e9:.0f} GB, {duration(g['checkpoint_write_s'])} to write; "
                                 f"Young/Daly interval {duration(g['checkpoint_interval_s'])} "
                                 f"(every {g['checkpoint_interval_steps']} steps)")

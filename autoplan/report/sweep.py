@@ -129,6 +129,7 @@ class Row:
     estimate: dict = field(default_factory=dict)
     solver_status: str = ""
     solver_wall_s: float = 0.0
+    search: dict = field(default_factory=dict)  # SearchResult.search_json(): whether a time limit cut it
     run: RunCost | None = None
     frontier: bool = False
     runners_up: list[dict] = field(default_factory=list)  # config, step time and memory of each
@@ -184,10 +185,11 @@ def plan_row(graph, ref, gpu, num_gpus: int, *, seq_len: int, global_batch: int,
         row.reason = str(exc)
         return row
     row.solver_status, row.solver_wall_s = job.result.status, job.result.wall_s
-    if job.plan is None and job.result.wall_s >= 0.95 * (time_limit_s or SEARCH_DEFAULT_LIMIT_S):
-        row.reason = (f"no plan found within the search time limit ({job.result.wall_s:.0f} s, "
-                      f"{job.result.configurations_solved} of {job.result.configurations_considered} "
-                      "configurations solved); not proven not to fit: raise --time-limit")
+    row.search = job.result.search_json()
+    if job.plan is None and job.result.time_limited:
+        row.reason = (f"no plan found within the search time limit ({job.result.time_limit_s:g} s, "
+                      f"{job.result.configurations_searched} of {job.result.configurations_considered} "
+                      "configurations searched); not proven not to fit: raise --time-limit")
         return row
     if job.plan is None:
         headroom_gib = cluster.memory_headroom_bytes / GIB

@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from autoplan.config import ParallelConfig, schedule_label
+from autoplan.cost import hw
 from autoplan.cost.stages import stage_layer_counts
 from autoplan.hardware import GIB, with_num_gpus
 from autoplan.solve import space
@@ -83,7 +84,7 @@ def _illegal(job, c: ParallelConfig) -> str | None:
             or space.pp_reason(g, c.pp, c.vpp) or space.ep_reason(g, c.ep, c.dp, c.cp))
 
 
-# above this fraction of the GPU's memory, explain suggests --memory-headroom
+# above this fraction of what the estimate may fill, explain suggests --memory-headroom
 FULL_FRACTION = 0.95
 
 
@@ -96,7 +97,8 @@ def explain(job) -> list[str]:
     worst = e.worst_rank_stage
     recomputed = sum(1 for m in (c.layer_recompute or ()) if m != "none")
     lines.append(
-        f"memory: pipeline stage {worst} is the fullest rank at {e.memory_gib_per_gpu:.1f} of "
+        f"memory: {f'pipeline stage {worst} is the fullest rank' if c.pp > 1 else 'each GPU holds'} "
+        f"{'at ' if c.pp > 1 else ''}{e.memory_gib_per_gpu:.1f} of "
         f"{capacity:.1f} GiB ({(1 - e.memory_gib_per_gpu / capacity) * 100:.0f}% free"
         + (f", at least the {asked:g} GiB of --memory-headroom" if asked else "") + ")"
         + (f"; {recomputed} of {len(c.layer_recompute)} blocks recompute to fit" if recomputed else ""))
@@ -105,7 +107,7 @@ def explain(job) -> list[str]:
         lines.append(f"objective cost: a step costs its time x {c.world_size} GPUs x the price per GPU-hour, "
                      "the same price for every plan on this cluster, so the cheapest plan is the fastest; "
                      "`autoplan report` compares clusters, where the two objectives differ")
-    if not asked and e.memory_gib_per_gpu > FULL_FRACTION * capacity:
+    if not asked and e.memory_gib_per_gpu > FULL_FRACTION * hw.usable_memory_bytes(job.cluster) / GIB:
         lines.append("memory: the plan fills the GPU to the estimate; allocator fragmentation and "
                      "spikes need room it does not count: --memory-headroom GIB keeps some free")
     if e.comm_breakdown_s:
@@ -176,80 +178,116 @@ def _sensitivity(job) -> list[str]:
 
 
 def infeasible_report(job) -> str:
-    """Nothing fits: the numbers, the smallest GPU count that fits, and what would help."""
+    """Nothing fits: the numbers, the limit that binds (GPU memory per rank, host memory per
+    node under CPU offload), the first doubled GPU count on which a plan fits, and what would help."""
     r = job.result
     capacity = job.cluster.gpu.memory_bytes / GIB
     headroom = job.cluster.memory_headroom_bytes / GIB
-    has = f"the GPU has {capacity:.1f} GiB" + (f", less the {headroom:g} GiB of --memory-headroom"
-                                               if headroom else "")
-    lines = [f"No plan fits: {r.configurations_considered} configurations searched on "
-             f"{job.cluster.num_gpus} x {job.cluster.gpu.key}."]
-    frugal = _most_frugal_estimate(job)
+    usable = hw.usable_memory_bytes(job.cluster) / GIB
+    has = (f"the GPU has {capacity:.1f} GiB" + (f", less the {headroom:g} GiB of --memory-headroom"
+                                                if headroom else "")
+           + f", and a plan's estimate may fill {usable:.1f} GiB of it (the estimate's measured "
+             f"error kept free)")
+    lines = [f"No plan fits: {_searched(r).split(';')[0]} on {job.cluster.num_gpus} x {job.cluster.gpu.key}."]
+    lines += [note for note in r.notes if "time limit" in note]
+    frugal = _most_frugal_estimates(job)
+    on_gpu = min(frugal.values(), key=lambda f: f[1].memory_gib_per_gpu, default=None)
     fixed = job.request.fixed
-    if fixed and r.least_memory_gib <= capacity - headroom and (frugal is None
-                                                                or frugal[1] <= capacity - headroom):
-        # the search's bound fits, so the fixed choices are what does not
+    if fixed and r.least_memory_gib <= usable and (on_gpu is None or on_gpu[1].feasible):
+        # the search's bound and a frugal layout fit, so the fixed choices are what does not
         choices = " ".join(f"--fix {key.replace('_', '-')}={value}" for key, value in fixed.items())
         lines.append(f"No configuration with {choices} fits; {has}. The search's lower bound "
                      f"({r.least_memory_gib:.1f} GiB) and the most frugal layout fit, so it is "
                      f"the fixed choices together that do not: drop or change a --fix (a "
                      f"smaller micro-batch, more recomputation or a higher ZeRO stage each "
                      f"needs less).")
-    elif frugal is not None and r.least_memory_gib <= capacity - headroom < frugal[1]:
-        # the search's bound is below the usable memory, yet no whole plan fits: say what the
-        # closest plan needs, not the bound
-        lines.append(f"The most memory-frugal configuration ({frugal[0]}, every block recomputed) "
-                     f"needs {frugal[1]:.1f} GiB per GPU; {has}.")
+    elif frugal:
+        lines += _binding_limits(frugal, usable, has)
     else:
         lines.append(f"The least memory per GPU any configuration needs is at least "
                      f"{r.least_memory_gib:.1f} GiB; {has}.")
-    smallest = _smallest_fitting_count(job)
-    if smallest:
-        lines.append(f"The smallest count of {job.cluster.gpu.key} that fits is {smallest} GPUs.")
-    lines.append("Options that reduce memory: --fix offload=both with ZeRO-3 (parameters and optimizer "
-                 "in CPU memory), --precision fp8 where the GPU has it, a shorter --seq-len, a smaller "
-                 "global batch per GPU, or a GPU with more memory.")
+    lines += _smallest_fitting_count(job)
+    host_binds = any(e.memory_gib_per_gpu <= usable and not e.feasible for _, e in frugal.values())
+    offload = ("" if host_binds else "--fix offload=both with ZeRO-3 (parameters and optimizer in CPU "
+               "memory), ")
+    lines.append(f"Options that reduce memory: {offload}--precision fp8 where the GPU has it, a shorter "
+                 "--seq-len, a smaller global batch per GPU, more GPUs, or a GPU with more memory.")
     return "\n".join(lines)
 
 
+def _binding_limits(frugal: dict, usable_gib: float, has: str) -> list[str]:
+    """The limit each of the most frugal layouts (without, then with CPU offload) runs into."""
+    lines = []
+    for offloads, (layout, est) in sorted(frugal.items()):
+        kind = "with CPU offload" if offloads else "without CPU offload"
+        gpu = est.memory_gib_per_gpu
+        if gpu > usable_gib:
+            lines.append(f"GPU memory per rank is the limit {kind}: the most memory-frugal configuration "
+                         f"({layout}, every block recomputed) needs {gpu:.1f} GiB per GPU; {has}.")
+        elif not est.feasible:  # the GPUs fit: host memory per node is what does not
+            lines.append(f"Host memory per node is the limit {kind}: the most memory-frugal configuration "
+                         f"({layout}, every block recomputed) fits the GPUs at {gpu:.1f} GiB; "
+                         f"{est.reason}.")
+    return lines
+
+
 def _frugal_configs(job, request) -> list[ParallelConfig]:
-    """Micro-batch 1, the highest ZeRO stage and offload, the most model parallelism first."""
+    """Micro-batch 1, the highest ZeRO stage, the most model parallelism first; the 12 most
+    frugal without CPU offload, then the 12 most frugal with it."""
     configs = [c for c in space.outer_configs(job.graph, request) if c.micro_batch == 1]
     configs.sort(key=lambda c: (-c.zero_stage, c.offload != "both", -(c.tp * c.pp * c.cp)))
-    return configs
+    return ([c for c in configs if c.offload == "none"][:12]
+            + [c for c in configs if c.offload != "none"][:12])
 
 
-def _most_frugal_estimate(job) -> tuple[str, float] | None:
-    """(layout, GiB per GPU) of the configuration needing the least memory among the most
-    frugal few, every block fully recomputed, blocks split evenly over the stages."""
-    best = None
-    for config in _frugal_configs(job, job.request)[:12]:
+def _most_frugal_estimates(job) -> dict[bool, tuple[str, Any]]:
+    """{offloads: (layout, Estimate)} of the configuration needing the least GPU memory among
+    the most frugal few without and with CPU offload, every block fully recomputed, blocks
+    split evenly over the stages."""
+    best: dict[bool, tuple[str, Any]] = {}
+    for config in _frugal_configs(job, job.request):
         full = replace(config, stage_layers=tuple(stage_layer_counts(job.graph.num_layers, config)),
                        layer_recompute=("full",) * job.graph.num_layers)
-        gib = estimate_candidate(job.graph, full, job.cluster, job.cache).memory_gib_per_gpu
-        if best is None or gib < best[1]:
-            best = (f"dp={config.dp} tp={config.tp} pp={config.pp} cp={config.cp} ep={config.ep}, "
-                    f"ZeRO-{config.zero_stage}, offload {config.offload}", gib)
+        est = estimate_candidate(job.graph, full, job.cluster, job.cache)
+        offloads = config.offload != "none"
+        if offloads not in best or est.memory_gib_per_gpu < best[offloads][1].memory_gib_per_gpu:
+            best[offloads] = (f"dp={config.dp} tp={config.tp} pp={config.pp} cp={config.cp} ep={config.ep}, "
+                              f"ZeRO-{config.zero_stage}, offload {config.offload}", est)
     return best
 
 
-def _smallest_fitting_count(job) -> int | None:
-    """Double the GPU count until one of the most memory-frugal configurations fits
-    (micro-batch 1, the highest ZeRO stage and offload, the most model parallelism)."""
-    n = job.cluster.num_gpus
+def _smallest_fitting_count(job) -> list[str]:
+    """Search the doubled GPU count (the same global batch and --fix choices) until a plan
+    fits: that count and its plan, and the counts before it on which nothing fits."""
+    from autoplan.solve.search import search
+
+    n, tried = job.cluster.num_gpus, []
     for _ in range(8):
         n *= 2
         try:
             cluster = with_num_gpus(job.cluster, n)
         except Exception:
-            return None
-        request = replace(job.request, num_gpus=n, global_batch=max(job.request.global_batch, n))
-        configs = _frugal_configs(job, request)
-        bigger = replace(job, cluster=cluster, request=request)
-        for config in configs[:12]:
-            if isinstance(solve_config(bigger, config), Candidate):
-                return n
-    return None
+            return []
+        request = replace(job.request, num_gpus=n)
+        result = search(job.graph, cluster, request, top=0, cache=job.cache,
+                        time_limit_s=min(SMALLEST_COUNT_LIMIT_S, job.result.time_limit_s or SMALLEST_COUNT_LIMIT_S))
+        if result.best is not None:
+            c = result.best.config
+            before = f" (on {', '.join(map(str, tried))} no plan fits)" if tried else ""
+            return [f"Doubling the GPU count, the first on which a plan fits is {n} x {job.cluster.gpu.key}"
+                    f"{before}: dp={c.dp} tp={c.tp} pp={c.pp} cp={c.cp} ep={c.ep}, ZeRO-{c.zero_stage}, "
+                    f"offload {c.offload}, {result.best.estimate.memory_gib_per_gpu:.1f} GiB per GPU "
+                    f"(`autoplan plan ... --gpus {n}`)."]
+        if result.time_limited:
+            return [f"On {n} GPUs the search found no plan within {result.time_limit_s:g} s "
+                    f"({result.configurations_searched} of {result.configurations_considered} configurations)"
+                    + (f"; on {', '.join(map(str, tried))} no plan fits" if tried else "") + "."]
+        tried.append(n)
+    return []
+
+
+# seconds for each doubled count's search in the "nothing fits" report
+SMALLEST_COUNT_LIMIT_S = 20.0
 
 
 def candidate_json(cand: Candidate, best: Candidate | None = None) -> dict[str, Any]:
@@ -277,6 +315,7 @@ def job_json(job, explanation: list[str]) -> dict[str, Any]:
         "alternatives": [{**candidate_json(a, r.best), "equivalent_within_error_band": equivalent(r, a)}
                          for a in r.alternatives],
         "fastest": candidate_json(r.fastest) if r.fastest else None,
+        "search": r.search_json(),
         "solver": {"status": r.status, "wall_s": r.wall_s,
                    "configurations_considered": r.configurations_considered,
                    "configurations_solved": r.configurations_solved, "notes": list(r.notes)},
@@ -284,13 +323,20 @@ def job_json(job, explanation: list[str]) -> dict[str, Any]:
     }
 
 
+def _searched(r) -> str:
+    """"581 configurations", or, when the time limit stopped the search, what it covered."""
+    if r.time_limited:
+        return (f"searched {r.configurations_searched} of {r.configurations_considered} configurations "
+                f"in the {r.time_limit_s:g} s time limit; the best found is shown")
+    return f"{r.configurations_considered} configurations"
+
+
 def render_job(job, explanation: list[str], console) -> None:
     from rich.table import Table
 
     r, e, c = job.result, job.result.best.estimate, job.result.best.config
     head = Table(title=f"autoplan plan: {job.model.name} on {c.world_size} x {job.cluster.gpu.key} "
-                       f"[{r.status}, {r.wall_s:.1f} s, {r.configurations_considered} configurations]",
-                 show_header=False)
+                       f"[{r.status}, {r.wall_s:.1f} s, {_searched(r)}]", show_header=False)
     head.add_row("degrees", f"dp={c.dp} tp={c.tp} pp={c.pp} cp={c.cp} ep={c.ep}")
     head.add_row("ZeRO / offload", f"{c.zero_stage} / {c.offload}")
     head.add_row("batching", f"micro-batch {c.micro_batch} x {c.num_microbatches} micro-batches, "
@@ -303,19 +349,24 @@ def render_job(job, explanation: list[str], console) -> None:
     head.add_row("step time", f"{e.step_time_s:.3f} s")
     head.add_row("tokens/s per GPU", f"{e.tokens_per_s_per_gpu:,.0f}")
     head.add_row("MFU / HFU", f"{e.mfu * 100:.1f}% / {e.hfu * 100:.1f}%")
-    head.add_row("memory per GPU", f"{e.memory_gib_per_gpu:.1f} GiB (worst stage {e.worst_rank_stage})")
+    head.add_row("memory per GPU", f"{e.memory_gib_per_gpu:.1f} GiB"
+                 + (f" (worst stage {e.worst_rank_stage})" if c.pp > 1 else ""))
     console.print(head)
     if r.alternatives:
         alt = Table(title="Runners-up")
-        for col in ("dp/tp/pp/cp/ep", "ZeRO", "mb", "schedule", "step s", "vs best", "GiB", "note"):
+        for col in ("dp/tp/pp/cp/ep", "ZeRO", "offload", "mb", "schedule", "step s", "vs best", "GiB", "note"):
             alt.add_column(col)
         for a in r.alternatives:
             ac = a.config
-            alt.add_row(f"{ac.dp}/{ac.tp}/{ac.pp}/{ac.cp}/{ac.ep}", str(ac.zero_stage), str(ac.micro_batch),
+            alt.add_row(f"{ac.dp}/{ac.tp}/{ac.pp}/{ac.cp}/{ac.ep}", str(ac.zero_stage), ac.offload, str(ac.micro_batch),
                         schedule_label(ac.pp, ac.schedule, ac.vpp), f"{a.step_time_s:.3f}",
                         _pct(a.step_time_s, e.step_time_s), f"{a.estimate.memory_gib_per_gpu:.1f}",
                         "equivalent within the error band" if equivalent(r, a) else "")
         console.print(alt)
     console.print("[bold]Why:[/]")
+    why = Table.grid(padding=(0, 1))  # a wrapped line continues under its text, not under the dash
+    why.add_column(no_wrap=True)
+    why.add_column()
     for line in [*explanation, *r.notes]:
-        console.print(f"  - {line}")
+        why.add_row("  -", line)
+    console.print(why)

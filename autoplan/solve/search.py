@@ -73,6 +73,20 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
     fastest: Candidate | None = None  # the proven fastest plan; `best` may be a simpler one
     band: float = 0.0  # relative step-time difference treated as equivalent (preference.py)
+    # configurations the search covered: solved, ruled out, or proven slower than the best;
+    # less than configurations_considered only when the time limit stopped it
+    configurations_searched: int = 0
+    time_limit_s: float = 0.0
+
+    @property
+    def time_limited(self) -> bool:
+        return self.configurations_searched < self.configurations_considered
+
+    def search_json(self) -> dict:
+        """How far the search went: {"status", "searched", "total", "time_limited", "time_limit_s"}."""
+        return {"status": self.status, "searched": self.configurations_searched,
+                "total": self.configurations_considered, "time_limited": self.time_limited,
+                "time_limit_s": self.time_limit_s}
 
 
 def partition_to_config(config: ParallelConfig, part: Partition, runs: list[tuple[int, int, str]]) -> ParallelConfig:
@@ -147,11 +161,13 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
     solved, infeasible, all_optimal = 0, sum(n for _, n in skipped_memory), True
     least_mem = min((m for m, _ in skipped_memory), default=float("inf"))
     done, completed, edge_resolved = 0, True, 0
-    for bound, key in bounds:
+    unvisited = 0  # configurations of the families the time limit left out
+    for index, (bound, key) in enumerate(bounds):
         if bound >= threshold * (1 + band):
             break
         if time.perf_counter() - start > time_limit_s:
             completed = False
+            unvisited = sum(len(families[k]) for _, k in bounds[index:])
             break
         # every plan left is at least `bound`: kept plans within the band of it stay within the
         # band of the fastest, whatever is found later
@@ -186,12 +202,24 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             progress(done, len(configs))
     fastest, best, alternatives = choose(list(kept.values()), band, top)
     status = "INFEASIBLE" if best is None else ("OPTIMAL" if all_optimal and completed else "FEASIBLE")
+    searched = len(configs) - unvisited
     return SearchResult(
         best=best, alternatives=alternatives, status=status,
         wall_s=time.perf_counter() - start, configurations_considered=len(configs),
         configurations_solved=solved, least_memory_gib=least_mem, infeasible_by_memory=infeasible,
-        fastest=fastest, band=band, notes=_edge_notes(edge_resolved),
+        fastest=fastest, band=band,
+        notes=_time_limit_notes(searched, len(configs), time_limit_s, best) + _edge_notes(edge_resolved),
+        configurations_searched=searched, time_limit_s=time_limit_s,
     )
+
+
+def _time_limit_notes(searched: int, total: int, limit_s: float, best) -> list[str]:
+    if searched >= total:
+        return []
+    found = ("the best found is shown; a configuration not searched might be faster"
+             if best is not None else "none of them fits; one not searched might")
+    return [f"the {limit_s:g} s time limit stopped the search: searched {searched} of {total} "
+            f"configurations; {found} (--time-limit SECONDS searches longer)"]
 
 
 OBJECTIVES = ("time", "cost")

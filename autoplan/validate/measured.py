@@ -156,15 +156,26 @@ def _notes(device: str, plan: Plan, model_gpu: str, error: dict[str, Any], measu
                      "torch libraries included), the cost model predicts device memory (with a "
                      f"{runtime_overhead_bytes() / 2**30:g} GiB CUDA context allowance a CPU process does not have)")
     step = error.get("step_time_s")
+    if device == "cpu":
+        notes.append(CPU_MODEL_PURPOSE)
     if device == "cpu" and step is not None and step < 0:
         notes.append(f"steps took {1 / (1 + step):.1f}x the predicted time: the CPU cost model times matmuls, "
                      "memory traffic and gloo collectives with one core per rank; per-operator Python and "
                      "dispatch time and ranks sharing cores are not in it, and for a model this small they "
-                     "can dominate")
+                     "dominate")
     elif device == "cpu" and step is not None and step > 0:
         notes.append(f"steps took {1 / (1 + step):.2f}x the predicted time: faster than the CPU cost model, "
                      "whose data was measured with one thread per rank")
     return notes
+
+
+# What the CPU cost model is for, and how far off it is on the README's walkthrough (tiny-gpt,
+# 4 ranks on a 2-core machine: -86% step time, i.e. steps about 7x the prediction)
+CPU_MODEL_PURPOSE = (
+    "the CPU cost model (cost_models/gpus/cpu.toml) is there so that a job can be planned, generated "
+    "and run on CPU processes without a GPU; its times are not a forecast for this machine: on the "
+    "README's tiny-gpt walkthrough (4 ranks on 2 cores) steps take about 7x its prediction. How far "
+    "the GPU cost model is off is measured against published GPU runs (`autoplan validate`)")
 
 
 def _memory_per_rank(used: list[dict[str, Any]], plan: Plan, est: dict[str, Any],

@@ -430,3 +430,14 @@ def test_a_model_sizing_tensors_from_their_values_is_refused_in_one_paragraph(mo
     text = " ".join(str(caught.value).split())
     assert "computes a tensor's shape from its values (aten.nonzero" in text
     assert "autoplan estimate" in text
+
+
+def test_fits_is_judged_against_the_plans_own_budget(tmp_path):
+    # the tiny job takes about 1 GiB of the cpu device's 8 GiB (the model's overhead): with the
+    # plan keeping 7.5 GiB free its budget is 0.5 GiB, so it fits the device but not the budget
+    report = check_plan(_plan_file(tmp_path, memory_headroom_gib=0.0), workers=1)
+    assert report["fits"] and report["budget_gib"] == report["gpu_memory_gib"]
+    over = CliRunner().invoke(cli, ["check", _plan_file(tmp_path, memory_headroom_gib=7.5)])
+    text = " ".join(over.output.split())
+    assert over.exit_code == 1, over.output
+    assert "over the plan's budget of 0.5 GiB (8 GiB cpu less 7.5 GiB of headroom)" in text

@@ -25,6 +25,8 @@ DIFFERENT_HELP = {
     "--precision": "estimate costs one given precision (no auto)",
     "--global-batch": "estimate also takes it from an imported configuration",
     "--format": "plan prints another stack's configuration, report a document format",
+    "--top": "report shows runners-up per cluster of its sweep",
+    "--time-limit": "report limits each cluster's search of its sweep",
 }
 DIFFERENT_DEFAULT = {"--top": "a report sweep searches for each cluster's best alone unless asked (faster)"}
 

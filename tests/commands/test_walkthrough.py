@@ -72,6 +72,8 @@ def test_a_plan_without_a_pipeline_shows_no_schedule(run_cli):
                              "--top", "2")
     assert code == 0, err
     assert "none (pp=1)" in out and "1f1b" not in out  # neither the plan nor its pp=1 runners-up
+    assert "pipeline stage" not in out and "worst stage" not in out  # no stage without a pipeline
+    assert "offload" in out.split("Runners-up")[1].split("Why")[0]  # the runners-up's offload column
 
 
 def test_report_plans_with_the_same_options_as_plan(run_cli, tmp_path):
@@ -105,3 +107,16 @@ def test_report_of_a_plan_file_needs_no_tokens(run_cli, tmp_path):
     assert doc["tokens"] == 8 * 32 and doc["detail"]["steps"] == 1  # priced for one optimizer step
     code, _, err = run_cli("report", "--plan", str(plan), "--gpus-per-node", "4")
     assert code == 2 and "--gpus-per-node" in err
+
+
+def test_the_walkthroughs_report_of_a_cpu_plan_needs_no_price(run_cli, tmp_path):
+    # the cpu device has no rental price: the walkthrough's `report --plan tiny-job/plan.json`
+    # prices it at 0 and says so, instead of exiting 2 until --price cpu=... is given
+    plan = tmp_path / "plan.json"
+    code, _, err = run_cli("plan", "tiny-gpt", "--gpus", "4", *CPU, "--seq-len", "32", "-o", str(plan))
+    assert code == 0, err
+    code, out, err = run_cli("report", "--plan", str(plan))
+    assert code == 0, err
+    assert "0 USD per hour" in " ".join(out.split())
+    code, out, err = run_cli("report", "--plan", str(plan), "--format", "json")
+    assert code == 0 and json.loads(out)["detail"]["usd_per_gpu_hour"] == 0
