@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.errors import UserError
+from autoplan.files import write_file
 from autoplan.plan import Plan, PlanFormatError
 from autoplan.runtime.args import TrainArgs
 from autoplan.runtime.checkpoint import (load_checkpoint, non_persistent_buffers, save_checkpoint,
@@ -40,7 +41,6 @@ from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import build_schedule, make_stages
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
-from autoplan.files import write_file
 from autoplan.runtime.rundir import (METRICS_NAME, DirectoryLock, check_unlocked, drop_metrics_from,
                                       job_directories, lock_job, refuse_linked_run_files)
 from autoplan.runtime.tensor_parallel import reduce_partial_grads, uses_loss_parallel

@@ -54,10 +54,18 @@ def _holder_text(holder: dict) -> str:
 
 def _refusal(directory: Path, holder: dict, locked: Path | None = None) -> UserError:
     where = "" if locked in (None, directory) else f" (its lock is on {locked})"
-    return UserError(f"the run directory {directory} is in use by {_holder_text(holder)}{where}; two "
+    return UserError(f"the directory {directory} is in use by {_holder_text(holder)}{where}; two "
                      "jobs in one directory, or in directories inside one another, would interleave "
                      "metrics.jsonl and replace each other's checkpoints. Wait for that job to end, or "
                      "give this one its own --run-dir (and --checkpoint-dir) outside that job's.")
+
+
+def _taken_over(directory: Path, holder: dict) -> UserError:
+    return UserError(f"the directory {directory} was held by {_holder_text(holder)}, not by this "
+                     "launch, whose first attempt was refused; its restarted workers do not take "
+                     "that job's directory over (they would resume from its checkpoints and append "
+                     "to its metrics). Give this job its own --run-dir (and --checkpoint-dir), or "
+                     "launch it again.")
 
 
 def _try_flock(fd: int, how: int) -> bool:
@@ -87,11 +95,14 @@ class DirectoryLock:
         (`restarted`), when the lock file names another run (this run never held it)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
-        holder = _read_holder(fd) if _try_flock(fd, fcntl.LOCK_EX) else None
-        if holder is None or (restarted and holder and holder.get("run_id") != run_id):
-            holder = holder or _read_holder(fd)
+        if not _try_flock(fd, fcntl.LOCK_EX):
+            holder = _read_holder(fd)
             os.close(fd)
             raise _refusal(self.directory, holder)
+        holder = _read_holder(fd)
+        if restarted and holder and holder.get("run_id") != run_id:
+            os.close(fd)
+            raise _taken_over(self.directory, holder)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                   "run_id": run_id}).encode(), 0)
@@ -107,7 +118,10 @@ class DirectoryLock:
 
 def lock_job(directories: list[Path], run_id: str = "", restarted: bool = False) -> list[DirectoryLock]:
     """Lock every directory of a job, then refuse when another job holds a lock above or below
-    one of them; on refusal nothing stays locked."""
+    one of them; on refusal nothing stays locked. (Looked for first as well, so that a refused
+    job leaves no lock file in another job's directories.)"""
+    for directory in directories:
+        check_unlocked(directory)
     locks: list[DirectoryLock] = []
     try:
         for directory in directories:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autoplan.runtime import TrainArgs, train
-from autoplan.runtime.rundir import job_directories, lock_job
+from autoplan.runtime.rundir import DirectoryLock
 from runtime_models import builder, plan_dict
 
 
@@ -25,7 +25,7 @@ def test_checkpoint_dir_inside_a_running_jobs_run_dir_is_refused(one_process, tm
     first = tmp_path / "first"
     (first / "checkpoints" / "step_000001").mkdir(parents=True)
     (first / "checkpoints" / "step_000001" / "trainer.json").write_text('{"step": 1}')
-    held = lock_job(job_directories(str(first), str(first / "checkpoints")), "first-job")
+    held = [DirectoryLock(first).acquire("first-job")]  # what the first job's rank 0 holds
     try:
         with pytest.raises(SystemExit) as exc:
             _train(run_dir=str(tmp_path / "second"), checkpoint_dir=str(first / "checkpoints"),
@@ -35,8 +35,8 @@ def test_checkpoint_dir_inside_a_running_jobs_run_dir_is_refused(one_process, tm
             lock.release()
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("autoplan: error: the run directory") and "run id first-job" in err
-    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == [".autoplan.lock", "step_000001"]
+    assert err.startswith("autoplan: error: the directory") and "run id first-job" in err
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_000001"]
     assert (first / "checkpoints" / "step_000001" / "trainer.json").read_text() == '{"step": 1}'
     assert not (tmp_path / "second" / "metrics.jsonl").exists()
 
