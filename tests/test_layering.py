@@ -14,13 +14,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "autoplan"
 
 # What each top-level part of autoplan may import (besides itself). Lower layers first.
-_BASE = {"errors", "paths", "limits"}
+_BASE = {"errors", "paths", "limits", "files"}
 _CONTRACT = _BASE | {"plan", "config"}
 _TORCH_ONLY = _CONTRACT | {"models"}
 _PLANNER = _TORCH_ONLY | {"hardware", "trace", "cost"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "paths": set(),
+    "files": {"errors"},
     "limits": {"errors"},
     "plan": {"errors", "limits", "config"},
     "config": set(),

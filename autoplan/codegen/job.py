@@ -20,7 +20,6 @@ import json
 import math
 import re
 import shlex
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from autoplan.codegen.exports import EXPORTS, export_files, export_notes
 from autoplan.codegen.launchers import LAUNCH_FILES, launcher_context
 from autoplan.codegen.runtime_wheel import runtime_wheel, wheel_name
 from autoplan.errors import UserError
+from autoplan.files import refuse_link, write_file
 from autoplan.plan import Plan
 from autoplan.paths import templates_dir
 
@@ -291,13 +291,12 @@ def write_job(files: dict[str, bytes], out_dir: Path, force: bool) -> list[Path]
     except (FileExistsError, NotADirectoryError) as exc:
         raise UserError(f"cannot create {out_dir}: a part of the path is a file ({exc.filename}); "
                         "choose another -o directory") from None
+    for name in files:  # before writing any: a refused job leaves the folder as it was
+        refuse_link(out_dir / name)
     written = []
     for name, content in files.items():
-        path = out_dir / name
-        path.write_bytes(content)
-        if name in _EXECUTABLE:
-            path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-        written.append(path)
+        write_file(out_dir / name, content, executable=name in _EXECUTABLE)
+        written.append(out_dir / name)
     return written
 
 

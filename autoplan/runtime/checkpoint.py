@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from autoplan.errors import UserError
+from autoplan.files import write_file
 from autoplan.runtime.data_parallel import Zero1
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -152,24 +153,33 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], op
     tmp = final.with_name(final.name + ".tmp")
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # new: every rank writes into a fresh folder, never through a link
     dist.barrier()
     dcp.save(_state(parts, optimizers, skip), checkpoint_id=str(tmp))
     dist.barrier()
     if rank == 0:
-        (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}))
+        write_file(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}).encode())
     dist.barrier()
     names = sorted(p.name for p in tmp.iterdir() if p.is_file())
     shares: list = [None] * world
     dist.all_gather_object(shares, _file_entries(tmp, names[rank::world]))
     if rank == 0:
         files = {name: entry for share in shares for name, entry in share.items()}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
+        write_file(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
+        _remove(final)
         os.replace(tmp, final)  # atomic on POSIX: the folder is complete or absent
     dist.barrier()
     return final
+
+
+def _remove(path: Path) -> None:
+    """Remove a folder, or a link in its place (the link, not its target)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

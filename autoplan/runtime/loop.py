@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.errors import UserError
+from autoplan.files import write_file
 from autoplan.plan import Plan, PlanFormatError
 from autoplan.runtime.args import TrainArgs
 from autoplan.runtime.checkpoint import (load_checkpoint, non_persistent_buffers, save_checkpoint,
@@ -40,7 +41,8 @@ from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import build_schedule, make_stages
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
-from autoplan.runtime.rundir import DirectoryLock, check_unlocked, drop_metrics_from, job_directories
+from autoplan.runtime.rundir import (METRICS_NAME, DirectoryLock, check_unlocked, drop_metrics_from,
+                                      job_directories, lock_job, refuse_linked_run_files)
 from autoplan.runtime.tensor_parallel import reduce_partial_grads, uses_loss_parallel
 
 
@@ -370,7 +372,7 @@ class MetricsLog:
     """One JSON object per step appended to <run_dir>/metrics.jsonl (rank 0 only)."""
 
     def __init__(self, run_dir: str, plan: Plan, num_params: int) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.plan = plan
         est = plan.estimate or {}
@@ -386,8 +388,7 @@ class MetricsLog:
         record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "peak_memory_gib": peak_memory_gib(self.device_type), "step_time_s": step_time_s,
                   "device": self.device_type}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        write_file(self.path, (json.dumps(record) + "\n").encode(), append=True)
         if print_line:
             mfu_text = f"{mfu:.2%}" if mfu is not None else "n/a"
             print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
@@ -416,8 +417,9 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
             print("autoplan: fp8 runs as bf16 in autoplan.runtime (no fp8 matmuls yet)", flush=True)
         if rank == 0:  # held until this process exits; the kernel releases it if it dies
             run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-            locks = [DirectoryLock(d).acquire(run_id)
-                     for d in job_directories(args.run_dir, args.checkpoint_path)]
+            locks = lock_job(job_directories(args.run_dir, args.checkpoint_path), run_id,
+                             restarted=restart_count() > 0)
+            refuse_linked_run_files(args.run_dir)
         owns_group = not dist.is_initialized()
         init_distributed()
         losses = Trainer(build_model, plan, args, meta=meta).run()
@@ -450,6 +452,7 @@ def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs) -> None:
         print(f"autoplan: --data {args.data}: {count:,} tokens, all ids below the vocabulary", flush=True)
     for directory in job_directories(args.run_dir, args.checkpoint_path):
         check_unlocked(directory, os.environ.get("AUTOPLAN_RUN_ID", ""))
+    refuse_linked_run_files(args.run_dir)
     if args.resume:
         path = verified_checkpoint(args.checkpoint_path, _say)
         _say(f"autoplan: will resume from {path}" if path else

@@ -156,6 +156,53 @@ def test_second_job_in_the_same_run_directory_is_refused(tiny_job, tmp_path):
     assert not (run / "metrics.jsonl").exists()
 
 
+def test_checkpoint_dir_inside_a_running_jobs_run_dir_is_refused(tiny_job, clean_run, tmp_path):
+    from autoplan.runtime.rundir import DirectoryLock
+
+    first = tmp_path / "first"
+    shutil.copytree(clean_run, first)
+    before = {p: p.read_bytes() for p in (first / "checkpoints").rglob("*") if p.is_file()}
+    held = [DirectoryLock(first).acquire("first-job")]  # what the first job's rank 0 holds
+    try:
+        result = run_script(tiny_job / "launch.sh", "--steps", EVERY, "--checkpoint-every", EVERY,
+                            "--run-dir", tmp_path / "second", "--checkpoint-dir",
+                            first / "checkpoints", cwd=tmp_path)
+    finally:
+        for lock in held:
+            lock.release()
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "run id first-job" in result.stderr and "Traceback" not in result.stderr
+    after = {p: p.read_bytes() for p in (first / "checkpoints").rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_two_launches_at_once_one_runs_and_one_is_refused(tiny_job, tmp_path):
+    """Both pass launch.sh's check before either rank 0 holds the lock; the refused rank 0
+    makes torchrun restart that job's workers, which must not take the directory over once
+    the first job has ended (that resumed from its checkpoint and appended to its metrics)."""
+    run = tmp_path / "run"
+    env = dict(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+               OMP_NUM_THREADS="1", MAX_RESTARTS="1")
+    for name in ("RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC_PER_NODE"):
+        env[name] = ""
+    procs = [subprocess.Popen(["bash", str(tiny_job / "launch.sh"), "--steps", "4",
+                               "--checkpoint-every", "2", "--run-dir", str(run)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **env}, cwd=tmp_path, start_new_session=True)
+             for _ in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    codes = sorted(proc.returncode for proc in procs)
+    text = "\n".join(out + err for out, err in outputs)
+    assert codes[0] == 0 and codes[1] != 0, text[-3000:]
+    assert "is in use by job pid" in text and "resumed from" not in text, text[-3000:]
+    assert [row["step"] for row in metrics(run)] == [0, 1, 2, 3]
+
+
 def _token_file(path: Path, values: list[int] | None, dtype=torch.int16) -> Path:
     path.write_bytes(b"" if values is None else torch.tensor(values, dtype=dtype).numpy().tobytes())
     return path

@@ -91,6 +91,22 @@ def test_existing_directory_needs_force(plan_file, tmp_path):
     assert (out / "notes.txt").read_text() == "mine" and (out / "train.py").is_file()
 
 
+@pytest.mark.parametrize("name", ["launch.sh", "README.md"])
+def test_force_does_not_write_through_a_link_in_the_job_folder(plan_file, tmp_path, name):
+    out = tmp_path / "job"
+    code, stdout, stderr = generate("tiny-gpt", "--plan", str(plan_file), "-o", str(out))
+    assert code == 0, stdout + stderr
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    target.chmod(0o644)
+    (out / name).unlink()
+    (out / name).symlink_to(target)
+    expect_user_error("tiny-gpt", "--plan", str(plan_file), "-o", str(out), "--force",
+                      match=f"{out / name} is a symbolic link (to {target})")
+    assert target.read_text() == "keep me" and target.stat().st_mode & 0o777 == 0o644
+    assert (out / name).is_symlink()  # the refused run changed nothing
+
+
 def test_nothing_fits_is_exit_1(tmp_path):
     code, stdout, stderr = generate("llama3.1-70b", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
                                     "-o", str(tmp_path / "x"))

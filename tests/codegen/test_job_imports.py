@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # what a job may import from autoplan: the runtime and the contract it reads
-JOB_PARTS = {"runtime", "plan", "config", "errors", "models", "limits", "paths"}
+JOB_PARTS = {"runtime", "plan", "config", "errors", "files", "models", "limits", "paths"}
 PLANNER_DEPENDENCIES = {"ortools", "networkx", "jinja2", "rich", "click", "hypothesis"}
 
 _PROBE = """
