@@ -60,3 +60,7 @@ def top_option(default: int):
                         help="Runners-up to show (per cluster in a report).")
 time_limit_option = click.option("--time-limit", type=float, default=None, metavar="SECONDS",
                                  help="Search time limit in seconds (per cluster in a sweep).")
+trust_plan_model_option = click.option(
+    "--trust-plan-model", is_flag=True,
+    help="Load the model file the plan names even when its bytes differ from those the plan recorded "
+         "(or it recorded none); without it, give MODEL on the command line for such a plan.")
