@@ -66,7 +66,7 @@ def _no_code_from_plan(ref: ModelRef, plan_file: str, why: str) -> UserError:
     return UserError(
         f"{plan_file} names the model file {ref.path}, {why}, and a plan file alone never runs or "
         f"reads a model file it cannot vouch for: give the model on the command line as MODEL (the "
-        f"file you mean to run), pass {TRUST_FLAG} to load {ref.path} as the plan names it, or make "
+        f"file you mean to load), pass {TRUST_FLAG} to load {ref.path} as the plan names it, or make "
         "the plan again with `autoplan plan`")
 
 
@@ -76,6 +76,10 @@ def load_plan_model(plan: Plan, plan_file: str, *, trust: bool = False):
     from autoplan.models.sources import ModelFileChanged, load_model_of_ref
 
     ref = plan_model_ref(plan, plan_file)
+    if ref.source != "catalog" and not os.path.isfile(ref.path or ""):
+        raise UserError(f"{plan_file} names the model file {plan.model.path}, read relative to the plan "
+                        f"file's folder: {ref.path} does not exist. Give the model on the command line "
+                        "as MODEL, or put the plan file where its model path leads to the model")
     if ref.source != "catalog" and not trust and not ref.file_sha256:
         raise _no_code_from_plan(ref, plan_file, "but records no sha256 of its bytes (it was made "
                                  "before autoplan recorded one, or the field was removed)")
