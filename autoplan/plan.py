@@ -25,7 +25,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-from autoplan.config import PER_BLOCK, SCHEDULES, ParallelConfig
+from autoplan.config import PER_BLOCK, SCHEDULES, ParallelConfig  # noqa: F401 (the runtime imports SCHEDULES from here)
 from autoplan.limits import MAX_LAYERS
 from autoplan.plan_schema import field_problems
 
