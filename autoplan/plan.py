@@ -25,17 +25,15 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-from autoplan.config import OFFLOAD, PER_BLOCK, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
-from autoplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ_LEN
+from autoplan.config import PER_BLOCK, SCHEDULES, ParallelConfig  # noqa: F401 (the runtime imports SCHEDULES from here)
+from autoplan.limits import MAX_LAYERS
+from autoplan.plan_schema import field_problems
 
 FORMAT_VERSION = 3
 # version 1 kept tp_styles as one flat {module path: style}; versions 1 and 2 list recompute
 # per block path, which version 3 reads as runs of one block each
 READS_VERSIONS = (1, 2, 3)
 
-MODEL_SOURCES = ("catalog", "config", "transformers", "file")
-_POSITIVE_INTS = ("world_size", "gpus_per_node", "global_batch", "seq_len", "dp", "dp_replicate",
-                  "tp", "pp", "cp", "ep", "micro_batch", "vpp")
 # The config's fields a plan file holds as top-level keys (the per-block ones it writes by path).
 DEGREES = tuple(f.name for f in fields(ParallelConfig) if f.name not in PER_BLOCK)
 # A run of consecutive blocks in a recompute key: "layers.0-4" is layers.0 ... layers.4.
@@ -53,8 +51,12 @@ class ModelRef:
 
     source: str  # "catalog" | "config" | "transformers" (config.json, its HF class) | "file"
     name: str  # catalog name, or a display name (file stem)
-    path: str | None = None  # config.json or model.py path, as the user gave it
+    # config.json or model.py path: as the user gave it, or in a plan file relative to the
+    # file's folder (unless absolute)
+    path: str | None = None
     fingerprint: str = ""  # sha256 over the model's parameter names, shapes and dtypes
+    # sha256 of the file's bytes: a plan's model file is loaded only if its bytes still match
+    file_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ class Plan:
             elif name == "blocks":
                 out["stages"] = self.stages
                 out["recompute"] = recompute_runs(self.recompute)
+            elif name == "model":  # a catalog model has no file to hash
+                out[name] = {k: v for k, v in value.items() if k != "file_sha256" or v}
             else:
                 out[name] = value
         return out
@@ -266,73 +270,3 @@ def expand_runs(recompute: dict[str, str]) -> dict[str, str]:
                 raise PlanFormatError(f"recompute names block {path!r} twice; give each block one mode")
             out[path] = mode
     return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_str_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(item, str) for item in value)
-
-
-def field_problems(data: dict[str, Any]) -> list[str]:
-    """Every field of a plan dict with the wrong type or out of range, one line each."""
-    problems = []
-    model = data.get("model")
-    if not isinstance(model, dict) or set(model) - {f.name for f in fields(ModelRef)} \
-            or model.get("source") not in MODEL_SOURCES or not isinstance(model.get("name"), str) \
-            or not isinstance(model.get("fingerprint", ""), str) \
-            or not isinstance(model.get("path"), (str, type(None))):
-        problems.append(f"model must be {{source: one of {list(MODEL_SOURCES)}, name, path, "
-                        f"fingerprint}}, got {model!r}"[:300])
-    if not isinstance(data.get("gpu"), str):
-        problems.append(f"gpu must be a GPU name, got {data.get('gpu')!r}")
-    limits = {"world_size": MAX_GPUS, "gpus_per_node": MAX_GPUS, "global_batch": MAX_GLOBAL_BATCH,
-              "seq_len": MAX_SEQ_LEN}
-    for name in _POSITIVE_INTS:
-        value = data.get(name, 1)
-        if not _is_int(value) or value < 1:
-            problems.append(f"{name} must be a positive integer, got {value!r}")
-        elif value > limits.get(name, MAX_GPUS):
-            problems.append(f"{name} {value:,} is above autoplan's limit of {limits.get(name, MAX_GPUS):,}")
-    zero = data.get("zero_stage", 0)
-    if not _is_int(zero) or not 0 <= zero <= 3:
-        problems.append(f"zero_stage must be 0, 1, 2 or 3, got {zero!r}")
-    for name, allowed in (("offload", OFFLOAD), ("precision", PRECISIONS), ("schedule", SCHEDULES)):
-        if data.get(name, allowed[0]) not in allowed:
-            problems.append(f"{name} must be one of {list(allowed)}, got {data.get(name)!r}")
-    if not isinstance(data.get("sequence_parallel", True), bool):
-        problems.append(f"sequence_parallel must be true or false, got {data.get('sequence_parallel')!r}")
-    headroom = data.get("memory_headroom_gib", 0.0)
-    if not _is_number(headroom) or headroom < 0:
-        problems.append(f"memory_headroom_gib must be a number >= 0, got {headroom!r}")
-    nic = data.get("inter_node_bandwidth_gb_per_s")
-    if nic is not None and (not _is_number(nic) or nic <= 0):
-        problems.append(f"inter_node_bandwidth_gb_per_s must be null or a positive number, got {nic!r}")
-    stages = data.get("stages", [])
-    if not isinstance(stages, list) or not all(_is_str_list(stage) for stage in stages):
-        problems.append("stages must be a list of lists of block module paths")
-    recompute = data.get("recompute", {})
-    if not isinstance(recompute, dict) or not all(v in RECOMPUTE for v in recompute.values()):
-        problems.append(f"recompute must map block paths to one of {list(RECOMPUTE)}, "
-                        f"got {recompute!r}"[:300])
-    for name in ("cp_modules", "ep_modules"):
-        if not _is_str_list(data.get(name, [])):
-            problems.append(f"{name} must be a list of module paths")
-    buffers = data.get("cp_buffers", {})
-    if not isinstance(buffers, dict) or not all(_is_int(v) and v >= 0 for v in buffers.values()):
-        problems.append("cp_buffers must map buffer paths to their sequence dimension (an integer)")
-    for name in ("tp_styles", "optimizer", "estimate"):
-        if not isinstance(data.get(name, {}), dict):
-            problems.append(f"{name} must be a JSON object")
-    optimizer = data.get("optimizer", {})
-    if isinstance(optimizer, dict):
-        for key in ("lr", "weight_decay", "grad_clip", "warmup_steps", "max_steps"):
-            if key in optimizer and (not _is_number(optimizer[key]) or optimizer[key] < 0):
-                problems.append(f"optimizer.{key} must be a number >= 0, got {optimizer[key]!r}")
-    return problems

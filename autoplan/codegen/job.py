@@ -16,11 +16,12 @@ instead of producing broken or injectable code.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -244,12 +245,13 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
     torchrun and SLURM scripts every job has."""
     env = environment()
     nnodes, nproc = launch_shape(plan)
+    job_plan = plan_of_job(plan, source)
     common = {"job_name": job_name(plan), "world_size": plan.world_size, "nnodes": nnodes,
               "nodes": Quoted(f"{nnodes} node" + ("s" if nnodes > 1 else "")),
               "nproc_per_node": nproc, "gpu": safe_name(plan.gpu),
               "env_settings": env_settings(plan, nnodes), "launches": launch_examples(nnodes)}
     train = env.get_template("train.py.j2").render(
-        **common, plan_literal=Quoted(py_literal(plan.to_dict())), source=source,
+        **common, plan_literal=Quoted(py_literal(job_plan.to_dict())), source=source,
         import_block=Quoted(train_imports(source.kind)),
         model_template=f"model_{source.kind}.py.j2", builder_call=Quoted(source.builder_call))
     sbatch_extra = [] if plan.gpu == "cpu" else [f"--gpus-per-node={nproc}"]
@@ -257,7 +259,7 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
         "train.py": train,
         "launch.sh": env.get_template("launch.sh.j2").render(**common),
         "slurm.sbatch": env.get_template("slurm.sbatch.j2").render(**common, sbatch_extra=sbatch_extra),
-        "plan.json": plan.to_json(),
+        "plan.json": job_plan.to_json(),
         **export_files(plan, versions),
         "README.md": env.get_template("job_README.md.j2").render(
             **common, **readme_context(plan, source, command_line, price, gpu_memory_gib, launchers),
@@ -274,6 +276,15 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
     if source.copy_name:
         out[source.copy_name] = source.copy_bytes
     return out
+
+
+def plan_of_job(plan: Plan, source: ModelSource) -> Plan:
+    """The plan as the job holds it: its model is the copy in the job directory (a path
+    relative to plan.json, with the copy's sha256), so `autoplan check JOB` loads that copy."""
+    if not source.copy_name:
+        return plan
+    sha = hashlib.sha256(source.copy_bytes).hexdigest()
+    return replace(plan, model=replace(plan.model, path=source.copy_name, file_sha256=sha))
 
 
 def write_job(files: dict[str, bytes], out_dir: Path, force: bool) -> list[Path]:

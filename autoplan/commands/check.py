@@ -143,11 +143,11 @@ BALANCED = ("balanced, every expert takes tokens x top_k / experts of each micro
             "cost model assumes; real routing is uneven, and the fullest expert's rank holds more")
 
 
-def check_plan(target: str, workers: int) -> dict:
+def check_plan(target: str, workers: int, model: str | None = None, trust_plan_model: bool = False) -> dict:
     from autoplan.dryrun.job import dry_run
 
     start = time.perf_counter()
-    checked = load_checked_plan(plan_path_of(target))
+    checked = load_checked_plan(plan_path_of(target), model, trust_plan_model=trust_plan_model)
     plan, est = checked.plan, checked.plan.estimate
     cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, plan.inter_node_bandwidth_gb_per_s)
@@ -232,13 +232,16 @@ def _size(value) -> str:
 
 @click.command("check")
 @click.argument("target", metavar="PLAN")
+@click.argument("model", metavar="[MODEL]", required=False)
 @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Ranks dry-run side by side (one process each).")
+@o.trust_plan_model_option
 @o.json_option
-def command(target: str, workers: int, as_json: bool) -> None:
+def command(target: str, model: str | None, workers: int, trust_plan_model: bool, as_json: bool) -> None:
     """Dry-run PLAN (a plan.json or a generated job directory) on autoplan's runtime at full
-    size with fake tensors: memory per rank by category and collectives, beside the cost model."""
-    report = check_plan(target, workers)
+    size with fake tensors: memory per rank by category and collectives, beside the cost model.
+    MODEL is the model the plan was made for (default: the one the plan names)."""
+    report = check_plan(target, workers, model, trust_plan_model)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

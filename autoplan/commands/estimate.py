@@ -37,12 +37,14 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
                           sequence_parallel=sequence_parallel and tp > 1)
 
 
-def estimate_plan_file(path: str, gpu: str | None = None):
+def estimate_plan_file(path: str, gpu: str | None = None, model: str | None = None,
+                       trust_plan_model: bool = False):
     """Estimate of a plan.json with its own stages and per-block recomputation (recomputed; on
-    `gpu` instead of the plan's GPU when given, in nodes of the plan's size)."""
+    `gpu` instead of the plan's GPU when given, in nodes of the plan's size), for MODEL when
+    given, else the model the plan names."""
     from autoplan.planfile import load_checked_plan
 
-    checked = load_checked_plan(path, gpu=gpu)
+    checked = load_checked_plan(path, model, gpu=gpu, trust_plan_model=trust_plan_model)
     return checked.estimate, checked.plan
 
 
@@ -118,12 +120,14 @@ def render(est, console) -> None:
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
               help="Megatron sequence parallelism with TP.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
-              help="Estimate a plan.json (its config, stages and per-block recomputation).")
+              help="Estimate a plan.json (its config, stages and per-block recomputation) for MODEL, "
+                   "or for the model the plan names when MODEL is left out.")
+@o.trust_plan_model_option
 @import_options
 @o.json_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, dp, tp, pp, cp, ep,
             zero, offload, micro_batch, global_batch, seq_len, recompute, schedule, vpp, precision,
-            sequence_parallel, plan_path, from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
+            sequence_parallel, plan_path, trust_plan_model, from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
     """Predict step time, tokens/s, MFU and memory per GPU of MODEL under one configuration
     (given by the options, a plan.json, or your DeepSpeed / Megatron-LM / torchtitan config)."""
     from autoplan.cost import estimate
@@ -146,7 +150,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         if memory_headroom or inter_node_bandwidth is not None:
             raise UserError("--plan takes the plan's own cluster (--memory-headroom, --inter-node-bandwidth); "
                             "drop them, or plan again")
-        est, _ = estimate_plan_file(plan_path)
+        est, _ = estimate_plan_file(plan_path, model=model, trust_plan_model=trust_plan_model)
     else:
         if not model:
             raise UserError("give MODEL (a catalog name, config.json or model.py), or --plan plan.json")

@@ -73,3 +73,7 @@ stack_version_option = click.option(
     "--stack-version", "stack_versions", multiple=True, metavar="STACK=VERSION",
     help="Write another stack's file for this release of it (repeatable), e.g. torchtitan=0.2.2 "
          "(default: the current release; names that changed between releases follow it).")
+trust_plan_model_option = click.option(
+    "--trust-plan-model", is_flag=True,
+    help="Load the model file the plan names even when its bytes differ from those the plan recorded "
+         "(or it recorded none); without it, give MODEL on the command line for such a plan.")

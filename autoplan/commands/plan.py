@@ -11,6 +11,7 @@ from autoplan.codegen.exports import EXPORTS, parse_stack_versions, render_expor
 from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.importers import compare_with_option
+from autoplan.planfile import write_plan
 
 EXPORT_FORMATS = ("torchtitan", "megatron", "deepspeed")  # autoplan.codegen.exports.EXPORTS
 
@@ -99,7 +100,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
 
         comparison = compare_with_plan(job, compare_with)
     if output:
-        job.plan.save(output)
+        write_plan(job.plan, output)
     if export is not None:
         _echo_export(job.plan, export, versions)
         return

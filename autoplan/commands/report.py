@@ -100,7 +100,7 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_p
 
 
 # options that describe the clusters of a sweep; a plan file carries its own
-_SWEEP_ONLY = ("model", "gpu", "hardware", "gpus", "gpus_per_node", "global_batch", "seq_len", "fix", "top",
+_SWEEP_ONLY = ("gpu", "hardware", "gpus", "gpus_per_node", "global_batch", "seq_len", "fix", "top",
                "precision", "memory_headroom", "inter_node_bandwidth", "time_limit", "budget", "deadline")
 
 
@@ -138,16 +138,18 @@ _SWEEP_ONLY = ("model", "gpu", "hardware", "gpus", "gpus_per_node", "global_batc
               help="terminal (default), md, html or json; with -o the file suffix decides when not given.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the report here.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
+@o.trust_plan_model_option
 @click.pass_context
 def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top,
             price, price_list, budget, deadline, precision, failure_rate, checkpoint_gb_per_s, restart_minutes,
-            time_limit, memory_headroom, inter_node_bandwidth, fmt, output, force):
+            time_limit, memory_headroom, inter_node_bandwidth, fmt, output, force, trust_plan_model):
     """Plan MODEL on every GPU type and count and compare time to train, GPU-hours and cost.
 
     For each cluster: the best plan, step time, time to train --tokens (with checkpoints,
     interruptions and restarts), GPU-hours, cost, MFU, memory headroom, or why nothing fits;
     the Pareto frontier of time vs cost and a recommendation per objective. With --plan, one
-    plan in depth: memory per stage, step-time breakdown, pipeline timeline.
+    plan in depth: memory per stage, step-time breakdown, pipeline timeline (of MODEL when
+    given, else of the model the plan names).
     """
     from autoplan.report.accuracy import published_runs_error
     from autoplan.report.sweep import parse_tokens
@@ -168,10 +170,11 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
         given = [name for name in _SWEEP_ONLY
                  if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
         if given:
-            flags = ", ".join("MODEL" if n == "model" else "--" + n.replace("_", "-") for n in given)
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
             raise UserError(f"--plan reports one plan file with its own model and cluster; leave out {flags} "
                             "(or drop --plan to sweep clusters).")
-        detail = load_plan_detail(plan_file, tokens=n_tokens, prices=prices, assumptions=assumptions, error=error)
+        detail = load_plan_detail(plan_file, tokens=n_tokens, prices=prices, assumptions=assumptions, error=error,
+                                  model=model, trust_plan_model=trust_plan_model)
         n_tokens = detail.run.steps * detail.plan.global_batch * detail.plan.seq_len if n_tokens is None \
             else n_tokens
         sweep = None

@@ -29,7 +29,7 @@ import re
 import sys
 import traceback
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,6 +85,10 @@ def _meta(value):
     return value.to("meta") if isinstance(value, torch.Tensor) and not value.is_meta else value
 
 
+class ModelFileChanged(UserError):
+    """A model file's bytes are not those a plan recorded (file_sha256)."""
+
+
 def load_model(spec: str, *, seq_len: int | None = None) -> LoadedModel:
     """Build MODEL (file, config.json or catalog name) on meta. Bad input raises UserError."""
     spec = str(spec)
@@ -102,26 +106,57 @@ def load_model(spec: str, *, seq_len: int | None = None) -> LoadedModel:
     return _load_catalog(spec, seq_len)
 
 
+def load_model_of_ref(ref: ModelRef, *, seq_len: int | None = None, check_bytes: bool = True) -> LoadedModel:
+    """Build the model a plan names (`ref.path` already resolved), by its recorded source, not
+    by the path's suffix. With `check_bytes`, the file is read once and its bytes must have
+    the plan's file_sha256 before they are parsed or run (ModelFileChanged otherwise)."""
+    expected = ref.file_sha256 if check_bytes else None
+    path = Path(ref.path or "")
+    if ref.source == "catalog":
+        return _load_catalog(ref.name, seq_len)
+    if ref.source in ("config", "transformers"):
+        return _load_config_file(path, str(path), seq_len, transformers=ref.source == "transformers",
+                                 expected_sha256=expected)
+    if ref.source == "file":
+        return _load_file(path, str(path), seq_len, expected_sha256=expected)
+    raise UserError(f"model source {ref.source!r} is not one of catalog, config, transformers, file")
+
+
+def read_model_bytes(path: Path, spec: str, missing: str, expected_sha256: str | None = None) -> bytes:
+    """The file's bytes; UserError `missing` if it is not a file, ModelFileChanged if
+    `expected_sha256` is given and the bytes' sha256 differs."""
+    if not path.is_file():
+        raise UserError(missing)
+    data = path.read_bytes()
+    if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+        raise ModelFileChanged(f"the bytes of {spec} are not those the plan was made with (its "
+                               "file_sha256 differs): the file changed, or the plan was edited")
+    return data
+
+
 def build_from_ref(ref: ModelRef, *, seq_len: int | None = None, verify: bool = True) -> nn.Module:
     """Build the model a plan refers to again (generated train.py), on the meta device.
 
     The caller materialises it (`to_empty(device=...)` then `init_weights()` or
     `reset_parameters()`), after sharding. `seq_len` is passed to a file's
-    `build_model(seq_len=...)` as in `load_model`. With `verify`, a model whose fingerprint
-    differs from the plan's (the file or config changed since planning) is a UserError.
+    `build_model(seq_len=...)` as in `load_model`. A file whose bytes differ from the ref's
+    file_sha256 (when it has one) is neither parsed nor run (ModelFileChanged). With `verify`,
+    a model whose fingerprint differs from the plan's (the file or config changed since
+    planning) is a UserError.
     """
+    path, spec, expected = Path(ref.path or ""), ref.path or "", ref.file_sha256 or None
     if ref.source == "catalog":
         config = catalog.load_catalog_config(ref.name)
         model = _build_config(config, f"catalog model {ref.name!r}")
     elif ref.source == "config":
-        config = _public(_read_config(Path(ref.path or ""), ref.path or ""))
-        model = _build_config(config, ref.path or "")
+        config = _public(_read_config(path, spec, expected)[0])
+        model = _build_config(config, spec)
     elif ref.source == "transformers":
-        config = _public(_read_config(Path(ref.path or ""), ref.path or ""))
-        model = _build_transformers(config, ref.path or "")
+        config = _public(_read_config(path, spec, expected)[0])
+        model = _build_transformers(config, spec)
     elif ref.source == "file":
         config = None
-        model = _find_model(_exec_file(Path(ref.path or ""), ref.path or ""), ref.path or "", seq_len)
+        model = _find_model(_exec_file(path, spec, expected)[0], spec, seq_len)
     else:
         raise UserError(f"model source {ref.source!r} is not one of catalog, config, transformers, file")
     if verify and ref.fingerprint and fingerprint(model, config) != ref.fingerprint:
@@ -197,7 +232,7 @@ def _loaded_from_config(config: dict[str, Any], ref: ModelRef, where: str,
     _check_seq_len(config, seq_len, where)
     default_seq_len = _default_seq_len(config, default_seq_len)
     model = _build_config(config, where)
-    ref = ModelRef(ref.source, ref.name, ref.path, fingerprint(model, config))
+    ref = replace(ref, fingerprint=fingerprint(model, config))
     return LoadedModel(model, ref, config, default_seq_len, _token_inputs)
 
 
@@ -209,19 +244,19 @@ def _load_catalog(spec: str, seq_len: int | None) -> LoadedModel:
                                meta["seq_len"], seq_len)
 
 
-def _read_config(path: Path, spec: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"config file {spec} does not exist; check the path (or give a catalog name, "
-                        "see `autoplan models`)")
+def _read_config(path: Path, spec: str, expected_sha256: str | None = None) -> tuple[dict[str, Any], str]:
+    """(the config, the sha256 of the file's bytes)."""
+    data = read_model_bytes(path, spec, f"config file {spec} does not exist; check the path (or give "
+                            "a catalog name, see `autoplan models`)", expected_sha256)
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(data)
     except json.JSONDecodeError as exc:
         raise UserError(f"{spec} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
                         f"{exc.colno}; fix the file") from None
     if not isinstance(config, dict):
         raise UserError(f"{spec} holds a JSON {type(config).__name__}; an HF config is a JSON object "
                         "with model_type and the architecture fields")
-    return config
+    return config, hashlib.sha256(data).hexdigest()
 
 
 def _public(config: dict[str, Any]) -> dict[str, Any]:
@@ -230,18 +265,18 @@ def _public(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_config_file(path: Path, spec: str, seq_len: int | None, *,
-                      transformers: bool = False) -> LoadedModel:
-    config = _read_config(path, spec)
+                      transformers: bool = False, expected_sha256: str | None = None) -> LoadedModel:
+    config, sha = _read_config(path, spec, expected_sha256)
     name = path.parent.name if path.stem == "config" and path.parent.name else path.stem
     extra = config.get("_autoplan", {}) if isinstance(config.get("_autoplan"), dict) else {}
     config = _public(config)
     if transformers or extra.get("model_source") == "transformers":
         _check_seq_len(config, seq_len, spec)
         model = _build_transformers(config, spec)
-        ref = ModelRef("transformers", name, spec, fingerprint(model, config))
+        ref = ModelRef("transformers", name, spec, fingerprint(model, config), sha)
         inputs = _seq2seq_inputs if getattr(model.config, "is_encoder_decoder", False) else _token_inputs
         return LoadedModel(model, ref, config, _default_seq_len(config, extra.get("seq_len")), inputs)
-    return _loaded_from_config(config, ModelRef("config", name, spec), spec, extra.get("seq_len"),
+    return _loaded_from_config(config, ModelRef("config", name, spec, file_sha256=sha), spec, extra.get("seq_len"),
                                seq_len)
 
 
@@ -272,10 +307,11 @@ def _user_line(exc: BaseException, path: str | None) -> str:
     return f" (line {lines[-1]})" if lines else ""
 
 
-def _exec_file(path: Path, spec: str) -> Any:
-    """Execute the file once as a fresh module under the meta device; return the module."""
-    if not path.is_file():
-        raise UserError(f"model file {spec} does not exist; check the path")
+def _exec_file(path: Path, spec: str, expected_sha256: str | None = None) -> tuple[Any, str]:
+    """Execute the file once as a fresh module under the meta device; (the module, the sha256
+    of the bytes run)."""
+    source = read_model_bytes(path, spec, f"model file {spec} does not exist; check the path",
+                              expected_sha256)
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     module_name = f"autoplan_user_model_{path.stem.replace('-', '_')}_{digest}"
     module = types.ModuleType(module_name)
@@ -285,7 +321,7 @@ def _exec_file(path: Path, spec: str) -> Any:
     try:
         # Compiled from the bytes on disk now, never from a cached .pyc: the bytecode cache keys on
         # mtime and size, so an edit of the same size within a second would load the old model.
-        code = compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+        code = compile(source, str(path), "exec", dont_inherit=True)
         with torch.device("meta"):
             exec(code, module.__dict__)
     except SyntaxError as exc:
@@ -297,7 +333,7 @@ def _exec_file(path: Path, spec: str) -> Any:
                         "The file is executed once on the meta device; fix the error") from None
     finally:
         sys.path.remove(str(path.resolve().parent))
-    return module
+    return module, hashlib.sha256(source).hexdigest()
 
 
 def _required_args(cls: type) -> list[str]:
@@ -407,8 +443,9 @@ def position_table(model: nn.Module) -> tuple[str, int] | None:
     return min(tables, key=lambda table: table[1]) if tables else None
 
 
-def _load_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
-    module = _exec_file(path, spec)
+def _load_file(path: Path, spec: str, seq_len: int | None, *,
+               expected_sha256: str | None = None) -> LoadedModel:
+    module, sha = _exec_file(path, spec, expected_sha256)
     model = _find_model(module, spec, seq_len)
     table = position_table(model)
     if table and seq_len is not None and seq_len > table[1]:
@@ -417,7 +454,7 @@ def _load_file(path: Path, spec: str, seq_len: int | None) -> LoadedModel:
                         "less, or enlarge that table in the file")
     user_inputs = getattr(module, "example_inputs", None)
     inputs_fn = user_inputs if callable(user_inputs) else _default_inputs_fn(model, spec)
-    ref = ModelRef("file", path.stem, spec, fingerprint(model, None))
+    ref = ModelRef("file", path.stem, spec, fingerprint(model, None), sha)
     return LoadedModel(model, ref, None, table[1] if table else None, inputs_fn,
                        takes_images=getattr(inputs_fn, "image_channels", 0) > 0)
 

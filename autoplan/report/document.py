@@ -123,10 +123,12 @@ CPU_DEVICE = "cpu"
 
 
 def load_plan_detail(path: str, *, tokens: int | None, prices, assumptions: GoodputAssumptions,
-                     error: ErrorBand | None) -> PlanDetail:
-    """A plan file priced for `tokens`, or for one optimizer step when None (the model is traced
-    again for its parameter count)."""
-    checked = load_checked_plan(path)  # the estimate is recomputed, never read from the file
+                     error: ErrorBand | None, model: str | None = None,
+                     trust_plan_model: bool = False) -> PlanDetail:
+    """A plan file priced for `tokens`, or for one optimizer step when None (the model, MODEL
+    or the plan's own, is traced again for its parameter count)."""
+    # the estimate is recomputed, never read from the file
+    checked = load_checked_plan(path, model, trust_plan_model=trust_plan_model)
     plan, graph = checked.plan, checked.graph
     gpu = load_gpu(plan.gpu)
     # the cpu device stands in for GPUs in the CPU walkthrough and has no rental price: 0, which

@@ -23,13 +23,12 @@ from torch.distributed.tensor import (DTensor, Partial, Placement, Replicate, Sh
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module applies)
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 
-TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
-             "vocab_head")
 
 
 class GatherFirstInput(ParallelStyle):

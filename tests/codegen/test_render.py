@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import py_compile
@@ -159,7 +160,9 @@ def test_model_file_path_with_space_and_quotes(odd_model, tmp_path, monkeypatch)
     text = (job / "train.py").read_text()
     ast.parse(text)
     plan = json.loads((job / "plan.json").read_text())
-    assert plan["model"]["path"] == str(odd_model)
+    # the job's plan names its own copy, relative to plan.json (as `autoplan check JOB` reads it)
+    assert plan["model"]["path"] == "model.py"
+    assert plan["model"]["file_sha256"] == hashlib.sha256(odd_model.read_bytes()).hexdigest()
     # the path reaches train.py only inside the repr'd PLAN literal
     assert str(odd_model) not in text.replace(repr(str(odd_model)), "")
     for script in ("launch.sh", "slurm.sbatch"):
