@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autoplan"
 
 # What each top-level part of autoplan may import (besides itself). Lower layers first.
 _BASE = {"errors", "paths", "limits", "files"}
-_CONTRACT = _BASE | {"plan", "config"}
+_CONTRACT = _BASE | {"plan", "plan_schema", "config"}
 _TORCH_ONLY = _CONTRACT | {"models"}
 _PLANNER = _TORCH_ONLY | {"hardware", "trace", "cost"}
 ALLOWED: dict[str, set[str]] = {
@@ -23,7 +23,8 @@ ALLOWED: dict[str, set[str]] = {
     "paths": set(),
     "files": {"errors"},
     "limits": {"errors"},
-    "plan": {"errors", "limits", "config"},
+    "plan": {"errors", "limits", "config", "plan_schema"},
+    "plan_schema": {"errors", "limits", "config"},
     "config": set(),
     "models": _CONTRACT,
     "runtime": _TORCH_ONLY,
