@@ -217,6 +217,7 @@ def _size(value) -> str:
 @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Ranks dry-run side by side (one process each).")
 @o.json_option
+@o.load_timeout_option
 def command(target: str, workers: int, as_json: bool) -> None:
     """Dry-run PLAN (a plan.json or a generated job directory) on autoplan's runtime at full
     size with fake tensors: memory per rank by category and collectives, beside the cost model."""

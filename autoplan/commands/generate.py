@@ -32,6 +32,7 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
               help="Also write the launch file of this launcher (repeatable): skypilot -> sky.yaml, "
                    "k8s -> pytorchjob.yaml; torchrun (launch.sh) and slurm (slurm.sbatch) are always written.")
 @click.pass_context
+@o.load_timeout_option
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
             global_batch, seq_len, image_size, objective, fix, precision, time_limit, output, force, launchers):
     """Write train.py, launch.sh, slurm.sbatch, plan.json, README.md and the plan for torchtitan
