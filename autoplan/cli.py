@@ -69,8 +69,19 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _say_error(kind: str, message: str) -> None:
-    paragraph = textwrap.fill(" ".join(str(message).split()), width=100)
+    # names such as h100-sxm-80gb or --gpus-per-node stay whole on one line
+    paragraph = textwrap.fill(" ".join(str(message).split()), width=100, break_on_hyphens=False,
+                              break_long_words=False)
     click.echo(f"{kind}: {paragraph}", err=True)
+
+
+def _click_message(exc: click.ClickException) -> str:
+    """A usage error as one sentence with where to look, instead of click's usage block."""
+    message = exc.format_message()
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click.UsageError) and ctx is not None:
+        message = f"{message.rstrip('.')}; `{ctx.command_path} --help` lists the arguments and options"
+    return message
 
 
 def _no_failed_meta_kernel(record: logging.LogRecord) -> bool:
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         if debug:
             raise
-        exc.show()
+        _say_error("error", _click_message(exc))
         sys.exit(2)
     except UserError as exc:
         if debug:

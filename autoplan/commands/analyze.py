@@ -32,6 +32,7 @@ def analyze_model(spec: str, batch_size: int, seq_len: int | None, image_size: i
 @o.seq_len_option
 @o.image_size_option
 @o.json_option
+@o.load_timeout_option
 def command(model: str, batch_size: int, seq_len: int | None, image_size: int | None,
             as_json: bool) -> None:
     """Trace MODEL on the meta device: parameters, FLOPs, activation memory, structure and

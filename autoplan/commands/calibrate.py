@@ -6,6 +6,7 @@ import json
 
 import click
 
+from autoplan.commands.options import load_timeout_option
 from autoplan.errors import UserError
 from autoplan.hardware import GB, TFLOPS
 
@@ -78,6 +79,7 @@ def _render(result, path, cluster) -> None:
 @click.option("--gpus-per-node", type=int, default=None,
               help="GPUs per node to record (default: the node's device count; ranks per node on CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as one JSON object.")
+@load_timeout_option
 def command(output, quick, model, seq_len, gpu, device, device_only, gpus_per_node, as_json) -> None:
     """Measure matmul throughput, memory bandwidth and collectives on the ranks torchrun started,
     and write a hardware file that estimate, plan and report accept with --hardware.

@@ -237,6 +237,7 @@ def _size(value) -> str:
               help="Ranks dry-run side by side (one process each).")
 @o.trust_plan_model_option
 @o.json_option
+@o.load_timeout_option
 def command(target: str, model: str | None, workers: int, trust_plan_model: bool, as_json: bool) -> None:
     """Dry-run PLAN (a plan.json or a generated job directory) on autoplan's runtime at full
     size with fake tensors: memory per rank by category and collectives, beside the cost model.

@@ -9,6 +9,7 @@ import click
 from autoplan.commands import options as o
 from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelConfig
 from autoplan.errors import NoFeasiblePlan, UserError
+from autoplan.limits import MAX_GLOBAL_BATCH
 from autoplan.hardware import resolve_cluster
 from autoplan.importers import chosen_import, import_options
 from autoplan.trace.load import load_graph
@@ -106,7 +107,7 @@ def render(est, console) -> None:
                    "--zero 2 or 3). The estimate then reports host memory per GPU and per node and "
                    "an 'offload' share of the step time.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@click.option("--global-batch", type=int, default=None,
+@click.option("--global-batch", type=int, default=None, callback=o.at_most(MAX_GLOBAL_BATCH),
               help="Global batch in sequences per optimizer step (required unless --plan or an imported "
                    "configuration gives it).")
 @o.seq_len_option
@@ -125,6 +126,7 @@ def render(est, console) -> None:
 @o.trust_plan_model_option
 @import_options
 @o.json_option
+@o.load_timeout_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, dp, tp, pp, cp, ep,
             zero, offload, micro_batch, global_batch, seq_len, recompute, schedule, vpp, precision,
             sequence_parallel, plan_path, trust_plan_model, from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:

@@ -34,6 +34,7 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
                    "(launch.sh) and slurm (slurm.sbatch) are always written.")
 @o.stack_version_option
 @click.pass_context
+@o.load_timeout_option
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
             global_batch, seq_len, image_size, objective, fix, precision, time_limit, output, force, launchers,
             stack_versions):

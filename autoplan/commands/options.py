@@ -8,23 +8,36 @@ from __future__ import annotations
 
 import click
 
+from autoplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN, MAX_WIDTH, check_at_most
+
+
+def at_most(limit: int):
+    """A callback refusing a value above `limit` (autoplan/limits.py) before any work."""
+    def check(ctx: click.Context, param: click.Parameter, value):
+        check_at_most(param.opts[0], value, limit)
+        return value
+
+    return check
+
+
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")
 FIX_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero", "micro-batch", "schedule", "vpp", "offload", "recompute",
             "precision")
 
 model_argument = click.argument("model", metavar="MODEL")
-seq_len_option = click.option("--seq-len", type=int, default=None,
+seq_len_option = click.option("--seq-len", type=int, default=None, callback=at_most(MAX_SEQ_LEN),
                               help="Sequence length in tokens (default: the model's, else 2048; never more "
                                    "than its position table).")
 batch_size_option = click.option("--batch-size", type=int, default=1, show_default=True,
+                                 callback=at_most(MAX_GLOBAL_BATCH),
                                  help="Sequences per step.")
 image_size_option = click.option(
-    "--image-size", type=int, default=None,
+    "--image-size", type=int, default=None, callback=at_most(MAX_WIDTH),
     help="Image side in pixels, for models that take images (default: the model's, else 224).")
-global_batch_option = click.option("--global-batch", type=int, required=True,
+global_batch_option = click.option("--global-batch", type=int, required=True, callback=at_most(MAX_GLOBAL_BATCH),
                                    help="Global batch in sequences per optimizer step.")
 global_batch_unless_plan_option = click.option(
-    "--global-batch", type=int, default=None,
+    "--global-batch", type=int, default=None, callback=at_most(MAX_GLOBAL_BATCH),
     help="Global batch in sequences per optimizer step (required unless --plan is given).")
 gpu_option = click.option("--gpu", "gpu", default=None,
                           help="GPU name or alias (see `autoplan gpus`), e.g. h100, a100-sxm4-80gb, cpu.")
@@ -33,10 +46,10 @@ gpu_list_option = click.option("--gpu", "gpu", default=None,
                                     "h100,a100-sxm4-80gb,mi300x.")
 hardware_option = click.option("--hardware", type=click.Path(dir_okay=False), default=None,
                                help="A hardware/cluster TOML file (e.g. from `autoplan calibrate`) instead of --gpu.")
-gpus_option = click.option("--gpus", type=int, required=True, help="Number of GPUs (ranks).")
-gpus_unless_plan_option = click.option("--gpus", type=int, default=None,
+gpus_option = click.option("--gpus", type=int, required=True, callback=at_most(MAX_GPUS), help="Number of GPUs (ranks).")
+gpus_unless_plan_option = click.option("--gpus", type=int, default=None, callback=at_most(MAX_GPUS),
                                        help="Number of GPUs (ranks) (required unless --plan is given).")
-gpus_per_node_option = click.option("--gpus-per-node", type=int, default=None,
+gpus_per_node_option = click.option("--gpus-per-node", type=int, default=None, callback=at_most(MAX_GPUS),
                                     help="GPUs per node (default: the GPU's typical system).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 inter_node_bandwidth_option = click.option(
@@ -77,3 +90,19 @@ trust_plan_model_option = click.option(
     "--trust-plan-model", is_flag=True,
     help="Load the model file the plan names even when its bytes differ from those the plan recorded "
          "(or it recorded none); without it, give MODEL on the command line for such a plan.")
+
+
+def _set_load_timeout(ctx: click.Context, param: click.Parameter, seconds: float) -> None:
+    from autoplan.models.user_code import set_load_timeout
+
+    try:
+        set_load_timeout(seconds)
+    except Exception as exc:
+        raise click.BadParameter(str(exc).removeprefix("--load-timeout "), ctx, param) from None
+
+
+load_timeout_option = click.option(
+    "--load-timeout", type=float, default=120.0, show_default=True, metavar="SECONDS", expose_value=False,
+    callback=_set_load_timeout,
+    help="Time limit for each step of running a model file's code: its import, build_model() and the "
+         "traced forward.")

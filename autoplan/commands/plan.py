@@ -33,12 +33,13 @@ def plan_options(func):
 def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
              global_batch, seq_len, objective, fix, precision, top, quiet, time_limit=None, image_size=None):
     from autoplan.solve.api import plan_job, resolve_cluster
-    from autoplan.trace.load import load_graph
+    from autoplan.trace.load import load_graph, require_blocks
     from autoplan.solve.space import parse_fix
 
     fixed = parse_fix(fix)
     cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
     graph, ref, seq = load_graph(model, seq_len, image_size)
+    require_blocks(graph, model)
     limit = {} if time_limit is None else {"time_limit_s": _positive_time_limit(time_limit)}
     if quiet:
         return plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
@@ -72,6 +73,7 @@ def _positive_time_limit(seconds: float) -> float:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @compare_with_option
+@o.load_timeout_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
             seq_len, image_size, objective, fix, precision, time_limit, top, as_json, output_format, stack_versions,
             output, force, compare_with):

@@ -64,7 +64,7 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_p
                precision, assumptions, error, price_list, budget, deadline, time_limit, memory_headroom,
                inter_node_bandwidth, show_progress):
     from autoplan.report.sweep import check_positive, gpu_prices, parse_counts, run_sweep
-    from autoplan.trace.load import load_graph
+    from autoplan.trace.load import load_graph, require_blocks
     from autoplan.solve.space import parse_fix
 
     if not model or not (gpu or hardware) or not gpus or global_batch is None or tokens is None:
@@ -83,6 +83,7 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_p
     counts = parse_counts(gpus)
     usd = gpu_prices(gpu_list, prices)  # every price before any work
     graph, ref, seq = load_graph(model, seq_len)  # traced once, reused for every cluster
+    require_blocks(graph, model)
     kwargs = dict(seq_len=seq, global_batch=global_batch, tokens=tokens, prices=usd, precision=precision,
                   assumptions=assumptions, error=error, price_list=price_list, budget_usd=budget,
                   deadline_days=deadline, time_limit_s=time_limit, memory_headroom_gib=memory_headroom,
@@ -140,6 +141,7 @@ _SWEEP_ONLY = ("gpu", "hardware", "gpus", "gpus_per_node", "global_batch", "seq_
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 @o.trust_plan_model_option
 @click.pass_context
+@o.load_timeout_option
 def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top,
             price, price_list, budget, deadline, precision, failure_rate, checkpoint_gb_per_s, restart_minutes,
             time_limit, memory_headroom, inter_node_bandwidth, fmt, output, force, trust_plan_model):

@@ -9,14 +9,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoplan.errors import UserError
+from autoplan.textfile import read_text
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise UserError(f"Hardware file {path} does not exist.") from None
+        return tomllib.loads(read_text(path, "hardware file"))
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path} is not valid TOML: {exc}. See cost_models/README.md for the format.") from None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
+from autoplan.textfile import read_text
 from autoplan.importers import ImportedConfig, check_batch, data_parallel, finish_seq_len, pick, positive_int
 
 NEUTRAL = {  # no effect on step time or memory per GPU
@@ -59,11 +60,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
     path = Path(value)
     source = f"deepspeed: {path}"
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"DeepSpeed config {path} does not exist; give the ds_config.json you launch with") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read DeepSpeed config {path}: {exc}") from None
+        data = json.loads(read_text(path, "DeepSpeed config"))
     except json.JSONDecodeError as exc:
         raise UserError(f"DeepSpeed config {path} is not valid JSON (line {exc.lineno}: {exc.msg}); DeepSpeed "
                         "reads it with json.load too") from None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
+from autoplan.textfile import read_text
 from autoplan.importers import (ImportedConfig, check_batch, check_ep, data_parallel, finish_seq_len, pick,
                                 positive_int)
 
@@ -213,10 +214,7 @@ def _text(value: str) -> tuple[str, str]:
     raw = value.strip()
     path = Path(raw[1:]) if raw.startswith("@") else Path(raw)
     if raw.startswith("@") or (not raw.startswith("-") and "\n" not in raw and len(raw) < 4096 and path.is_file()):
-        try:
-            return path.read_text(), f"megatron: {path}"
-        except OSError as exc:
-            raise UserError(f"cannot read the Megatron-LM argument file {path}: {exc.strerror}") from None
+        return read_text(path, "Megatron-LM argument file"), f"megatron: {path}"
     short = raw if len(raw) <= 60 else raw[:57] + "..."
     return raw, f"megatron: {short}"
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
+from autoplan.textfile import read_text
 from autoplan.importers import (ImportedConfig, check_batch, check_ep, data_parallel, finish_seq_len, pick,
                                 positive_int)
 
@@ -48,12 +49,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
     path = Path(value)
     source = f"torchtitan: {path}"
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"torchtitan config {path} does not exist; give the job .toml you pass as "
-                        "--job.config_file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read torchtitan config {path}: {exc}") from None
+        data = tomllib.loads(read_text(path, "torchtitan config (the job .toml you pass as --job.config_file)"))
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"torchtitan config {path} is not valid TOML ({exc})") from None
     notes: list[str] = []

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import re
 import sys
+import tokenize
 import traceback
 import types
 from dataclasses import dataclass, field, replace
@@ -39,8 +41,10 @@ import torch.nn as nn
 from autoplan.models import catalog
 from autoplan.models.hf import HF_PREFIX
 from autoplan.errors import UserError
+from autoplan.textfile import decode_text
 from autoplan.limits import check_config_sizes
 from autoplan.models import MODEL_TYPES, ConfigError, build_model
+from autoplan.models.user_code import USER_MODULE_PREFIX, user_code
 from autoplan.plan import ModelRef
 
 InputsFn = Callable[[int, int], tuple[torch.Tensor, ...]]
@@ -61,7 +65,7 @@ class LoadedModel:
     def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...] | dict:
         """Meta tensors to trace the model with, for this batch size and sequence length (the
         image side for an image model): a tuple of positional inputs or a dict of keyword ones."""
-        with torch.device("meta"):
+        with torch.device("meta"), user_code(f"example_inputs({batch_size}, {seq_len}) of {self.ref.path or self.ref.name}"):
             try:
                 inputs = self.inputs_fn(batch_size, seq_len)
             except UserError:
@@ -249,7 +253,7 @@ def _read_config(path: Path, spec: str, expected_sha256: str | None = None) -> t
     data = read_model_bytes(path, spec, f"config file {spec} does not exist; check the path (or give "
                             "a catalog name, see `autoplan models`)", expected_sha256)
     try:
-        config = json.loads(data)
+        config = json.loads(decode_text(data, "config file", path))
     except json.JSONDecodeError as exc:
         raise UserError(f"{spec} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
                         f"{exc.colno}; fix the file") from None
@@ -313,27 +317,44 @@ def _exec_file(path: Path, spec: str, expected_sha256: str | None = None) -> tup
     source = read_model_bytes(path, spec, f"model file {spec} does not exist; check the path",
                               expected_sha256)
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    module_name = f"autoplan_user_model_{path.stem.replace('-', '_')}_{digest}"
+    module_name = f"{USER_MODULE_PREFIX}{path.stem.replace('-', '_')}_{digest}"
     module = types.ModuleType(module_name)
     module.__file__ = str(path)
     sys.modules[module_name] = module  # dataclasses, pickling and inspect look the module up
     sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
     try:
-        # Compiled from the bytes on disk now, never from a cached .pyc: the bytecode cache keys on
-        # mtime and size, so an edit of the same size within a second would load the old model.
-        code = compile(source, str(path), "exec", dont_inherit=True)
-        with torch.device("meta"):
-            exec(code, module.__dict__)
-    except SyntaxError as exc:
+        with user_code(f"importing {spec}"):
+            _run_module(source, path, spec, module)
+    except BaseException:
         sys.modules.pop(module_name, None)
-        raise UserError(f"syntax error in {spec} at line {exc.lineno}: {exc.msg}; fix the file") from None
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise UserError(f"running {spec} failed{_user_line(exc, spec)}: {type(exc).__name__}: {exc}. "
-                        "The file is executed once on the meta device; fix the error") from None
+        raise
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module, hashlib.sha256(source).hexdigest()
+
+
+def _source_text(source: bytes, path: Path, spec: str) -> str:
+    """The file's bytes (those whose hash was checked), decoded as Python does (UTF-8 unless a
+    coding line says otherwise)."""
+    try:
+        encoding = tokenize.detect_encoding(io.BytesIO(source).readline)[0]
+    except SyntaxError as exc:
+        raise UserError(f"{spec}: {exc}; save the file as UTF-8") from None
+    return decode_text(source, "model file", path, encoding)
+
+
+def _run_module(source: bytes, path: Path, spec: str, module: types.ModuleType) -> None:
+    try:
+        # Compiled from the bytes read (and hashed) now, never from a cached .pyc: the bytecode cache
+        # keys on mtime and size, so an edit of the same size within a second would load the old model.
+        code = compile(_source_text(source, path, spec), str(path), "exec", dont_inherit=True)
+        with torch.device("meta"):
+            exec(code, module.__dict__)
+    except SyntaxError as exc:
+        raise UserError(f"syntax error in {spec} at line {exc.lineno}: {exc.msg}; fix the file") from None
+    except Exception as exc:
+        raise UserError(f"running {spec} failed{_user_line(exc, spec)}: {type(exc).__name__}: {exc}. "
+                        "The file is executed once on the meta device; fix the error") from None
 
 
 def _required_args(cls: type) -> list[str]:
@@ -354,12 +375,12 @@ def _call_build_model(module: Any, spec: str, seq_len: int | None) -> nn.Module:
             kwargs["seq_len"] = seq_len
     except (TypeError, ValueError):
         pass
-    try:
-        with torch.device("meta"):
+    with torch.device("meta"), user_code(f"build_model() in {spec}"):
+        try:
             model = builder(**kwargs)
-    except Exception as exc:
-        raise UserError(f"build_model() in {spec} raised {type(exc).__name__}: {exc}"
-                        f"{_user_line(exc, spec)}; fix it (it runs on the meta device)") from None
+        except Exception as exc:
+            raise UserError(f"build_model() in {spec} raised {type(exc).__name__}: {exc}"
+                            f"{_user_line(exc, spec)}; fix it (it runs on the meta device)") from None
     if not isinstance(model, nn.Module):
         raise UserError(f"build_model() in {spec} returned {type(model).__name__}, not an "
                         "nn.Module; return the model")
@@ -380,12 +401,12 @@ def _from_classes(module: Any, spec: str) -> nn.Module:
                         "constructor arguments defaults, or define build_model() that builds the model")
     instances = {}
     for cls in constructible:
-        try:
-            with torch.device("meta"):
+        with torch.device("meta"), user_code(f"{cls.__name__}() in {spec}"):
+            try:
                 instances[cls] = cls()
-        except Exception as exc:
-            raise UserError(f"{cls.__name__}() in {spec} raised {type(exc).__name__}: {exc}"
-                            f"{_user_line(exc, spec)}; fix the constructor or define build_model()") from None
+            except Exception as exc:
+                raise UserError(f"{cls.__name__}() in {spec} raised {type(exc).__name__}: {exc}"
+                                f"{_user_line(exc, spec)}; fix the constructor or define build_model()") from None
     inner = {type(sub) for obj in instances.values() for sub in obj.modules() if sub is not obj}
     roots = [cls for cls in constructible if cls not in inner]
     if len(roots) != 1:

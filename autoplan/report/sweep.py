@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from autoplan.cost import CostCache, memory
 from autoplan.errors import UserError
 from autoplan.hardware import load_gpu, make_cluster, with_memory_headroom
+from autoplan.limits import MAX_GPUS, check_at_most
 from autoplan.report.goodput import Goodput, GoodputAssumptions, checkpoint_bytes, goodput
 from autoplan.solve.api import plan_job
 
@@ -52,6 +53,8 @@ def parse_counts(text: str) -> list[int]:
     if not items or not all(s.isdigit() and int(s) > 0 for s in items):
         raise UserError(f"--gpus expects positive GPU counts separated by commas, e.g. --gpus 64,128,256; "
                         f"got '{text}'.")
+    for item in items:
+        check_at_most("--gpus", int(item), MAX_GPUS)
     return sorted(set(int(s) for s in items))
 
 

@@ -21,6 +21,18 @@ def load_graph(model_spec: str, seq_len: int | None,
     return graph, loaded.ref, graph.seq_len
 
 
+def require_blocks(graph: ModelGraph, model_spec: str) -> None:
+    """UserError when the model has no repeated blocks: plans are built from them (the pipeline
+    stages, recomputation and memory are per block), so without them nothing can be planned."""
+    if not graph.layer_order:
+        raise UserError(
+            f"{model_spec} has no repeated blocks: autoplan plans a model by its repeated layers (an "
+            "nn.ModuleList or nn.Sequential of two or more structurally equal modules, such as "
+            "transformer blocks: what pipeline stages, recomputation and the memory plan are made of) "
+            f"and found none. Put the model's layers in an nn.ModuleList; `autoplan analyze {model_spec}` "
+            "shows the structure autoplan sees")
+
+
 def input_extent(loaded, seq_len: int | None, image_size: int | None) -> int:
     """The second argument of `loaded.example_inputs`: the image side of an image model, else
     the sequence length (the model's, else 2048)."""

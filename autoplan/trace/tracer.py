@@ -36,6 +36,7 @@ from autoplan.trace.side_values import pipeline_side_values
 from autoplan.trace.capability import add_capability_facts
 from autoplan.trace.facts import add_parallelism_facts
 from autoplan.models import ConfigError, build_model
+from autoplan.models.user_code import USER_MODULE_PREFIX, user_code
 
 TRACE_DTYPE = torch.bfloat16
 
@@ -276,6 +277,16 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     `probe_runtime=False` leaves out the capability probe (capability.py): for graphs that
     only cost layouts other runtimes ran, never to choose what autoplan's runtime applies.
     """
+    if not type(module).__module__.startswith(USER_MODULE_PREFIX):  # autoplan's or a library's model
+        return _trace_model(module, example_inputs, name=name, example_kwargs=example_kwargs,
+                            probe_runtime=probe_runtime)
+    with user_code(f"tracing the forward of {name or type(module).__name__} (on the meta device)"):
+        return _trace_model(module, example_inputs, name=name, example_kwargs=example_kwargs,
+                            probe_runtime=probe_runtime)
+
+
+def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
+                 example_kwargs: dict | None, probe_runtime: bool) -> ModelGraph:
     if isinstance(example_inputs, dict):
         example_inputs, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
     module = module.to(device="meta")

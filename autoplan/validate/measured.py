@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from autoplan.cost.memory import runtime_overhead_bytes
 from autoplan.errors import UserError
+from autoplan.textfile import read_text
 from autoplan.plan import Plan, PlanFormatError
 
 DEFAULT_WARMUP_STEPS = 2
@@ -46,7 +47,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         raise UserError(f"{path} does not exist; run the job first (its rank 0 writes metrics.jsonl into "
                         "--run-dir), then validate that run directory")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text(path, "metrics file").splitlines(), 1):
         if not line.strip():
             continue
         try:

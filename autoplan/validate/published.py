@@ -11,6 +11,7 @@ express is reported as skipped with the reason, never dropped.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from autoplan.cost import Runtime, estimate
 from autoplan.cost.compute import RMSNORM_KERNELS
 from autoplan.cost.stages import num_virtual_stages, stage_layer_counts
 from autoplan.errors import UserError
+from autoplan.textfile import read_text
 from autoplan.hardware import load_gpu, make_cluster
 from autoplan.limits import MAX_GPUS, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, check_at_most
 from autoplan.models.catalog import config_from_published
@@ -50,14 +52,9 @@ def load_runs(path: str | Path) -> list[dict[str, Any]]:
     """The runs of a runs file; UserError if it is not one."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"runs file {path} does not exist; give a JSON file like "
-                        "cost_models/validation/published_runs.json") from None
+        data = json.loads(read_text(path, "runs file"))
     except json.JSONDecodeError as exc:
         raise UserError(f"runs file {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"runs file {path} is not a text file; give a JSON runs file") from None
     runs = data.get("runs") if isinstance(data, dict) else None
     if not isinstance(runs, list):
         raise UserError(f"runs file {path} must be an object with a \"runs\" list "
@@ -91,7 +88,8 @@ def _field_problem(value, kind: str) -> str | None:
         if value is None:
             return None
         kind = kind[:-1]
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # NaN and Infinity parse from JSON as floats; neither is a size or a throughput
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     wants = {"count": "a positive integer", "amount": "a positive number", "text": "a string",
              "stage": "0, 1, 2 or 3", "recompute": f"one of {list(RECOMPUTE)}", "flag": "true or false"}
     ok = {"count": number and value == int(value) and value >= 1,
@@ -439,9 +437,10 @@ def validate_file(path: str | Path) -> dict[str, Any]:
     rows = load_runs(path)
     results = [validate_row(index, run) for index, run in enumerate(rows)]
     malformed = [r.skipped for r in results if r.skipped.startswith("row ") and " is malformed: " in r.skipped]
-    if len(malformed) == len(results):
-        raise UserError(f"no run in {path} can be validated: {' | '.join(malformed[:3])}"
-                        + (f" | and {len(malformed) - 3} more" if len(malformed) > 3 else "")
+    skipped = [r.skipped if r.skipped in malformed else f"{r.id}: {r.skipped}" for r in results if r.skipped]
+    if len(skipped) == len(results):
+        raise UserError(f"no run in {path} can be validated: {' | '.join(skipped[:3])}"
+                        + (f" | and {len(skipped) - 3} more" if len(skipped) > 3 else "")
                         + ". Fix the fields named (format: cost_models/validation/published_runs.json)")
 
     runs = [r.to_dict() for r in results]
