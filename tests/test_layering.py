@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "autoplan"
 
 # What each top-level part of autoplan may import (besides itself). Lower layers first.
-_BASE = {"errors", "paths", "limits", "files"}
+_BASE = {"errors", "paths", "limits", "files", "textfile"}
 _CONTRACT = _BASE | {"plan", "plan_schema", "config"}
 _TORCH_ONLY = _CONTRACT | {"models"}
 _PLANNER = _TORCH_ONLY | {"hardware", "trace", "cost"}
@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "paths": set(),
     "files": {"errors"},
+    "textfile": {"errors"},
     "limits": {"errors"},
     "plan": {"errors", "limits", "config", "plan_schema"},
     "plan_schema": {"errors", "limits", "config"},
