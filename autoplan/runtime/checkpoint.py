@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -158,7 +159,7 @@ class CheckpointWriteError(Exception):
 def _attempt(action) -> BaseException | None:
     try:
         action()
-    except Exception as exc:  # an OSError here, a CheckpointException from dcp.save
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
         return exc
     return None
 

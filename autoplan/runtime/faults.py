@@ -146,7 +146,10 @@ def causes(exc: BaseException) -> list[BaseException]:
 def checkpoint_write_stop(step: int, directory: str, failures: list[str], no_space: bool,
                           needed_bytes: int) -> RunStopped:
     try:
-        free = f"{_gib(_free_bytes(directory))} free"
+        free_bytes = _free_bytes(directory)
+        free = f"{_gib(free_bytes)} free"
+        # torch.save's zip writer reports a full disk as "file write failed", without errno
+        no_space = no_space or free_bytes < needed_bytes
     except OSError:
         free = "free space unknown"
     what = "the disk (or the quota) is full" if no_space else "writing failed"

@@ -305,3 +305,54 @@ def test_preempted_job_saves_exits_requeue_and_resumes_to_the_same_losses(
         assert f"(step {stopped})" in resumed.stdout
         assert [row["step"] for row in metrics(run)] == list(range(STEPS))
         assert close(losses(run), losses(clean_run))
+_FULL_DISK_ON_RANK_2 = '''
+import errno as _errno
+
+import torch.distributed.checkpoint.filesystem as _dcp_filesystem
+
+_write_data = _dcp_filesystem._FileSystemWriter.write_data
+
+
+def _full_disk(self, plan, planner):
+    """Rank 2 finds the disk full while writing the checkpoint of step 6."""
+    if os.environ.get("RANK") == "2" and "step_000006" in str(self.path):
+        raise OSError(_errno.ENOSPC, "No space left on device")
+    return _write_data(self, plan, planner)
+
+
+_dcp_filesystem._FileSystemWriter.write_data = _full_disk
+'''
+
+
+@pytest.fixture
+def small_filesystem(tmp_path, clean_run):
+    """A tmpfs that holds one checkpoint of the tiny job and a half (root only); None elsewhere."""
+    size = sum(p.stat().st_size for p in (clean_run / "checkpoints" / "step_000003").iterdir())
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(mount)],
+        capture_output=True).returncode == 0
+    yield mount if made else None
+    if made:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_during_a_checkpoint_stops_with_one_paragraph(tiny_job, small_filesystem, tmp_path):
+    if small_filesystem is not None and not os.environ.get("AUTOPLAN_TEST_INJECT_ENOSPC"):
+        job, checkpoints = tiny_job, small_filesystem / "checkpoints"  # a real full filesystem
+    else:  # no tmpfs without root: rank 2's write fails with ENOSPC instead
+        job, checkpoints = _patched_job(tiny_job, tmp_path, _FULL_DISK_ON_RANK_2), tmp_path / "ckpt"
+    run = tmp_path / "run"
+    result = run_script(job / "launch.sh", "--steps", 8, "--checkpoint-every", EVERY, "--run-dir", run,
+                        "--checkpoint-dir", checkpoints, cwd=tmp_path, env={"MAX_RESTARTS": "1"})
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-3000:]
+    message = result.stderr[result.stderr.index("autoplan: error:"):].split("\n")[0]
+    assert f"the checkpoint of step 6 could not be written to {checkpoints}" in message
+    assert "the disk (or the quota) is full" in message and "It needs about" in message
+    assert "bytes) and the filesystem has" in message
+    assert result.stderr.count("autoplan: error:") == 1
+    assert "Traceback" not in result.stdout
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_")) == ["step_000003"]
+    assert _verified(checkpoints / "step_000003")
+    assert _exit_record(run)["status"] == 4
