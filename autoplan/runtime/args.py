@@ -18,6 +18,7 @@ class TrainArgs:
     run_dir: str = "./runs/latest"
     log_every: int = 1
     check_only: bool = False  # check plan, data, run directory and checkpoints, then exit
+    skip_bad_steps: int = 0  # non-finite (NaN/inf) steps skipped before the run stops (exit 3)
 
     @property
     def checkpoint_path(self) -> str:
@@ -45,10 +46,14 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                         help="check the plan, the data, the run directory and (with --resume) the "
                              "checkpoints in this one process, then exit (launch.sh does this "
                              "before torchrun starts the ranks)")
+    parser.add_argument("--skip-bad-steps", type=int, default=0, metavar="N",
+                        help="skip up to N steps whose loss or gradient norm is NaN/inf (no "
+                             "optimizer step, each one logged); the next one stops the run with "
+                             "exit status 3 (default 0: the first one does)")
     ns = parser.parse_args(argv)
-    if ns.steps < 0 or ns.checkpoint_every < 0 or ns.log_every < 1:
-        parser.error("--steps and --checkpoint-every must be >= 0, --log-every >= 1")
+    if ns.steps < 0 or ns.checkpoint_every < 0 or ns.log_every < 1 or ns.skip_bad_steps < 0:
+        parser.error("--steps, --checkpoint-every and --skip-bad-steps must be >= 0, --log-every >= 1")
     return TrainArgs(steps=ns.steps, seed=ns.seed, data=ns.data, data_dtype=ns.data_dtype,
                      checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
                      resume=ns.resume, run_dir=ns.run_dir, log_every=ns.log_every,
-                     check_only=ns.check_only)
+                     check_only=ns.check_only, skip_bad_steps=ns.skip_bad_steps)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from autoplan.errors import UserError
 from autoplan.files import write_file
 from autoplan.runtime.data_parallel import Zero1
+from autoplan.runtime.faults import causes, is_no_space
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -147,31 +149,89 @@ def _zero1_state(part: nn.Module, opt) -> dict:
     return out
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written; raised on every rank, the .tmp folder removed."""
+
+    def __init__(self, directory: Path, step: int, failures: list[str], no_space: bool) -> None:
+        super().__init__(f"checkpoint of step {step} in {directory}: {'; '.join(failures)}")
+        self.directory, self.step, self.failures, self.no_space = directory, step, failures, no_space
+
+
+def _attempt(action) -> BaseException | None:
+    try:
+        action()
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+        return exc
+    return None
+
+
+def _agree(error: BaseException | None, tmp: Path, step: int) -> None:
+    """Every rank learns whether any rank failed; then all of them raise, the .tmp removed."""
+    mine = None
+    if error is not None:
+        root = next((e for e in causes(error) if isinstance(e, OSError)), error)
+        mine = (f"rank {dist.get_rank()}: {type(root).__name__}: {root}", is_no_space(error))
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    failed = [share for share in shares if share is not None]
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    raise CheckpointWriteError(tmp.parent, step, [text for text, _ in failed],
+                               any(no_space for _, no_space in failed))
+
+
 def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], optimizers: list,
                     trainer_state: dict, skip: frozenset[str] = frozenset()) -> Path:
+    """Write <directory>/step_NNNNNN atomically. A write error on any rank (a full disk) raises
+    CheckpointWriteError on every rank, with the .tmp folder removed and older checkpoints
+    untouched; the ranks agree after each phase, so none waits in a barrier for a failed one."""
     final = Path(directory) / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        _remove(tmp)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()  # new: every rank writes into a fresh folder, never through a link
-    dist.barrier()
-    dcp.save(_state(parts, optimizers, skip), checkpoint_id=str(tmp))
-    dist.barrier()
-    if rank == 0:
-        write_file(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}).encode())
-    dist.barrier()
+
+    def prepare():
+        if rank == 0:
+            _remove(tmp)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()  # new: every rank writes into a fresh folder, never through a link
+
+    _agree(_attempt(prepare), tmp, step)
+    error = _attempt(lambda: dcp.save(_state(parts, optimizers, skip), checkpoint_id=str(tmp)))
+    if error is None and rank == 0:
+        error = _attempt(lambda: write_file(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}).encode()))
+    _agree(error, tmp, step)
     names = sorted(p.name for p in tmp.iterdir() if p.is_file())
     shares: list = [None] * world
     dist.all_gather_object(shares, _file_entries(tmp, names[rank::world]))
-    if rank == 0:
-        files = {name: entry for share in shares for name, entry in share.items()}
-        write_file(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
-        _remove(final)
-        os.replace(tmp, final)  # atomic on POSIX: the folder is complete or absent
-    dist.barrier()
+
+    def publish():
+        if rank == 0:
+            files = {name: entry for share in shares for name, entry in share.items()}
+            write_file(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
+            _remove(final)
+            os.replace(tmp, final)  # atomic on POSIX: the folder is complete or absent
+
+    _agree(_attempt(publish), tmp, step)
     return final
+
+
+def state_bytes(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = frozenset(),
+                pp_group=None) -> int:
+    """What one checkpoint of this state needs on disk: the tensors' global sizes (pipeline
+    stages hold disjoint parameters, so their sums add up over the pp group)."""
+    total = 0
+    for section in _state(parts, optimizers, skip).values():
+        for value in section.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()  # DTensor: the global numel
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        shares: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(shares, total, group=pp_group)
+        total = sum(shares)
+    return total
 
 
 def _remove(path: Path) -> None:

@@ -31,11 +31,15 @@ from autoplan.errors import UserError
 from autoplan.files import write_file
 from autoplan.plan import Plan, PlanFormatError
 from autoplan.runtime.args import TrainArgs
-from autoplan.runtime.checkpoint import (load_checkpoint, non_persistent_buffers, save_checkpoint,
+from autoplan.runtime.checkpoint import (CheckpointWriteError, latest_checkpoint, load_checkpoint,
+                                         non_persistent_buffers, save_checkpoint, state_bytes,
                                          verified_checkpoint)
 from autoplan.runtime.data import check_token_file, local_microbatches, make_source, zigzag_positions
 from autoplan.runtime.data_parallel import Zero1, allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
+from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_step,
+                                     checkpoint_write_stop, clear_exit_file, earlier_stop,
+                                     non_finite_stop, preempted_stop, write_exit_file)
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
 from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
@@ -155,6 +159,8 @@ class Trainer:
         self._warn_unsupported()
         self.last_grad_norm = float("nan")  # pre-clip global grad norm of the last step
         self.grad_norms: list[float] = []
+        self.stop_requested = False  # a rank got SIGTERM/SIGUSR1 (agreed in the last step)
+        self.skipped_steps: list[int] = []  # non-finite steps skipped (--skip-bad-steps)
 
     # -- construction -------------------------------------------------------------
     def _optimizer(self, part: nn.Module):
@@ -254,12 +260,28 @@ class Trainer:
         skip = self.scaler.unscale_and_check(self.params)
         self.last_grad_norm = clip_grads(self.params, float(plan.optimizer.get("grad_clip", 0.0) or 0.0),
                                          self.mesh.group("pp") if plan.pp > 1 else None)
-        if not skip:
+        verdict = agree_on_step(loss, self.last_grad_norm, skip, self.device)
+        self.stop_requested = verdict.stop
+        if verdict.bad:
+            self._bad_step(step, verdict)
+        elif not skip:
             for opt in self.optimizers:
                 opt.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return self._global_loss(loss)
+        return math.nan if verdict.bad else self._global_loss(loss)
+
+    def _bad_step(self, step: int, verdict: StepVerdict) -> None:
+        """A NaN/inf loss or gradient norm: skip the step (--skip-bad-steps) or stop the run,
+        before the optimizer step and before any checkpoint of it."""
+        if len(self.skipped_steps) >= self.args.skip_bad_steps:
+            raise non_finite_stop(step, verdict, self.last_grad_norm, len(self.skipped_steps),
+                                  latest_checkpoint(self.args.checkpoint_path))
+        self.skipped_steps.append(step)
+        if dist.get_rank() == 0:
+            print(f"autoplan: {verdict.describe(step, self.last_grad_norm)}: step skipped, no "
+                  f"optimizer step ({len(self.skipped_steps)} of --skip-bad-steps "
+                  f"{self.args.skip_bad_steps})", flush=True)
 
     def _finish_grads(self) -> None:
         plan = self.plan
@@ -327,9 +349,24 @@ class Trainer:
                 metrics.write(step, loss, lr_at(step, self.plan.optimizer), elapsed,
                               print_line=(step + 1) % self.args.log_every == 0)
             every = self.args.checkpoint_every
-            if every and (step + 1) % every == 0:
-                self.save(step + 1)
+            saved = bool(every and (step + 1) % every == 0)
+            if saved or self.stop_requested:
+                self._save_or_stop(step + 1)
+            if self.stop_requested:
+                raise preempted_stop(step + 1, STOP.signum, self._step_dir(step + 1))
         return losses
+
+    def _step_dir(self, step: int) -> Path:
+        return Path(self.args.checkpoint_path) / f"step_{step:06d}"
+
+    def _save_or_stop(self, step: int) -> None:
+        try:
+            self.save(step)
+        except CheckpointWriteError as exc:
+            pp = self.mesh.group("pp") if self.plan.pp > 1 else None
+            needed = state_bytes(self.par.parts, self.optimizers, self.unsaved, pp)
+            raise checkpoint_write_stop(step, str(exc.directory), exc.failures, exc.no_space,
+                                        needed) from None
 
 
 def restart_count() -> int:
@@ -385,7 +422,7 @@ class MetricsLog:
         mfu = None
         if self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / (float(self.peak_flops) * self.plan.world_size)
-        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "mfu": mfu,
+        record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": lr, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "peak_memory_gib": peak_memory_gib(self.device_type), "step_time_s": step_time_s,
                   "device": self.device_type}
         write_file(self.path, (json.dumps(record) + "\n").encode(), append=True)
@@ -404,6 +441,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
     """
     rank = int(os.environ.get("RANK", "0"))
     locks: list[DirectoryLock] = []
+    owns_group = False
     try:
         plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
         meta = build_meta(build_model)
@@ -411,6 +449,8 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
             check_before_launch(meta, plan, args)
             return []
         check_world_size(plan)
+        stop_if_stopped_before(args.run_dir)
+        STOP.install()  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step boundary
         validate_plan(meta, plan)  # before the process group: nothing can hang
         vocab_size_of(meta)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8" and rank == 0:
@@ -420,25 +460,49 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
             locks = lock_job(job_directories(args.run_dir, args.checkpoint_path), run_id,
                              restarted=restart_count() > 0)
             refuse_linked_run_files(args.run_dir)
+            clear_exit_file(args.run_dir)
         owns_group = not dist.is_initialized()
         init_distributed()
         losses = Trainer(build_model, plan, args, meta=meta).run()
-        # FSDP/DTensor state forms reference cycles that only the cyclic GC frees; left to
-        # interpreter shutdown, their tensors and collective handles are destroyed after the
-        # runtime is half torn down, where gloo can abort the process (SIGABRT seen in
-        # tests/runtime/test_checkpoint.py; pytorch/pytorch PR #179291 describes the race)
-        gc.collect()
-        if owns_group:  # leave together: no rank tears down while a peer still talks
-            dist.barrier()
-            dist.destroy_process_group()
+        _leave(owns_group)
         return losses
     except (UserError, PlanFormatError) as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except RunStopped as stopped:  # every rank agreed on it
+        if rank == 0:
+            prefix = "autoplan: " if stopped.reason == "preempted" else "autoplan: error: "
+            print(prefix + stopped.message, file=sys.stderr, flush=True)
+            write_exit_file(args.run_dir, stopped)
+        _leave(owns_group)
+        raise SystemExit(stopped.status) from None
     finally:
+        STOP.uninstall()
         for lock in locks:
             lock.release()
+
+
+def _leave(owns_group: bool) -> None:
+    # FSDP/DTensor state forms reference cycles that only the cyclic GC frees; left to
+    # interpreter shutdown, their tensors and collective handles are destroyed after the
+    # runtime is half torn down, where gloo can abort the process (SIGABRT seen in
+    # tests/runtime/test_checkpoint.py; pytorch/pytorch PR #179291 describes the race)
+    gc.collect()
+    if owns_group:  # leave together: no rank tears down while a peer still talks
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def stop_if_stopped_before(run_dir: str) -> None:
+    """After torchrun restarted the workers of a run that stopped on purpose (NaN, full disk,
+    preemption: <run_dir>/exit.json), stop again at once instead of replaying the steps."""
+    record = earlier_stop(run_dir) if restart_count() else None
+    if record is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"autoplan: not restarting: the run stopped with status {record['status']} "
+                  f"({record.get('reason')}) at step {record.get('step')}", file=sys.stderr, flush=True)
+        raise SystemExit(int(record["status"]))
 
 
 def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs) -> None:

@@ -233,3 +233,173 @@ def test_bad_token_file_stops_before_the_ranks_start(tiny_job, tmp_path, case, m
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
     assert result.stderr.count("autoplan: error:") == 1
     assert time.monotonic() - start < 60
+
+
+# -- faults that stop the run on purpose: NaN/inf, preemption, a full disk ----------------------
+
+def _patched_job(tiny_job: Path, tmp_path: Path, code: str) -> Path:
+    """A copy of the job whose train.py runs `code` before main() (a fault only the test makes)."""
+    job = tmp_path / "job"
+    shutil.copytree(tiny_job, job)
+    train = job / "train.py"
+    text = train.read_text()
+    train.write_text(text.replace("\ndef main()", f"\n{code}\n\ndef main()", 1))
+    return job
+
+
+def _exit_record(run: Path) -> dict:
+    return json.loads((run / "exit.json").read_text())
+
+
+def _verified(folder: Path) -> bool:
+    from autoplan.runtime.checkpoint import manifest_problems
+
+    return folder.is_dir() and manifest_problems(folder) == []
+
+
+_NAN_ON_RANK_1 = '''
+_build_model = build_model
+
+
+def build_model():
+    """Rank 1's 5th forward (step 4 of a fresh run: one micro-batch a step) returns NaN."""
+    model = _build_model()
+    if os.environ.get("RANK") == "1":
+        calls = [0]
+
+        def poison(_module, _inputs, output):
+            calls[0] += 1
+            return output * float("nan") if calls[0] == 5 else output
+
+        model.register_forward_hook(poison)
+    return model
+'''
+
+
+def test_nan_loss_on_one_rank_stops_before_the_step_is_applied_or_saved(tiny_job, clean_run, tmp_path):
+    job, run = _patched_job(tiny_job, tmp_path, _NAN_ON_RANK_1), tmp_path / "run"
+    # MAX_RESTARTS=1: the restarted workers must find exit.json and stop, not replay the steps
+    result = run_script(job / "launch.sh", "--steps", STEPS, "--checkpoint-every", EVERY,
+                        "--run-dir", run, cwd=tmp_path, env={"MAX_RESTARTS": "1"})
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "autoplan: error: step 4: the loss is not finite (NaN or inf) on rank 1" in result.stderr
+    assert result.stderr.count("autoplan: error:") == 1
+    assert "not restarting" in result.stderr
+    assert _exit_record(run)["step"] == 4
+    assert [row["step"] for row in metrics(run)] == [0, 1, 2, 3]
+    assert close(losses(run), losses(clean_run)[:4])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) \
+        == ["step_000003"]
+    assert _verified(run / "checkpoints" / "step_000003")
+
+    # from checkpoint 3 the poisoned forward is step 7: skipped, logged, and the run ends
+    skipped = run_script(job / "launch.sh", "--steps", 9, "--run-dir", run, "--resume",
+                         "--skip-bad-steps", 1, cwd=tmp_path)
+    assert skipped.returncode == 0, skipped.stdout[-2000:] + skipped.stderr[-3000:]
+    assert "step 7: the loss is not finite (NaN or inf) on rank 1: step skipped" in skipped.stdout
+    rows = metrics(run)
+    assert [row["step"] for row in rows] == list(range(9))
+    assert rows[7]["loss"] is None and all(row["loss"] is not None for row in rows[:7] + rows[8:])
+    assert close(losses(run)[:7], losses(clean_run)[:7])
+    assert not (run / "exit.json").exists()
+
+
+def _signal_once_running(proc: subprocess.Popen, run: Path, after_rows: int, send) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = run / "metrics.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= after_rows:
+            send()
+            return
+        time.sleep(0.05)
+    pytest.fail("the job ended or stalled before the signal could be sent")
+
+
+def _start(job: Path, tmp_path: Path, *args) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    for name in ("RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC_PER_NODE"):
+        env.pop(name, None)
+    return subprocess.Popen(["bash", str(job / "launch.sh"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path, start_new_session=True)
+
+
+@pytest.mark.parametrize("signum,to_group", [(signal.SIGTERM, True), (signal.SIGUSR1, False)],
+                         ids=["SIGTERM-to-the-process-group", "SIGUSR1-to-launch.sh"])
+def test_preempted_job_saves_exits_requeue_and_resumes_to_the_same_losses(
+        tiny_job, clean_run, tmp_path, signum, to_group):
+    run = tmp_path / "run"
+    proc = _start(tiny_job, tmp_path, "--steps", STEPS, "--run-dir", run)  # no --checkpoint-every
+    try:
+        _signal_once_running(proc, run, 3, lambda: os.killpg(proc.pid, signum) if to_group
+                             else os.kill(proc.pid, signum))
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    stopped = _exit_record(run)["step"]
+    assert f"{signum.name} received: saved the checkpoint" in err, err[-3000:]
+    assert 3 <= stopped < STEPS
+    assert [row["step"] for row in metrics(run)] == list(range(stopped))
+    assert _verified(run / "checkpoints" / f"step_{stopped:06d}")
+    if to_group:  # the second half once: the resumed run ends with the uninterrupted losses
+        resumed = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
+                             cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"(step {stopped})" in resumed.stdout
+        assert [row["step"] for row in metrics(run)] == list(range(STEPS))
+        assert close(losses(run), losses(clean_run))
+_FULL_DISK_ON_RANK_2 = '''
+import errno as _errno
+
+import torch.distributed.checkpoint.filesystem as _dcp_filesystem
+
+_write_data = _dcp_filesystem._FileSystemWriter.write_data
+
+
+def _full_disk(self, plan, planner):
+    """Rank 2 finds the disk full while writing the checkpoint of step 6."""
+    if os.environ.get("RANK") == "2" and "step_000006" in str(self.path):
+        raise OSError(_errno.ENOSPC, "No space left on device")
+    return _write_data(self, plan, planner)
+
+
+_dcp_filesystem._FileSystemWriter.write_data = _full_disk
+'''
+
+
+@pytest.fixture
+def small_filesystem(tmp_path, clean_run):
+    """A tmpfs that holds one checkpoint of the tiny job and a half (root only); None elsewhere."""
+    size = sum(p.stat().st_size for p in (clean_run / "checkpoints" / "step_000003").iterdir())
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(mount)],
+        capture_output=True).returncode == 0
+    yield mount if made else None
+    if made:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_during_a_checkpoint_stops_with_one_paragraph(tiny_job, small_filesystem, tmp_path):
+    if small_filesystem is not None and not os.environ.get("AUTOPLAN_TEST_INJECT_ENOSPC"):
+        job, checkpoints = tiny_job, small_filesystem / "checkpoints"  # a real full filesystem
+    else:  # no tmpfs without root: rank 2's write fails with ENOSPC instead
+        job, checkpoints = _patched_job(tiny_job, tmp_path, _FULL_DISK_ON_RANK_2), tmp_path / "ckpt"
+    run = tmp_path / "run"
+    result = run_script(job / "launch.sh", "--steps", 8, "--checkpoint-every", EVERY, "--run-dir", run,
+                        "--checkpoint-dir", checkpoints, cwd=tmp_path, env={"MAX_RESTARTS": "1"})
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-3000:]
+    message = result.stderr[result.stderr.index("autoplan: error:"):].split("\n")[0]
+    assert f"the checkpoint of step 6 could not be written to {checkpoints}" in message
+    assert "the disk (or the quota) is full" in message and "It needs about" in message
+    assert "bytes) and the filesystem has" in message
+    assert result.stderr.count("autoplan: error:") == 1
+    assert "Traceback" not in result.stdout
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_")) == ["step_000003"]
+    assert _verified(checkpoints / "step_000003")
+    assert _exit_record(run)["status"] == 4
