@@ -35,6 +35,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autoplan.errors import UserError
+from autoplan.files import write_file
+
 EXIT_NON_FINITE = 3
 EXIT_CHECKPOINT_WRITE = 4
 EXIT_REQUEUE = 143
