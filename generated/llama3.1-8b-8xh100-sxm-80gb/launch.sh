@@ -11,6 +11,10 @@
 # When a rank dies, torchrun restarts all of them (MAX_RESTARTS times, default 3) and they
 # resume from the newest checkpoint whose files match its manifest; use --checkpoint-every N
 # so a restart repeats at most N steps. MAX_RESTARTS=0 ends the job at the first failure.
+# A run that stops on purpose is not restarted; its exit status says why: 3 a NaN/inf loss or
+# gradient norm (train.py --skip-bad-steps N skips up to N such steps), 4 a checkpoint that could
+# not be written (full disk), 143 preempted by SIGTERM/SIGUSR1 after saving a checkpoint
+# (run again with --resume).
 set -euo pipefail
 
 JOB_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,9 +39,45 @@ else
   exit 2
 fi
 
+# Where train.py writes metrics.jsonl and, when it stops on purpose, exit.json (see below).
+run_dir="./runs/latest"
+args=("$@")
+for ((i = 0; i < $#; i++)); do
+  case "${args[i]}" in
+    --run-dir) run_dir="${args[i + 1]:-${run_dir}}" ;;
+    --run-dir=*) run_dir="${args[i]#--run-dir=}" ;;
+  esac
+done
+
 # One process checks the plan, --data, the run directory's lock and (with --resume) the
 # checkpoints before any rank starts: bad input ends here with one message and exit status 2.
 "${PYTHON:-python3}" "${JOB_DIR}/train.py" --check-only "$@"
+rm -f "${run_dir}/exit.json"
 
-exec torchrun --nnodes "${NNODES}" --nproc-per-node "${NPROC_PER_NODE}" "${rendezvous[@]}" \
-  --max-restarts "${MAX_RESTARTS}" "${JOB_DIR}/train.py" "$@"
+# SIGTERM (what SLURM and Kubernetes send before a kill) or SIGUSR1 to this script: torchrun
+# passes it to the ranks, which save a checkpoint at the next step boundary and stop; torchrun
+# waits SHUTDOWN_TIMEOUT seconds (default 120) for that before it kills them. torchrun runs in
+# a session of its own so that it gets each signal once, from here, whether the signal was
+# sent to this script or to its whole process group.
+setsid torchrun --nnodes "${NNODES}" --nproc-per-node "${NPROC_PER_NODE}" "${rendezvous[@]}" \
+  --max-restarts "${MAX_RESTARTS}" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+  --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" "${JOB_DIR}/train.py" "$@" &
+torchrun_pid=$!
+for signal in TERM INT HUP QUIT USR1; do
+  # shellcheck disable=SC2064  # the signal's name is fixed when the trap is set
+  trap "kill -s ${signal} ${torchrun_pid} 2>/dev/null || true" "${signal}"
+done
+status=0
+while true; do
+  wait "${torchrun_pid}" && status=0 || status=$?
+  kill -0 "${torchrun_pid}" 2>/dev/null || break  # a trapped signal interrupted the wait
+done
+
+# torchrun reports 1 whatever stopped the ranks; exit.json holds their status: 3 a NaN/inf
+# loss, 4 a checkpoint that could not be written (full disk), 143 preempted: a checkpoint was
+# saved, run again with --resume (launchers that requeue on 128-255 do so).
+if [[ -f "${run_dir}/exit.json" ]]; then
+  status="$("${PYTHON:-python3}" -c 'import json, sys; print(json.load(open(sys.argv[1]))["status"])' \
+    "${run_dir}/exit.json")"
+fi
+exit "${status}"
