@@ -32,7 +32,7 @@ from pathlib import Path
 import click
 
 from autoplan.commands import options as o
-from autoplan.errors import NoFeasiblePlan
+from autoplan.errors import DryRunMismatch, NoFeasiblePlan
 from autoplan.hardware import resolve_cluster
 from autoplan.planfile import load_checked_plan
 
@@ -77,6 +77,7 @@ def rank_report(run, seconds: float, stage_estimate: dict, gpu_bytes: float,
         rows.append({"category": HOST_ROW, "dry_run_gib": host, "model_gib": host_model_gib,
                      "ratio": _ratio(host, host_model_gib), "at_peak_gib": host})
     return {"rank": run.rank, "pipeline_rank": run.pp_rank, "stages": run.stage_ids,
+            "parameters": {"runtime": run.runtime_parameters, "model": run.model_parameters},
             "in_flight_microbatches": in_flight, "held_activations_gib": held / GIB,
             "activations_by_stage": _activations_by_stage(run),
             "seconds": seconds, "memory": rows, "peak_gib": total,
@@ -160,9 +161,11 @@ def check_plan(target: str, workers: int) -> dict:
                          model_collectives(checked, run.pp_rank))
              for run, secs in runs]
     worst = max(ranks, key=lambda r: r["peak_gib"])
+    mismatched = [r["rank"] for r in ranks if r["parameters"]["runtime"] != r["parameters"]["model"]]
     return {"plan": plan_path_of(target), "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,
             "world_size": plan.world_size, "device": "fake cpu tensors (no memory allocated)",
             "fits": worst["spare_gib"] >= 0, "worst_rank": worst["rank"],
+            "parameters_match": not mismatched, "parameter_mismatch_ranks": mismatched,
             "spare_gib": worst["spare_gib"], "ranks": ranks,
             "routing": BALANCED if any(run.balanced_routings for run, _ in runs) else None,
             "wall_s": time.perf_counter() - start}
@@ -196,6 +199,21 @@ def render(report: dict, console) -> None:
                   f"{report['device']}; {report['wall_s']:.0f} s)")
     if report.get("routing"):
         console.print(f"MoE routing: {report['routing']}")
+    if not report["parameters_match"]:
+        console.print(parameter_mismatch(report))
+
+
+def parameter_mismatch(report: dict) -> str:
+    """One line: which ranks hold a different number of parameter elements than the model
+    has in their stages (a tie the runtime broke, a parameter dropped or duplicated)."""
+    rows = [r for r in report["ranks"] if r["rank"] in report["parameter_mismatch_ranks"]]
+    said = "; ".join(f"rank {r['rank']}: the runtime holds {r['parameters']['runtime']:,} "
+                     f"parameters where the model has {r['parameters']['model']:,} "
+                     f"(ratio {r['parameters']['runtime'] / max(1, r['parameters']['model']):.2f})"
+                     for r in rows)
+    return (f"the job does not train this model: {said}. A shared (tied) parameter came out "
+            "as separate copies, or a parameter was dropped; this is a bug of autoplan's "
+            "runtime, not of the plan.")
 
 
 def _gib(value) -> str:
@@ -227,6 +245,8 @@ def command(target: str, workers: int, as_json: bool) -> None:
         from rich.console import Console
 
         render(report, Console())
+    if not report["parameters_match"]:
+        raise DryRunMismatch(parameter_mismatch(report))
     if not report["fits"]:
         raise NoFeasiblePlan(f"the dry run does not fit: {-report['spare_gib']:.1f} GiB over the "
                              f"{report['gpu_memory_gib']:.0f} GiB of a {report['gpu']}")
