@@ -13,3 +13,7 @@ class NoFeasiblePlan(Exception):
     """Nothing fits: not a crash and not bad input, exit status 1."""
 
     exit_code = 1
+
+
+class DryRunMismatch(NoFeasiblePlan):
+    """`autoplan check` found the runtime's job unlike the model (exit status 1)."""

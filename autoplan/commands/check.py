@@ -33,7 +33,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.cost.hw import memory_budget_bytes
-from autoplan.errors import NoFeasiblePlan
+from autoplan.errors import DryRunMismatch, NoFeasiblePlan
 from autoplan.hardware import resolve_cluster
 from autoplan.planfile import load_checked_plan
 
@@ -78,6 +78,7 @@ def rank_report(run, seconds: float, stage_estimate: dict, budget_bytes: float,
         rows.append({"category": HOST_ROW, "dry_run_gib": host, "model_gib": host_model_gib,
                      "ratio": _ratio(host, host_model_gib), "at_peak_gib": host})
     return {"rank": run.rank, "pipeline_rank": run.pp_rank, "stages": run.stage_ids,
+            "parameters": {"runtime": run.runtime_parameters, "model": run.model_parameters},
             "in_flight_microbatches": in_flight, "held_activations_gib": held / GIB,
             "activations_by_stage": _activations_by_stage(run),
             "seconds": seconds, "memory": rows, "peak_gib": total,
@@ -162,10 +163,12 @@ def check_plan(target: str, workers: int, model: str | None = None, trust_plan_m
                          model_collectives(checked, run.pp_rank))
              for run, secs in runs]
     worst = max(ranks, key=lambda r: r["peak_gib"])
+    mismatched = [r["rank"] for r in ranks if r["parameters"]["runtime"] != r["parameters"]["model"]]
     return {"plan": plan_path_of(target), "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,
             "memory_headroom_gib": (gpu_bytes - budget_bytes) / GIB, "budget_gib": budget_bytes / GIB,
             "world_size": plan.world_size, "device": "fake cpu tensors (no memory allocated)",
             "fits": worst["spare_gib"] >= 0, "worst_rank": worst["rank"],
+            "parameters_match": not mismatched, "parameter_mismatch_ranks": mismatched,
             "spare_gib": worst["spare_gib"], "ranks": ranks,
             "routing": BALANCED if any(run.balanced_routings for run, _ in runs) else None,
             "wall_s": time.perf_counter() - start}
@@ -195,6 +198,21 @@ def render(report: dict, console) -> None:
     console.print(f"{verdict(report)} (dry run on {report['device']}; {report['wall_s']:.0f} s)")
     if report.get("routing"):
         console.print(f"MoE routing: {report['routing']}")
+    if not report["parameters_match"]:
+        console.print(parameter_mismatch(report))
+
+
+def parameter_mismatch(report: dict) -> str:
+    """One line: which ranks hold a different number of parameter elements than the model
+    has in their stages (a tie the runtime broke, a parameter dropped or duplicated)."""
+    rows = [r for r in report["ranks"] if r["rank"] in report["parameter_mismatch_ranks"]]
+    said = "; ".join(f"rank {r['rank']}: the runtime holds {r['parameters']['runtime']:,} "
+                     f"parameters where the model has {r['parameters']['model']:,} "
+                     f"(ratio {r['parameters']['runtime'] / max(1, r['parameters']['model']):.2f})"
+                     for r in rows)
+    return (f"the job does not train this model: {said}. A shared (tied) parameter came out "
+            "as separate copies, or a parameter was dropped; this is a bug of autoplan's "
+            "runtime, not of the plan.")
 
 
 def budget_text(report: dict) -> str:
@@ -249,6 +267,8 @@ def command(target: str, model: str | None, workers: int, trust_plan_model: bool
         from rich.console import Console
 
         render(report, Console())
+    if not report["parameters_match"]:
+        raise DryRunMismatch(parameter_mismatch(report))
     if not report["fits"]:
         raise NoFeasiblePlan(f"the dry run does not fit: {-report['spare_gib']:.1f} GiB over the "
                              f"plan's budget of {budget_text(report)}")

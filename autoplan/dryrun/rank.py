@@ -65,6 +65,10 @@ class RankRun:
     host_peak_bytes: int = 0  # what CPU offload keeps in host memory, at its peak
     host_at_peak: dict[str, int] = field(default_factory=dict)
     balanced_routings: int = 0  # MoE routings made balanced (autoplan.dryrun.routing)
+    # elements of the distinct parameters of the stages this rank holds (DTensors counted
+    # whole): as the runtime holds them after applying the plan, and as the model has them
+    runtime_parameters: int = 0
+    model_parameters: int = 0
 
 
 def representative_ranks(plan: Plan) -> list[int]:
@@ -362,6 +366,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
             _sharding_propagation_in_its_own_fake_mode(), cuda_saved_tensors():
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
+        model_parameters = _model_parameters(meta, plan, mesh.pp_rank)
         with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing() as routing, \
                 MatmulDtypes():
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
@@ -396,7 +401,26 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
         return RankRun(rank, mesh.pp_rank, list(trainer.par.stage_ids), peak, at_peak,
                        dict(tracker.category_max), log.calls, boundary,
                        _microbatch_windows(tracker, trainer.par.stage_ids, held),
-                       tracker.windows["reduction"], host_peak, host_at_peak, routing.routed)
+                       tracker.windows["reduction"], host_peak, host_at_peak, routing.routed,
+                       distinct_elements(trainer.par.parts), model_parameters)
+
+
+def distinct_elements(parts: list[nn.Module]) -> int:
+    """Elements of the distinct parameter objects of `parts` (a DTensor counts its global
+    shape): a tie the runtime broke counts twice."""
+    params = {id(p): p for part in parts for p in part.parameters()}
+    return sum(p.numel() for p in params.values())
+
+
+def _model_parameters(meta: nn.Module, plan: Plan, pp_rank: int) -> int:
+    """Elements of the model's distinct parameters in the stages pipeline rank `pp_rank` holds
+    (the whole model without a pipeline), read off the meta model before any parallelism."""
+    from autoplan.runtime.pipeline import split_stages, stage_indices
+
+    if plan.pp == 1:
+        return distinct_elements([meta])
+    parts = split_stages(meta, plan.stages, torch.arange(plan.seq_len))
+    return distinct_elements([parts[i] for i in stage_indices(pp_rank, plan.pp, plan.vpp, plan.schedule)])
 
 
 def _microbatch_windows(tracker: StepMemoryTracker, stage_ids: list[int],

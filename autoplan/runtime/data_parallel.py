@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autoplan.runtime.expert_parallel import expert_fsdp_placement
 from autoplan.runtime.mesh import ParallelMesh
+from autoplan.runtime.tying import shares_outside, tied_groups
 
 
 def has_dtensor_params(module: nn.Module) -> bool:
@@ -66,8 +67,11 @@ def apply_fsdp(module: nn.Module, blocks: list[str], mesh: ParallelMesh, *, resh
             # forced, it would divide again after)
             unit.set_force_sum_reduction_for_comms(mesh.world.device_type == "cpu" and shard_ranks > 1)
     modules = dict(module.named_modules())
+    groups = tied_groups(module)
     for path in blocks:
-        if path in modules:
+        # FSDP2 keeps a tie inside one unit only: a block sharing a parameter with a module
+        # outside it stays in the enclosing (root) unit
+        if path in modules and shares_outside(groups, path) is None:
             fully_shard(modules[path], **kwargs)
     # The root's parameters (embedding, head) are used last in backward: no reshard needed.
     kwargs["reshard_after_forward"] = False

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import UserError
 from autoplan.models.moe import MoE, compute_weight, dispatch_to_owners
+from autoplan.runtime.tying import shares_outside, tied_groups
 
 _FUSED_PARAMS = ("gate_up_proj", "down_proj")
 _FUSED_INPUTS = ["hidden_states", "top_k_index", "top_k_weights"]
@@ -113,6 +114,12 @@ def check_ep_modules(model: nn.Module, ep_modules: list[str], ep: int) -> None:
         if reason is not None:
             raise UserError(f"plan.ep_modules names {path!r} ({type(module).__name__}), which "
                             f"expert parallelism cannot shard: {reason}. Use ep=1 for this model.")
+        shared = shares_outside(tied_groups(model), f"{path}.experts")
+        if shared is not None:
+            raise UserError(f"expert parallelism would untie the parameter shared as "
+                            f"{' = '.join(shared)}: each ep rank keeps its own experts of "
+                            f"{path}, and the other users would keep the whole tensor. Use ep=1 "
+                            "for this model or untie it.")
         if num_experts_of(module) % ep:
             raise UserError(f"{path} has {num_experts_of(module)} experts, not divisible by "
                             f"ep={ep}; choose an ep that divides the expert count.")

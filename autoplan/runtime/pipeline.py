@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from autoplan.errors import UserError
 from autoplan.runtime.pipeline_hf import hf_split_problem, split_hf_stages
+from autoplan.runtime.tying import tied_groups
 
 
 class _BlockTracer(fx.Tracer):
@@ -72,12 +73,23 @@ def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | N
         layers = [f"{prefix}.layers.{i}" for i in range(len(getattr(model, prefix).layers))]
         if listed != layers:
             return f"its stages must list {layers[0]} ... {layers[-1]} once each, in order"
-        return None
+        return _tie_across_stages(model, stages)
     try:
         _BlockTracer({path for paths in stages for path in paths}).trace(model)
     except Exception as exc:  # any tracing failure means: no fx split for this model
         return (f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc)[:200]}); "
                 f"and the split without tracing does not apply: {hf_problem}")
+    return _tie_across_stages(model, stages)
+
+
+def _tie_across_stages(model: nn.Module, stages: list[list[str]]) -> str | None:
+    """The reason `split_stages` refuses a parameter shared across stages, else None."""
+    if not tied_groups(model):
+        return None
+    try:
+        split_stages(model, stages, torch.arange(1))
+    except UserError as exc:
+        return str(exc)
     return None
 
 
@@ -86,7 +98,9 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
     """One module per (virtual) stage; each holds only its own parameters. `positions`: the
     token positions this rank holds (zig-zag ones under CP), where the stages build their own."""
     if hf_split_problem(model) is None:
-        return split_hf_stages(model, stages, positions, zigzag)
+        parts = split_hf_stages(model, stages, positions, zigzag)
+        _check_disjoint(parts)
+        return parts
     graph, stage = _cut(model, stages)
     nodes = list(graph.nodes)
     parts = []
@@ -139,13 +153,18 @@ def _live_across(nodes: list[fx.Node], stage: dict[fx.Node, int], cut: int) -> l
             and any(stage[u] > cut for u in n.users)]
 
 
-def _check_disjoint(parts: list[fx.GraphModule]) -> None:
-    owner: dict[int, int] = {}
+def _check_disjoint(parts: list[nn.Module]) -> None:
+    """A parameter two stages share (tied embedding and head) would be two parameters on
+    two ranks, each updated with its own stage's gradient only: refused."""
+    owner: dict[int, tuple[int, str]] = {}
     for k, part in enumerate(parts):
         for name, param in part.named_parameters():
-            if owner.setdefault(id(param), k) != k:
-                raise UserError(f"parameter {name} is used by pipeline stages {owner[id(param)]} "
-                                f"and {k} (tied weights); untie it or keep both users on one stage.")
+            first, first_name = owner.setdefault(id(param), (k, name))
+            if first != k:
+                raise UserError(f"pipeline stages {first} and {k} would both use the parameter "
+                                f"shared as {first_name} and {name} (tied weights), and the "
+                                "pipeline keeps no tie across stages; untie it or keep its "
+                                "users on one stage")
 
 
 def stage_indices(rank: int, pp: int, vpp: int, schedule: str) -> list[int]:

@@ -24,10 +24,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                SequenceParallel, parallelize_module)
 
 from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module applies)
+from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
+from autoplan.runtime.tying import retie, tied_groups
 
 
 
@@ -180,11 +182,18 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
     rank's sequence shard (no gather, no re-shard; EP all-to-all works per tp rank). Their
     weights stay plain replicas whose gradients cover only the local tokens: the returned
     modules need their gradients summed over the tp group after backward."""
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
     plan, token_local = {}, []
+    styled: dict[int, tuple[str, str]] = {}  # a module used at several paths is styled once
     for path, name in expand_tp_styles(table, modules).items():
         if path not in modules or isinstance(modules[path], StageGap):
             continue  # on another pipeline stage
+        first = styled.setdefault(id(modules[path]), (path, name))
+        if first[0] != path:
+            if first[1] != name:
+                raise UserError(f"tensor parallelism cannot shard the module shared by {first[0]} "
+                                f"and {path} two ways ({first[1]}, {name}); give both paths one style.")
+            continue
         if name == "prepare_input" and is_moe_layer(modules[path]):
             if sequence_parallel:
                 modules[path].register_forward_pre_hook(_on_first_input(_to_local), with_kwargs=True)
@@ -194,7 +203,9 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         if style is not None:
             plan[path] = style
     if plan:
+        groups = tied_groups(model)
         parallelize_module(model, tp_mesh, plan)
+        retie(model, groups, "tensor parallelism")
     return token_local
 
 
