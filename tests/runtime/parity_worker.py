@@ -28,7 +28,7 @@ def full_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], float]:
     (replicas must stay identical). Elsewhere: ({}, 0.0)."""
     options = StateDictOptions(full_state_dict=True)  # gathers FSDP / TP / EP shards
     local = {key: value.detach().cpu().clone()
-             for part in trainer.par.parts
+             for part in trainer.par.parts if part.state_dict()  # a stage may hold nothing
              for key, value in get_model_state_dict(part, options=options).items()
              if key not in trainer.unsaved}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
