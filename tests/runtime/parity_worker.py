@@ -2,19 +2,44 @@
 
 usage: torchrun --nproc-per-node N parity_worker.py CONFIGS.json RESULTS.json RUN_DIR
 CONFIGS.json: [{"name": ..., "kind": "llama|mixtral|gpt", "plan": {...}}, ...]
-Rank 0 writes {name: {"losses": [...], "seconds": s}} to RESULTS.json after each plan.
+Rank 0 writes {name: {"losses": [...], "grad_norms": [...], "replica_spread": x, "seconds": s}}
+to RESULTS.json after each plan, and the model's full state after the last step (every
+tensor unsharded, by FQN) to RUN_DIR/<name>.pt.
 """
 
 import gc
 import json
 import sys
 import time
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
 from runtime_models import SEED, STEPS, builder
+
+
+def full_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], float]:
+    """On rank 0: every tensor of the model's state unsharded, by FQN (each pipeline stage's
+    from its ranks), and the largest difference between two ranks' copies of one tensor
+    (replicas must stay identical). Elsewhere: ({}, 0.0)."""
+    options = StateDictOptions(full_state_dict=True)  # gathers FSDP / TP / EP shards
+    local = {key: value.detach().cpu().clone()
+             for part in trainer.par.parts if part.state_dict()  # a stage may hold nothing
+             for key, value in get_model_state_dict(part, options=options).items()
+             if key not in trainer.unsaved}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    merged, spread = {}, 0.0
+    for state in gathered or []:
+        for key, value in state.items():
+            if key in merged:
+                spread = max(spread, float((merged[key] - value).abs().max()))
+            merged.setdefault(key, value)
+    return merged, spread
 
 
 def main() -> None:
@@ -29,10 +54,13 @@ def main() -> None:
                          data=config.get("data", "synthetic"))
         trainer = Trainer(builder(config["kind"]), plan, args)
         losses = trainer.run()
+        state, spread = full_state(trainer)
         results[config["name"]] = {"losses": losses, "grad_norms": trainer.grad_norms,
-                                   "seconds": time.perf_counter() - start}
+                                   "replica_spread": spread, "seconds": time.perf_counter() - start}
         if dist.get_rank() == 0:
             print(f"{config['name']}: {time.perf_counter() - start:.1f}s {losses} {trainer.grad_norms}", flush=True)
+            Path(sys.argv[3]).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(sys.argv[3]) / f"{config['name']}.pt")
             json.dump(results, open(sys.argv[2], "w"))
     gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py train)
     dist.barrier()  # nobody tears down while a peer still talks

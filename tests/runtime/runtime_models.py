@@ -8,6 +8,7 @@ when the runtime's data order, loss averaging, clipping or LR schedule drift.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,7 @@ from autoplan.models import build_model
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
               "vocab_size": 256, "max_position_embeddings": 256}
+TINY_TIED_LLAMA = dict(TINY_LLAMA, tie_word_embeddings=True)  # lm_head.weight is embed_tokens.weight
 TINY_MIXTRAL = dict(TINY_LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 SEQ_LEN, GLOBAL_BATCH, STEPS, SEED = 32, 8, 5, 1234
 OPTIMIZER = {"name": "adamw", "lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
@@ -112,6 +114,8 @@ def builder(kind: str):
         return lambda: build_model(TINY_LLAMA)
     if kind == "mixtral":
         return lambda: build_model(TINY_MIXTRAL)
+    if kind == "tied_llama":
+        return lambda: build_model(TINY_TIED_LLAMA)
     if kind == "gpt":
         return lambda: TinyGPT()
     if kind == "manualgpt":
@@ -211,8 +215,8 @@ def traced_plan_dict(kind: str, **over) -> dict:
     return plan
 
 
-def _lr(step: int) -> float:
-    peak, warmup, max_steps = OPTIMIZER["lr"], OPTIMIZER["warmup_steps"], OPTIMIZER["max_steps"]
+def _lr(step: int, optimizer: dict) -> float:
+    peak, warmup, max_steps = optimizer["lr"], optimizer["warmup_steps"], optimizer["max_steps"]
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
@@ -247,10 +251,24 @@ def _file_batch(path, step: int, seed: int) -> torch.Tensor:
 
 def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
                   data_path=None) -> tuple[list[float], list[float]]:
-    """Single-process fp32 training on the full global batch: (losses, pre-clip grad norms).
+    """Single-process fp32 training on the full global batch: (losses, pre-clip grad norms)."""
+    reference = reference_training(kind, steps, seed, data_path)
+    return reference.losses, reference.grad_norms
+
+
+class Reference(NamedTuple):
+    losses: list[float]
+    grad_norms: list[float]  # pre-clip
+    state: dict[str, torch.Tensor]  # the model's state_dict after the last step
+
+
+def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_path=None,
+                       optimizer: dict = OPTIMIZER) -> Reference:
+    """Single-process fp32 training on the full global batch.
 
     Grad norms are compared too because AdamW and clipping are nearly invariant to a
-    gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses."""
+    gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses;
+    the final weights catch a gradient of the wrong direction (an untied weight)."""
     torch.manual_seed(seed)
     if kind in ("gpt", "encoder"):
         model = builder(kind)()
@@ -268,9 +286,9 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
     vocab = 256
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIMIZER["weight_decay"]},
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optimizer["weight_decay"]},
                              {"params": rest, "weight_decay": 0.0}],
-                            lr=OPTIMIZER["lr"], betas=tuple(OPTIMIZER["betas"]))
+                            lr=optimizer["lr"], betas=tuple(optimizer["betas"]))
     losses, norms = [], []
     for step in range(steps):
         if data_path is not None:
@@ -279,15 +297,15 @@ def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
             gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
             batch = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ_LEN + 1), generator=gen)
         for group in opt.param_groups:
-            group["lr"] = _lr(step)
+            group["lr"] = _lr(step, optimizer)
         inputs = batch[:, :-1]
         # HF returns a ModelOutput; an encoder-decoder reads the same tokens on both sides
         logits = model(inputs, decoder_input_ids=inputs) if kind == "hf_t5" else model(inputs)
         logits = getattr(logits, "logits", logits)
         loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER["grad_clip"])))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer["grad_clip"])))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, norms
+    return Reference(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})

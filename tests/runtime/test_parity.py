@@ -1,16 +1,28 @@
-"""Loss parity: every axis of a plan trains to the same losses as one process (fp32).
+"""Training parity: every axis of a plan trains to the same losses, grad norms and weights
+as one process (fp32).
 
-Tolerance: 1e-5 relative on losses and grad norms. The runs differ from the reference
-only in fp32 summation order (sharded matmuls, reduce-scatter/all-reduce order, ring
-attention's online softmax, MoE all-to-all regrouping, micro-batch accumulation).
-Measured over 5 steps: losses <= 1.7e-7 relative (1 ulp of 5.56 is 4.8e-7), grad norms
-<= 1.6e-6 (5.2e-6 for MoE under TP+SP+EP); the user models (transformers classes from
-config objects, an nn.TransformerEncoder model) <= 2.6e-7 on losses and 2.2e-7 on grad
-norms. A wrong sync (missing /dp, dropped shard,
-wrong positions) moves the grad norm by >= 1e-2 relative (checked by mutation: dropping
-the EP gradient division gives 1.7e-2), while AdamW + clipping hide it in the losses.
-bf16/fp16 runs are compared with the same fp32 reference within 5e-4 relative on losses
-(measured 3.2e-5 bf16, 2.0e-5 fp16) and 2e-2 on grad norms (measured 3.8e-3).
+Schedule: AdamW at a constant 5e-3 (no warm-up) for 8 steps, so every step's gradient moves
+the weights; inside a warm-up a wrong gradient barely moves anything (an untied tied weight
+passed at 2e-6). After the last step every tensor of the model (gathered full, by FQN) is
+compared with the reference's, as |got - ref| / |ref| (Frobenius norm per tensor), and the
+copies of a tensor on different ranks must be identical.
+
+The correct runs differ from the reference only in fp32 summation order (sharded matmuls,
+reduce-scatter/all-reduce order, ring attention's online softmax, MoE all-to-all regrouping,
+micro-batch accumulation), which training amplifies: AdamW turns the rounding of a near-zero
+gradient element into a +-lr step. Measured (8 steps), worst over the cases: losses 2.6e-7
+relative, grad norms 1.3e-5 (TP without SP), weights 4.6e-4 (a small bias vector of the user
+GPT; matrices 5.8e-5); tolerances 1e-5, 1e-4, 2e-3. The Qwen2-MoE model (top-k weights not
+renormalised, a shared expert) amplifies more: 9.8e-6, 1.3e-4, 3.6e-3 (TP+SP, traced styles);
+tolerances 1e-4, 1e-3, 2e-2. The fp32 reference itself is that far from exact: for the
+Mixtral model the old 5-step warm-up schedule's last grad norm is 0.9255949 in fp32 and
+0.9256182 in fp64 (same initial weights, the same experts chosen for every token at every
+step), 2.5e-5 apart, so a 1e-5 tolerance on grad norms was below the reference's own error.
+A wrong gradient fails clearly (checked by mutation): untying the tied embedding under TP
+gives weights 6.8e-1, grad norms 3.5e-1, losses 6.2e-3; halving the EP gradient average
+gives losses 1.2e-4. bf16/fp16 runs are compared with the same fp32 reference as a sanity
+check only (an MoE router differs most): within 5e-3 on losses (measured
+9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
 """
 
 from __future__ import annotations
@@ -19,11 +31,25 @@ import functools
 import json
 
 import pytest
+import torch
 
-from runtime_models import plan_dict as P, reference_run, traced_plan_dict, write_token_file
+from runtime_models import OPTIMIZER, plan_dict, reference_training, traced_plan_dict, write_token_file
 
-FP32_RTOL = 1e-5
-LOW_PRECISION_RTOL = 5e-4
+# (losses, grad norms, weights): relative tolerances, set from measurement (docstring)
+FP32 = (1e-5, 1e-4, 2e-3)
+QWEN2_MOE_FP32 = (1e-4, 1e-3, 2e-2)
+LOW_PRECISION = (5e-3, 3e-1, 5e-1)
+# A constant learning rate (no warm-up; a cosine over 10**9 steps is flat to 1 ulp here), so
+# every step's gradient moves the weights as much as the first one does.
+PARITY_STEPS = 8
+PARITY_OPTIMIZER = dict(OPTIMIZER, lr=5e-3, warmup_steps=0, max_steps=10**9)
+
+
+def P(kind: str = "llama", **over) -> dict:
+    return plan_dict(kind, optimizer=dict(PARITY_OPTIMIZER), **over)
+
+
+TIED_UNDER_TP = pytest.mark.xfail(strict=True, reason="tied weights under TP: fixed on the tied branch")
 
 CONFIGS = {
     2: {
@@ -45,6 +71,7 @@ CONFIGS = {
         "fp16_ddp": ("llama", P(dp=2, precision="fp16")),
         "fp16_zero2": ("llama", P(dp=2, zero_stage=2, precision="fp16")),
         "token_file_zero3": ("llama", P(dp=2, zero_stage=3)),  # --data PATH (uint16 .bin)
+        "tied_tp2": ("tied_llama", P("tied_llama", tp=2)),  # lm_head.weight is embed_tokens.weight
     },
     4: {
         "ddp": ("llama", P(dp=4)),
@@ -102,11 +129,11 @@ CONFIGS = {
                                                              precision="bf16")),
         # TP styles as the planner derives them from the traced model (a generated job's)
         "hf_qwen2moe_dp2_tp2_sp_traced": ("hf_qwen2moe", functools.partial(
-            traced_plan_dict, "hf_qwen2moe", dp=2, tp=2)),
+            traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_mixtral_dp2_tp2_sp_traced": ("hf_mixtral", functools.partial(
-            traced_plan_dict, "hf_mixtral", dp=2, tp=2)),
+            traced_plan_dict, "hf_mixtral", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_qwen2moe_dp2_tp2_sp_ep2_traced": ("hf_qwen2moe", functools.partial(
-            traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, ep=2)),
+            traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, ep=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
@@ -124,6 +151,7 @@ CONFIGS = {
 
 
 TOKEN_FILE_CONFIGS = {"token_file_zero3"}  # trained on a learnable token file, not random ids
+XFAIL = {"tied_tp2": TIED_UNDER_TP}
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,21 +170,23 @@ def token_file(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str, data_path=None) -> tuple[list[float], list[float]]:
-    return reference_run(kind, data_path=data_path)
+def reference(kind: str, data_path=None):
+    return reference_training(kind, PARITY_STEPS, data_path=data_path, optimizer=PARITY_OPTIMIZER)
 
 
 def _run_world(torchrun, tmp_path_factory, world: int, token_file, names: set[str]) -> dict:
     tmp = tmp_path_factory.mktemp(f"parity{world}")
-    configs = [{"name": name, "kind": case(world, name)[0], "plan": case(world, name)[1]}
-               for name in CONFIGS[world] if name in names]
+    configs = [{"name": name, "kind": case(world, name)[0], "plan": case(world, name)[1],
+                "steps": PARITY_STEPS} for name in CONFIGS[world] if name in names]
     for config in configs:
         if config["name"] in TOKEN_FILE_CONFIGS:
             config["data"] = str(token_file)
     (tmp / "configs.json").write_text(json.dumps(configs))
     proc = torchrun("parity_worker.py", world, tmp / "configs.json", tmp / "results.json",
-                    tmp / "run", timeout=420)
+                    tmp / "run", timeout=900)
     results = json.loads((tmp / "results.json").read_text()) if (tmp / "results.json").exists() else {}
+    for name in results:
+        results[name]["state_path"] = str(tmp / "run" / f"{name}.pt")
     if proc.returncode != 0:
         results["__failure__"] = proc.stdout[-4000:] + proc.stderr[-6000:]
     return results
@@ -183,21 +213,42 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+# Attention's key bias has an exactly zero gradient (softmax ignores a constant added to every
+# score of a query), so it holds AdamW's +-lr steps on rounding noise (measured 1.4 relative
+# in BERT); nn.MultiheadAttention's in_proj_bias holds that key bias in its middle third.
+NOISE_ONLY = ("attention.self.key.bias", "self_attn.in_proj_bias")
+
+
+def state_differences(got: dict, want: dict) -> dict[str, float]:
+    """FQN -> |got - want| / |want| (Frobenius norms) of every tensor of the reference state."""
+    assert set(got) == set(want), f"state keys differ: {sorted(set(got) ^ set(want))}"
+    return {key: float((got[key].float() - value).norm() / value.norm().clamp_min(1e-12))
+            for key, value in want.items() if not key.endswith(NOISE_ONLY)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,name", [(w, n) for w in CONFIGS for n in CONFIGS[w]])
+@pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=XFAIL.get(n, ()))
+                                        for w in CONFIGS for n in CONFIGS[w]])
 def test_loss_parity(results, token_file, world, name):
     got = results(world)
     assert name in got, f"{name} did not finish:\n{got.get('__failure__', '')}"
     kind, plan = case(world, name)
-    ref_losses, ref_norms = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None)
+    ref = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None)
     if name in TOKEN_FILE_CONFIGS:  # learnable data: the run must actually learn
         assert got[name]["losses"][-1] < got[name]["losses"][0] - 0.1
-    rtol = FP32_RTOL if plan.get("precision", "fp32") == "fp32" else LOW_PRECISION_RTOL
+    fp32 = plan.get("precision", "fp32") == "fp32"
+    loss_rtol, norm_rtol, param_rtol = (LOW_PRECISION if not fp32 else
+                                        QWEN2_MOE_FP32 if kind == "hf_qwen2moe" else FP32)
     losses, norms = got[name]["losses"], got[name]["grad_norms"]
-    assert len(losses) == len(ref_losses)
-    worst_loss = max(_rel(a, b) for a, b in zip(losses, ref_losses))
-    worst_norm = max(_rel(a, b) for a, b in zip(norms, ref_norms))
-    assert worst_loss <= rtol, f"{name}: losses {losses} vs reference {ref_losses}"
-    # Low precision grad norms wander more (bf16 activations); check them loosely.
-    assert worst_norm <= (rtol if rtol == FP32_RTOL else 2e-2), \
-        f"{name}: grad norms {norms} vs reference {ref_norms}"
+    assert len(losses) == len(ref.losses)
+    worst_loss = max(_rel(a, b) for a, b in zip(losses, ref.losses))
+    worst_norm = max(_rel(a, b) for a, b in zip(norms, ref.grad_norms))
+    differences = state_differences(torch.load(got[name]["state_path"]), ref.state)
+    worst_param = max(differences, key=differences.get)
+    assert got[name]["replica_spread"] == 0.0, f"{name}: replicas differ by {got[name]['replica_spread']}"
+    assert worst_loss <= loss_rtol, f"{name}: losses {losses} vs reference {ref.losses}"
+    assert worst_norm <= norm_rtol, \
+        f"{name}: grad norms {norms} vs reference {ref.grad_norms}"
+    assert differences[worst_param] <= param_rtol, \
+        f"{name}: {worst_param} after the last step differs by {differences[worst_param]:.2e} " \
+        f"(relative norm); losses {worst_loss:.1e}, grad norms {worst_norm:.1e}"
