@@ -49,8 +49,6 @@ def P(kind: str = "llama", **over) -> dict:
     return plan_dict(kind, optimizer=dict(PARITY_OPTIMIZER), **over)
 
 
-TIED_UNDER_TP = pytest.mark.xfail(strict=True, reason="tied weights under TP: fixed on the tied branch")
-
 CONFIGS = {
     2: {
         "tp2_sp": ("llama", P(tp=2)),
@@ -151,7 +149,6 @@ CONFIGS = {
 
 
 TOKEN_FILE_CONFIGS = {"token_file_zero3"}  # trained on a learnable token file, not random ids
-XFAIL = {"tied_tp2": TIED_UNDER_TP}
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,8 +224,7 @@ def state_differences(got: dict, want: dict) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=XFAIL.get(n, ()))
-                                        for w in CONFIGS for n in CONFIGS[w]])
+@pytest.mark.parametrize("world,name", [(w, n) for w in CONFIGS for n in CONFIGS[w]])
 def test_loss_parity(results, token_file, world, name):
     got = results(world)
     assert name in got, f"{name} did not finish:\n{got.get('__failure__', '')}"
