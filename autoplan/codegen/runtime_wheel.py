@@ -28,8 +28,10 @@ from autoplan.paths import cost_models_dir
 
 DISTRIBUTION = "autoplan_runtime"
 _PACKAGE = Path(__file__).resolve().parents[1]
-_MODULES = ("__init__.py", "errors.py", "limits.py", "plan.py", "config.py", "paths.py")
-_PACKAGES = ("models", "runtime")
+# what a generated train.py imports: the runtime, the model families and the contract it reads
+# (tests/codegen/test_job_imports.py holds every committed example to this list)
+JOB_MODULES = ("__init__", "errors", "limits", "plan", "plan_schema", "config", "paths", "files", "textfile")
+JOB_PACKAGES = ("models", "runtime")
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 
@@ -39,8 +41,8 @@ def wheel_name() -> str:
 
 def _sources() -> dict[str, bytes]:
     """Archive path -> bytes of every file the wheel ships."""
-    files = {f"autoplan/{name}": (_PACKAGE / name).read_bytes() for name in _MODULES}
-    for package in _PACKAGES:
+    files = {f"autoplan/{name}.py": (_PACKAGE / f"{name}.py").read_bytes() for name in JOB_MODULES}
+    for package in JOB_PACKAGES:
         for path in sorted((_PACKAGE / package).rglob("*.py")):
             files[f"autoplan/{path.relative_to(_PACKAGE).as_posix()}"] = path.read_bytes()
     for path in sorted((cost_models_dir() / "models").glob("*.json")):

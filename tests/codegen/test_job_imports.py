@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from autoplan.codegen.runtime_wheel import JOB_MODULES, JOB_PACKAGES
+
 REPO = Path(__file__).resolve().parents[2]
-# what a job may import from autoplan: the runtime and the contract it reads
-JOB_PARTS = {"runtime", "plan", "config", "errors", "files", "models", "limits", "paths"}
+# what a job may import from autoplan: what the wheel its cloud nodes install ships
+JOB_PARTS = set(JOB_MODULES) | set(JOB_PACKAGES)
 PLANNER_DEPENDENCIES = {"ortools", "networkx", "jinja2", "rich", "click", "hypothesis"}
 
 _PROBE = """
