@@ -18,6 +18,7 @@ class TrainArgs:
     run_dir: str = "./runs/latest"
     log_every: int = 1
     check_only: bool = False  # check plan, data, run directory and checkpoints, then exit
+    allow_data_change: bool = False  # resume although --data differs from the checkpoint's
 
     @property
     def checkpoint_path(self) -> str:
@@ -45,10 +46,13 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                         help="check the plan, the data, the run directory and (with --resume) the "
                              "checkpoints in this one process, then exit (launch.sh does this "
                              "before torchrun starts the ranks)")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="resume although the --data file differs (size or sampled contents) "
+                             "from the one the checkpoint was trained on")
     ns = parser.parse_args(argv)
     if ns.steps < 0 or ns.checkpoint_every < 0 or ns.log_every < 1:
         parser.error("--steps and --checkpoint-every must be >= 0, --log-every >= 1")
     return TrainArgs(steps=ns.steps, seed=ns.seed, data=ns.data, data_dtype=ns.data_dtype,
                      checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
                      resume=ns.resume, run_dir=ns.run_dir, log_every=ns.log_every,
-                     check_only=ns.check_only)
+                     check_only=ns.check_only, allow_data_change=ns.allow_data_change)
