@@ -19,6 +19,7 @@ class TrainArgs:
     log_every: int = 1
     check_only: bool = False  # check plan, data, run directory and checkpoints, then exit
     skip_bad_steps: int = 0  # non-finite (NaN/inf) steps skipped before the run stops (exit 3)
+    allow_data_change: bool = False  # resume although --data differs from the checkpoint's
 
     @property
     def checkpoint_path(self) -> str:
@@ -50,10 +51,14 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                         help="skip up to N steps whose loss or gradient norm is NaN/inf (no "
                              "optimizer step, each one logged); the next one stops the run with "
                              "exit status 3 (default 0: the first one does)")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="resume although the --data file differs (size or sampled contents) "
+                             "from the one the checkpoint was trained on")
     ns = parser.parse_args(argv)
     if ns.steps < 0 or ns.checkpoint_every < 0 or ns.log_every < 1 or ns.skip_bad_steps < 0:
         parser.error("--steps, --checkpoint-every and --skip-bad-steps must be >= 0, --log-every >= 1")
     return TrainArgs(steps=ns.steps, seed=ns.seed, data=ns.data, data_dtype=ns.data_dtype,
                      checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
                      resume=ns.resume, run_dir=ns.run_dir, log_every=ns.log_every,
-                     check_only=ns.check_only, skip_bad_steps=ns.skip_bad_steps)
+                     check_only=ns.check_only, skip_bad_steps=ns.skip_bad_steps,
+                     allow_data_change=ns.allow_data_change)

@@ -6,7 +6,10 @@ rank 0 writes trainer.json and manifest.json (bytes and sha256 of every file) an
 the folder. `latest_checkpoint` only considers complete folders (no .tmp suffix,
 trainer.json present), so a checkpoint half-written when a process died is never loaded;
 `verified_checkpoint` also rehashes the files and falls back to the newest checkpoint whose
-files all match their manifest, so a truncated or bit-flipped file is never loaded either.
+files all match their manifest, so a truncated or bit-flipped file is never loaded either; a
+folder without manifest.json, or with a file its manifest does not list, cannot be verified
+and is skipped the same way (never loaded silently). Each rank also writes rank_<rank>.json
+(its random streams, rng.py), listed in the manifest like every other file.
 
 Non-persistent buffers (RoPE tables) are not in `state_dict()` of the model, but the fx
 pipeline stages register them as ordinary buffers; they are left out of every checkpoint
@@ -78,7 +81,7 @@ def manifest_problems(folder: Path, names: list[str] | None = None) -> list[str]
         files = json.loads(manifest_path.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return [f"{manifest_path}: missing or unreadable"]
-    problems = []
+    problems = [] if names is not None else unlisted_files(folder, files)
     for name in sorted(files) if names is None else names:
         path, want = folder / name, files[name]
         if not path.is_file():
@@ -88,6 +91,13 @@ def manifest_problems(folder: Path, names: list[str] | None = None) -> list[str]
         elif sha256_file(path) != want["sha256"]:
             problems.append(f"{path}: sha256 differs from the manifest (corrupted)")
     return problems
+
+
+def unlisted_files(folder: Path, listed: dict) -> list[str]:
+    """Files in `folder` its manifest does not list: they cannot be verified."""
+    return [f"{folder / p.name}: not listed in the manifest, cannot be verified"
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST
+            and p.name not in listed]
 
 
 def _manifest_names(folder: Path) -> list[str]:
@@ -184,10 +194,13 @@ def _agree(error: BaseException | None, tmp: Path, step: int) -> None:
 
 
 def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], optimizers: list,
-                    trainer_state: dict, skip: frozenset[str] = frozenset()) -> Path:
-    """Write <directory>/step_NNNNNN atomically. A write error on any rank (a full disk) raises
-    CheckpointWriteError on every rank, with the .tmp folder removed and older checkpoints
-    untouched; the ranks agree after each phase, so none waits in a barrier for a failed one."""
+                    trainer_state: dict, skip: frozenset[str] = frozenset(),
+                    rank_state: dict | None = None) -> Path:
+    """Write <directory>/step_NNNNNN atomically. `trainer_state` goes into trainer.json (rank
+    0's); `rank_state`, different on every rank (its random streams), into rank_<rank>.json.
+    A write error on any rank (a full disk) raises CheckpointWriteError on every rank, with the
+    .tmp folder removed and older checkpoints untouched; the ranks agree after each phase, so
+    none waits in a barrier for a failed one."""
     final = Path(directory) / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -198,11 +211,15 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], op
             tmp.parent.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()  # new: every rank writes into a fresh folder, never through a link
 
+    def write():
+        dcp.save(_state(parts, optimizers, skip), checkpoint_id=str(tmp))
+        if rank_state is not None:
+            write_file(tmp / _rank_file(rank), json.dumps(rank_state).encode())
+        if rank == 0:
+            write_file(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}).encode())
+
     _agree(_attempt(prepare), tmp, step)
-    error = _attempt(lambda: dcp.save(_state(parts, optimizers, skip), checkpoint_id=str(tmp)))
-    if error is None and rank == 0:
-        error = _attempt(lambda: write_file(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}).encode()))
-    _agree(error, tmp, step)
+    _agree(_attempt(write), tmp, step)
     names = sorted(p.name for p in tmp.iterdir() if p.is_file())
     shares: list = [None] * world
     dist.all_gather_object(shares, _file_entries(tmp, names[rank::world]))
@@ -260,8 +277,10 @@ def verified_checkpoint(directory: str | Path, say=print) -> Path | None:
     """The newest complete checkpoint whose files match its manifest; None when there is none.
 
     Under a process group every rank hashes a share of each candidate's files and all ranks
-    agree on the result. Damaged checkpoints are reported (`say`) and skipped; when every
-    checkpoint is damaged it is a UserError naming the files.
+    agree on the result. A checkpoint that is damaged or cannot be verified (no manifest, or
+    a file the manifest does not list) is reported (`say`) and skipped; when no checkpoint
+    verifies it is a UserError naming the files: loading unverified weights silently is
+    what this refuses.
     """
     damaged: list[str] = []
     for folder in complete_checkpoints(directory):
@@ -271,26 +290,44 @@ def verified_checkpoint(directory: str | Path, say=print) -> Path | None:
                 say(f"autoplan: falling back to {folder}, the newest checkpoint whose files match "
                     "its manifest")
             return folder
-        say(f"autoplan: checkpoint {folder} is damaged and is skipped: {'; '.join(problems[:4])}")
+        say(f"autoplan: checkpoint {folder} is damaged or cannot be verified and is skipped: "
+            f"{'; '.join(problems[:4])}")
         damaged += problems
     if damaged:
         raise UserError(f"no checkpoint in {directory} can be loaded, every one is damaged: "
-                        f"{'; '.join(damaged[:8])}. Remove the damaged step_* folders to start "
-                        "from step 0, or restore them from a copy.")
+                        f"{'; '.join(damaged[:8])}. Remove those step_* "
+                        "folders to start from step 0 (or restore them, with their manifest.json, "
+                        "from a copy); a folder without manifest.json is never loaded, since a "
+                        "flipped byte in it would go unnoticed.")
     return None
 
 
 def _distributed_problems(folder: Path) -> list[str]:
     if not (folder / MANIFEST).is_file():
-        return []  # written before manifests existed: complete, but cannot be verified
+        return [f"{folder / MANIFEST}: missing, so its files cannot be verified"]
     if not dist.is_initialized():
         return manifest_problems(folder)
     rank, world = dist.get_rank(), dist.get_world_size()
     names = _manifest_names(folder)
     mine = manifest_problems(folder, names[rank::world]) if names else manifest_problems(folder)
+    if names and rank == 0:
+        mine += unlisted_files(folder, dict.fromkeys(names))
     shares: list = [None] * world
     dist.all_gather_object(shares, mine)
     return sorted({problem for share in shares for problem in share})
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def load_rank_state(path: Path, rank: int, world: int) -> dict | None:
+    """This rank's rank_<rank>.json when the checkpoint was saved by `world` ranks, else None
+    (another world size: the per-rank streams do not map onto these ranks)."""
+    saved = sorted(p.name for p in path.glob("rank_*.json"))
+    if saved != [_rank_file(r) for r in range(world)]:
+        return None
+    return json.loads((path / _rank_file(rank)).read_text())
 
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list,

@@ -9,6 +9,7 @@ c and 2*cp-1-c of the sequence, which balances causal attention work across the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -131,3 +132,62 @@ def local_microbatches(batch: torch.Tensor, *, dp_rank: int, num_microbatches: i
             inputs, labels = inputs[:, positions], labels[:, positions]
         out.append((inputs.contiguous(), labels.contiguous()))
     return out
+
+
+_SAMPLE_BYTES = 1 << 20
+_SAMPLES = 16
+
+
+def data_fingerprint(path: str) -> dict:
+    """The token file's size and a sha256 of sampled 1 MiB blocks (the first, the last and
+    evenly spaced ones between, at most 18 MiB read whatever the file's size).
+
+    Hashing a multi-TB file would take hours on every resume; a truncated, appended or
+    replaced file changes the size or almost surely a sampled block. An in-place edit of a
+    region no block samples goes unnoticed. The modification time is not compared: copying a
+    file to another disk changes it without changing a token."""
+    size = os.path.getsize(path)
+    offsets = {0, max(0, size - _SAMPLE_BYTES)}
+    offsets.update(size * i // (_SAMPLES + 1) for i in range(1, _SAMPLES + 1))
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for offset in sorted(offsets):
+            fh.seek(offset)
+            digest.update(fh.read(_SAMPLE_BYTES))
+    return {"path": str(path), "bytes": size, "sampled_sha256": digest.hexdigest()}
+
+
+def data_record(data: str) -> dict:
+    """What a checkpoint stores about --data (trainer.json's "data")."""
+    return data_fingerprint(data) if data != "synthetic" else {"path": "synthetic"}
+
+
+def check_same_data(saved: dict | None, data: str, allow_change: bool) -> str | None:
+    """Refuses (UserError) a token file that differs from the one the checkpoint was trained
+    on; returns a note to print (a change allowed, nothing recorded), else None."""
+    if saved is None:
+        return "autoplan: the checkpoint records no data fingerprint; --data is not compared"
+    now = data_record(data)
+    changed = _data_changes(saved, now)
+    if not changed:
+        return None
+    what = "; ".join(changed)
+    if allow_change:
+        return f"autoplan: --allow-data-change: resuming on changed data ({what})"
+    raise UserError(f"--data {data}: the data changed since the checkpoint was saved ({what}). "
+                    "Resuming on other tokens silently changes what the model trains on; "
+                    "restore the original file, or pass --allow-data-change to resume on this "
+                    "data anyway.")
+
+
+def _data_changes(saved: dict, now: dict) -> list[str]:
+    if (saved["path"] == "synthetic") != (now["path"] == "synthetic"):
+        return [f"the checkpoint trained on {saved['path']}, this run on {now['path']}"]
+    if now["path"] == "synthetic":
+        return []
+    changes = []
+    if saved["bytes"] != now["bytes"]:
+        changes.append(f"{saved['bytes']:,} bytes then, {now['bytes']:,} now")
+    elif saved["sampled_sha256"] != now["sampled_sha256"]:
+        changes.append("same size, but sampled blocks of its contents differ")
+    return changes

@@ -31,10 +31,12 @@ from autoplan.errors import UserError
 from autoplan.files import write_file
 from autoplan.plan import Plan, PlanFormatError
 from autoplan.runtime.args import TrainArgs
+from autoplan.runtime import rng
 from autoplan.runtime.checkpoint import (CheckpointWriteError, latest_checkpoint, load_checkpoint,
-                                         non_persistent_buffers, save_checkpoint, state_bytes,
-                                         verified_checkpoint)
-from autoplan.runtime.data import check_token_file, local_microbatches, make_source, zigzag_positions
+                                         load_rank_state, non_persistent_buffers, save_checkpoint,
+                                         state_bytes, verified_checkpoint)
+from autoplan.runtime.data import (check_same_data, check_token_file, data_record, local_microbatches,
+                                   make_source, zigzag_positions)
 from autoplan.runtime.data_parallel import Zero1, allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
 from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_step,
@@ -308,8 +310,14 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------
     def save(self, step: int) -> None:
+        """Weights, optimizer states, the loss scaler, --data's fingerprint and, per rank,
+        the random streams (rng.py): with the step, all a resumed run needs to repeat the
+        uninterrupted run's steps bit for bit."""
+        if not hasattr(self, "data_record"):  # fingerprinted once: the file trained on
+            self.data_record = data_record(self.args.data)
         save_checkpoint(self.args.checkpoint_path, step, self.par.parts, self.optimizers,
-                        {"loss_scaler": self.scaler.state_dict()}, skip=self.unsaved)
+                        {"loss_scaler": self.scaler.state_dict(), "data": self.data_record},
+                        skip=self.unsaved, rank_state={"rng": rng.capture()})
 
     def maybe_resume(self) -> None:
         """With --resume, or after torchrun restarted the workers: continue from the newest
@@ -325,10 +333,21 @@ class Trainer:
         if path is None:
             say(f"autoplan: no complete checkpoint in {self.args.checkpoint_path}: starting from step 0")
             return
+        check_resume_data(path, self.args, say)
         state = load_checkpoint(path, self.par.parts, self.optimizers, skip=self.unsaved)
         self.scaler.load_state_dict(state["loss_scaler"])
         self.start_step = int(state["step"])
+        self._restore_rng(path, say)
         say(f"autoplan: resumed from {path} (step {self.start_step})")
+
+    def _restore_rng(self, path: Path, say) -> None:
+        saved = load_rank_state(path, dist.get_rank(), dist.get_world_size())
+        if saved is None:
+            say(f"autoplan: {path} was saved by another number of ranks (or records no random "
+                "streams): dropout and other random draws restart from --seed, so the steps "
+                "are not bit-identical to an uninterrupted run")
+            return
+        rng.restore(saved["rng"])
 
     # -- the loop -----------------------------------------------------------------
     def run(self) -> list[float]:
@@ -372,6 +391,14 @@ class Trainer:
 def restart_count() -> int:
     """How many times torchrun (--max-restarts) has restarted this job's workers."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def check_resume_data(path: Path, args: TrainArgs, say) -> None:
+    """Refuses --data when it is not the data the checkpoint at `path` was trained on."""
+    saved = json.loads((path / "trainer.json").read_text()).get("data")
+    note = check_same_data(saved, args.data, args.allow_data_change)
+    if note:
+        say(note)
 
 
 def _say(text: str) -> None:
@@ -519,6 +546,8 @@ def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs) -> None:
     refuse_linked_run_files(args.run_dir)
     if args.resume:
         path = verified_checkpoint(args.checkpoint_path, _say)
+        if path is not None:
+            check_resume_data(path, args, _say)
         _say(f"autoplan: will resume from {path}" if path else
              f"autoplan: --resume: no complete checkpoint in {args.checkpoint_path}, the run starts "
              "from step 0")

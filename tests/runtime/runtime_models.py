@@ -31,8 +31,9 @@ class TinyGPT(nn.Module):
     """A nanoGPT-like user model: no init_weights, learned positions, SDPA, ModuleList blocks."""
 
     def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 4, heads: int = 4,
-                 max_len: int = 256, manual_attention: bool = False) -> None:
+                 max_len: int = 256, manual_attention: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
+        self.drop = nn.Dropout(dropout)  # draws from torch's default generator when > 0
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
         block = ManualAttentionBlock if manual_attention else GPTBlock
@@ -42,7 +43,7 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
+        x = self.drop(self.tok(idx) + self.pos(pos))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -118,6 +119,8 @@ def builder(kind: str):
         return lambda: build_model(TINY_TIED_LLAMA)
     if kind == "gpt":
         return lambda: TinyGPT()
+    if kind == "dropgpt":
+        return lambda: TinyGPT(dropout=0.1)
     if kind == "manualgpt":
         return lambda: TinyGPT(manual_attention=True)
     if kind in hf_models.CONFIGS:
