@@ -456,17 +456,5 @@ for command in ("plan", "generate", "report"):
          word="no repeated blocks")
 
 # case id -> why it is still answered wrongly (a strict xfail in the suite)
-KNOWN_GAPS: dict[str, str] = {
-    **{f"{command}-model-forward_string": "a forward returning a str, not a tensor, is traced and planned"
-       for command in MODEL_COMMANDS},
-    "estimate-gpu-and-hardware": "--gpu and --hardware together: --gpu is silently ignored",
-    "plan-gpu-and-hardware": "--gpu and --hardware together: --gpu is silently ignored",
-    "plan-top-negative": "--top -1 is accepted (shows no runners-up)",
-    "plan-top-huge": "--top 1000000000 is accepted (shows every runner-up)",
-    "report-headroom-huge": "a report where no cluster fits exits 0",
-    "report-price-unknown-gpu": "--price for a GPU outside the sweep is ignored",
-    "validate-run-nan-time": "NaN step times in metrics.jsonl are averaged into NaN",
-    "estimate-bandwidth-inf": "--inter-node-bandwidth inf is accepted (communication costs nothing)",
-    "plan-bandwidth-inf": "--inter-node-bandwidth inf is accepted (communication costs nothing)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 assert set(KNOWN_GAPS) <= {c.id for c in CASES}

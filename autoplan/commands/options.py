@@ -21,6 +21,7 @@ def at_most(limit: int):
 
 
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")
+MAX_TOP = 50  # runners-up a table can show; each costs search time
 FIX_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero", "micro-batch", "schedule", "vpp", "offload", "recompute",
             "precision")
 
@@ -70,7 +71,7 @@ fix_option = click.option("--fix", multiple=True, metavar="KEY=VALUE",
 def top_option(default: int, per_cluster: bool = False):
     """--top: `plan` shows 3 runners-up by default; a `report` sweep none (each costs search time)."""
     where = " per cluster" if per_cluster else ""
-    return click.option("--top", type=int, default=default, show_default=True,
+    return click.option("--top", type=click.IntRange(0, MAX_TOP), default=default, show_default=True,
                         help=f"Runners-up to show{where}.")
 
 

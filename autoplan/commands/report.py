@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from autoplan.commands import options as o
-from autoplan.errors import UserError
+from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.hardware import GB, load_hardware_file, load_prices, parse_price_options
 
 FORMATS = ("terminal", "md", "html", "json")
@@ -60,9 +60,21 @@ def _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth):
     return [cluster.gpu], gpus_per_node or cluster.gpus_per_node, nic
 
 
+def _check_priced_gpus_are_known(price_overrides: dict[str, float], gpu_list) -> None:
+    """A --price for a GPU name autoplan does not know (a typo) would be ignored: say so instead.
+    A known GPU outside this sweep may be priced (one set of --price flags for many sweeps)."""
+    from autoplan.hardware import list_gpus
+
+    names = {name for g in (*gpu_list, *list_gpus()) for name in (g.key, *g.aliases)}
+    stray = sorted(key for key in price_overrides if key not in names)
+    if stray:
+        raise UserError(f"--price {stray[0]}=... names no GPU autoplan knows (this sweep plans "
+                        f"{', '.join(g.key for g in gpu_list)}; `autoplan gpus` lists the names); fix the name")
+
+
 def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top, prices,
                precision, assumptions, error, price_list, budget, deadline, time_limit, memory_headroom,
-               inter_node_bandwidth, show_progress):
+               inter_node_bandwidth, show_progress, price_overrides):
     from autoplan.report.sweep import check_positive, gpu_prices, parse_counts, run_sweep
     from autoplan.trace.load import load_graph, require_blocks
     from autoplan.solve.space import parse_fix
@@ -80,6 +92,7 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_p
         raise UserError(f"--top must be zero or more runners-up, got {top}.")
     fixed = parse_fix(fix)
     gpu_list, per_node, nic = _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth)
+    _check_priced_gpus_are_known(price_overrides, gpu_list)
     counts = parse_counts(gpus)
     usd = gpu_prices(gpu_list, prices)  # every price before any work
     graph, ref, seq = load_graph(model, seq_len)  # traced once, reused for every cluster
@@ -187,10 +200,15 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
         show = fmt != "json" and sys.stderr.isatty()
         sweep = _run_sweep(model, n_tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top,
                            prices, precision, assumptions, error, prices.name, budget, deadline, time_limit,
-                           memory_headroom, inter_node_bandwidth, show)
+                           memory_headroom, inter_node_bandwidth, show, parse_price_options(price))
         detail = fastest_detail(sweep)
         doc = sweep_dict(sweep)
     _emit(doc, fmt, out, force, sweep, detail)
+    if sweep is not None and detail is None:  # the document says why for each cluster
+        first = doc["rows"][0]
+        raise NoFeasiblePlan(f"no plan fits on any of the {len(doc['rows'])} clusters of this sweep; "
+                             f"{first['label']}: {first['reason']} (each row says why); sweep larger counts with "
+                             "--gpus, or GPUs with more memory with --gpu")
 
 
 def _emit(doc, fmt, out, force, sweep, detail) -> None:

@@ -7,6 +7,7 @@ in NVLink domain r // scaleup_domain_gpus, the order torchrun gives by default.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -114,8 +115,8 @@ def make_cluster(gpu: GPU, num_gpus: int, gpus_per_node: int | None = None,
     if gpus_per_node is not None:
         sources["gpus_per_node"] = "command line --gpus-per-node"
     if inter_node_bandwidth_gb_per_s is not None:
-        if not inter_node_bandwidth_gb_per_s > 0:
-            raise UserError(f"--inter-node-bandwidth must be a positive number of GB/s per GPU (50 for a "
+        if not 0 < inter_node_bandwidth_gb_per_s < math.inf:
+            raise UserError(f"--inter-node-bandwidth must be a positive, finite number of GB/s per GPU (50 for a "
                             f"400 Gb/s NIC per GPU), got {inter_node_bandwidth_gb_per_s:g}.")
         sources["nic_bandwidth_gb_per_s"] = "command line"
     per_node = gpu.gpus_per_node if gpus_per_node is None else gpus_per_node
@@ -227,6 +228,9 @@ def resolve_cluster(gpu: str | None, hardware: str | None, gpus: int, gpus_per_n
     if gpus is None or gpus < 1:
         raise UserError(f"--gpus must be a positive number of GPUs, got {gpus}")
     check_at_most("--gpus", gpus, MAX_GPUS)
+    if hardware and gpu:
+        raise UserError(f"--gpu {gpu} and --hardware {hardware} both name the GPU; give --hardware alone "
+                        "(its file names the GPU) or --gpu alone")
     if hardware:
         cluster = load_hardware_file(hardware)
         nic = (cluster.inter_node_bandwidth_bytes_per_s / GB if inter_node_bandwidth_gb_per_s is None

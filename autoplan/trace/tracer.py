@@ -338,7 +338,7 @@ def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: 
         runner = _BlockRunner(block_of, rec, counter)
         interp = _CostInterpreter(gm, "", rec, counter, runner)
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), torch.enable_grad():
-            interp.run(*args)
+            _check_output(module, interp.run(*args))
     return gm, rec, runner.first_path
 
 
@@ -366,7 +366,8 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
                 stack.recorder = recorder
                 with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
                         torch.enable_grad(), recorder:
-                    module(*fake_args, **fake_kwargs)
+                    output = module(*fake_args, **fake_kwargs)
+        _check_output(module, output)
     except UserError:
         raise
     except Exception as exc:
@@ -383,6 +384,17 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
             handle.remove()
         restore_forwards(blocks)
     return RecordedGraph(recorder.graph, module), rec, first_path, routing.modules
+
+
+def _check_output(module: nn.Module, output) -> None:
+    """A forward that returns no tensor cannot be trained (there is no loss to take)."""
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None \
+            or any(isinstance(item, torch.Tensor) for item in items):
+        return
+    raise UserError(f"the forward of {type(module).__name__} returned {type(output).__name__}, not a tensor: "
+                    "return the logits (or an object with .logits, or a tuple or dict holding them), "
+                    "which the training loss is taken from")
 
 
 def _check_call(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -19,6 +19,7 @@ does not have).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Callable
@@ -57,10 +58,21 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                             "per step") from None
         if not isinstance(record, dict) or "step" not in record:
             raise UserError(f"{path} line {number} is not a step record (an object with a \"step\")")
+        bad = [key for key in METRICS if _not_a_measurement(record.get(key))]
+        if bad:
+            raise UserError(f"{path} line {number}: {bad[0]} is {record[bad[0]]!r}, not a finite number; a step "
+                            "whose measurement failed cannot be compared: remove the line (or rerun the job)")
         records.append(record)
     if not records:
         raise UserError(f"{path} has no steps yet; let the run train at least one step")
     return records
+
+
+def _not_a_measurement(value: Any) -> bool:
+    """A metric value that is present but not a finite number (None means not recorded)."""
+    if value is None:
+        return False
+    return isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
 
 
 def _step_time(record: dict[str, Any], tokens_per_step: int) -> float | None:

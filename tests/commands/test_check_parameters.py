@@ -4,6 +4,7 @@ parameter the runtime split into copies trains a different model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def _tied_tp_plan(tmp_path: Path) -> str:
     data = json.loads(TINY.read_text())
     blocks = [f"layers.{i}" for i in range(TIED_LLAMA["num_hidden_layers"])]
     data.update(model={"source": "config", "name": "tied-llama", "path": str(config),
-                       "fingerprint": print_}, dp=2, tp=2,
+                       "fingerprint": print_, "file_sha256": hashlib.sha256(config.read_bytes()).hexdigest()},
+                dp=2, tp=2,
                 sequence_parallel=True, tp_styles=llama_tp_styles(len(blocks)), format_version=1,
                 stages=[blocks], recompute={})
     path = tmp_path / "plan.json"
@@ -54,7 +56,7 @@ def test_a_tied_model_under_tp_holds_the_models_parameters(tmp_path):
 def test_check_fails_when_the_runtime_holds_another_parameter_count(monkeypatch, capsys):
     report = {"ranks": [{"rank": 0, "parameters": {"runtime": 180_800, "model": 164_416}}],
               "parameters_match": False, "parameter_mismatch_ranks": [0], "fits": True}
-    monkeypatch.setattr("autoplan.commands.check.check_plan", lambda target, workers: report)
+    monkeypatch.setattr("autoplan.commands.check.check_plan", lambda target, workers, *_: report)
     with pytest.raises(SystemExit) as exit_:
         main(["check", "plan.json", "--json"])
     assert exit_.value.code == 1

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import subprocess
 from pathlib import Path
 
@@ -109,7 +110,9 @@ def test_validate_a_real_run_of_the_generated_tiny_job(tmp_path):
     run = job / "runs" / "test"
     proc = subprocess.Popen(["bash", str(job / "launch.sh"), "--steps", "6", "--run-dir", str(run)],
                             cwd=job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable,
+                                     PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])),
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
