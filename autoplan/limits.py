@@ -13,8 +13,9 @@ from autoplan.errors import UserError
 
 # GPUs in one job: the largest reported training clusters are ~100k GPUs (xAI Colossus, 2024).
 MAX_GPUS = 1_048_576
-# Transformer layers: Llama 3.1 405B has 126, DeepSeek-V3 61; deeper models are not trained.
-MAX_LAYERS = 10_000
+# Transformer layers: Llama 3.1 405B has 126, DeepSeek-V3 61 (shared/reference/model_configs.json);
+# 1024 is 8x the deepest. Planning cost grows with depth: at 10,000 layers a plan took 98 s.
+MAX_LAYERS = 1_024
 # Hidden / FFN width: the widest published FFN is ~53k (Llama 3.1 405B); 2^22 is ~80x that.
 MAX_WIDTH = 4_194_304
 # Vocabulary: the largest in use are ~256k (Gemma); 2^24 is 64x that.
