@@ -73,7 +73,7 @@ def test_absurd_layer_count_is_refused_at_once(tmp_path):
               "vocab_size": 256, "max_position_embeddings": 256}
     (tmp_path / "config.json").write_text(json.dumps(config))
     expect(2, "analyze", "config.json", cwd=tmp_path,
-           match="num_hidden_layers is 1,000,000,000,000, above autoplan's limit of 10,000")
+           match="num_hidden_layers is 1,000,000,000,000, above autoplan's limit of 1,024")
 
 
 def test_absurd_gpu_count_is_refused_at_once(tmp_path):

@@ -84,9 +84,9 @@ def test_report_plans_with_the_same_options_as_plan(run_cli, tmp_path):
     rows = json.loads(out)["rows"]
     assert all(r["fits"] and r["config"]["tp"] == 2 for r in rows)
     assert all(len(r["runners_up"]) == 1 and r["runners_up"][0]["config"]["tp"] == 2 for r in rows)
-    # one CPU rank per node: tp=2 would straddle nodes, so no cluster fits
+    # one CPU rank per node: tp=2 would straddle nodes, so no cluster fits: the report, then exit 1
     code, out, err = run_cli(*sweep, "--gpu", "cpu", "--gpus-per-node", "1", "--fix", "tp=2")
-    assert code == 0 and not any(r["fits"] for r in json.loads(out)["rows"])
+    assert code == 1 and not any(r["fits"] for r in json.loads(out)["rows"]) and "no plan fits" in err
     hardware = tmp_path / "cpu-node.toml"
     hardware.write_text((REPO / "cost_models" / "gpus" / "cpu.toml").read_text())
     code, out, err = run_cli(*sweep, "--hardware", str(hardware), "--fix", "micro-batch=1")
