@@ -504,6 +504,52 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         h_fwd, h_bwd, h_rc = host.moe_host_s(block.experts / (config.ep or 1), rc)
         times = replace(times, fwd_s=times.fwd_s + h_fwd, bwd_s=times.bwd_s + h_bwd)
         recompute_s += h_rc
+    states = layer_states(block, graph, config, runtime, cache)
+    activation = activation_bytes(block, graph, config, rc, flash_attention, runtime, cache)
+    return LayerCost(
+        name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
+        recompute_s=recompute_s,
+        comm_s=_frozen({k: v for k, v in exposed.items() if v}),
+        comm_total_s=_frozen({k: v for k, v in total.items() if v}),
+        model_flops=3 * times.fwd_flops, hardware_flops=3 * times.fwd_flops + rc_flops,
+        weight_bytes=states.weight_bytes, grad_bytes=states.grad_bytes, optimizer_bytes=states.optimizer_bytes,
+        activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
+        zero3_gather_params=states.zero3_gather_params, host_bytes=states.host_bytes,
+        cast_weight_bytes=states.cast_weight_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class LayerStates:
+    """The model states one block copy keeps on one rank (LayerCost's byte fields but the
+    activations, which depend on the recomputation)."""
+
+    weight_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    host_bytes: float
+    cast_weight_bytes: float
+    zero3_gather_params: float
+
+    @property
+    def state_bytes(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.cast_weight_bytes
+
+
+def layer_states(block: BlockInfo, graph: ModelGraph, config: ParallelConfig,
+                 runtime: Runtime = DEFAULT_RUNTIME, cache: CostCache | None = None) -> LayerStates:
+    """Model states of one copy of `block` on one rank under `config` (weights, gradients,
+    optimizer, their host share under offload, autocast's weight casts). With a `cache`, kept
+    under every field it reads: not the cluster, the recomputation or the schedule, so the
+    search bounds a family's memory without costing its time."""
+    c = config  # every field _layer_states reads
+    key = ("layer_states", id(graph), block.name, c.dp, c.tp, c.pp, c.cp, c.ep, c.zero_stage, c.offload,
+           c.precision, c.dp_replicate, runtime)
+    return or_no_cache(cache).get(key, lambda: _layer_states(block, graph, config, runtime), graph)
+
+
+def _layer_states(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, runtime: Runtime) -> LayerStates:
+    params = block_params(block, graph, config)
     dense_states = memory.model_state_bytes(params.dense, config.precision, config.zero_stage,
                                             config.dp_shard * config.cp, config.offload,
                                             runtime.fp32_module_weights)
@@ -531,21 +577,14 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                           config.dp_shard * config.cp, config.offload, runtime.fp32_module_weights)
                   + memory.host_state_bytes(params.expert, config.precision, expert_zero, expert_shard,
                                             expert_offload, runtime.fp32_module_weights))
-    activation = activation_bytes(block, graph, config, rc, flash_attention, runtime, cache)
-    return LayerCost(
-        name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
-        recompute_s=recompute_s,
-        comm_s=_frozen({k: v for k, v in exposed.items() if v}),
-        comm_total_s=_frozen({k: v for k, v in total.items() if v}),
-        model_flops=3 * times.fwd_flops, hardware_flops=3 * times.fwd_flops + rc_flops,
+    return LayerStates(
         weight_bytes=dense_states["parameters"] + expert_states["parameters"],
         grad_bytes=dense_states["gradients"] + expert_states["gradients"],
         optimizer_bytes=dense_states["optimizer"] + expert_states["optimizer"],
-        activation_bytes=activation, dense_params=params.dense, expert_params=params.expert,
-        zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
         host_bytes=host_bytes,
         cast_weight_bytes=(memory.autocast_weight_bytes(graph, block, config)
                            if _autocasts(config, runtime) else 0.0),
+        zero3_gather_params=(params.dense + params.expert) if config.zero_stage >= 3 else 0.0,
     )
 
 

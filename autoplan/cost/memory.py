@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from autoplan.config import ParallelConfig
 from autoplan.trace import activations
 from autoplan.trace.activations import sac_saved_bytes, saved_bytes_by_mode
-from autoplan.trace.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph, per_block
 
 ADAM_MIXED_OPTIMIZER_BYTES = 12  # ZeRO §3: fp32 master + momentum + variance
 ADAM_FP32_OPTIMIZER_BYTES = 8  # momentum + variance; the fp32 weights are the master copy
@@ -145,6 +145,7 @@ def _scale(graph: ModelGraph, config: ParallelConfig) -> float:
     return config.micro_batch / graph.batch_size / config.cp * act_bytes / graph.dtype_bytes
 
 
+@per_block
 def replicated_saved_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     """Bytes saved by residual-width tensors that TP without SP keeps on every rank.
 
@@ -233,6 +234,7 @@ def _traced_activation_bytes(graph: ModelGraph, block: BlockInfo, config: Parall
     return (replicated + (saved - replicated) / tp) * scale
 
 
+@per_block
 def sp_gathered_input_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     """The full-sequence inputs of a block's column-parallel linears as traced: one block
     input per tensor-parallel pair (q/k/v share one, gate/up another), two where the block

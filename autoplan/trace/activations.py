@@ -20,7 +20,7 @@ All bytes are at the traced batch, sequence length and dtype (ModelGraph).
 
 from __future__ import annotations
 
-from autoplan.trace.graph import BlockInfo, ModelGraph, OpInfo
+from autoplan.trace.graph import BlockInfo, ModelGraph, OpInfo, per_block
 
 SELECTIVE_POLICIES = ("op", "attention_core")
 # op kinds whose outputs torch's selective-checkpoint policy in runtime/recompute.py saves
@@ -38,7 +38,12 @@ def _numel(shape) -> int:
 
 def block_ops(graph: ModelGraph, block: BlockInfo) -> list[OpInfo]:
     """Ops of the block's first copy in the traced graph (empty for hand-built graphs)."""
-    return [graph.graph.nodes[n]["op"] for n in graph.block_nodes(block)]
+    return list(_block_ops(graph, block))
+
+
+@per_block
+def _block_ops(graph: ModelGraph, block: BlockInfo) -> tuple[OpInfo, ...]:
+    return tuple(graph.graph.nodes[n]["op"] for n in graph.block_nodes(block))
 
 
 def fused_norm_excess_bytes(ops: list[OpInfo], dtype_bytes: int) -> float:
@@ -50,6 +55,7 @@ def fused_norm_excess_bytes(ops: list[OpInfo], dtype_bytes: int) -> float:
     return excess
 
 
+@per_block
 def attention_output_reuse_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     """Bytes traced twice where a linear saves the attention kernel's output as its input: the
     fused SDPA kernels (FlashAttention, memory-efficient, cuDNN; CPU flash as well) write their
@@ -81,6 +87,7 @@ def _through_views(g, name: str) -> str | None:
     return preds[0] if len(preds) == 1 else None
 
 
+@per_block
 def autocast_extra_elements(graph: ModelGraph, block: BlockInfo) -> tuple[int, int, int]:
     """(norm-input elements, extra-cast elements, both at the traced batch; weight elements):
     what one block copy keeps for backward at 2 B each beyond its traced bytes when torch.autocast runs it in 16 bits from
@@ -137,6 +144,7 @@ def sac_output_bytes(op: OpInfo, dtype_bytes: int) -> float:
     return float(out)
 
 
+@per_block
 def sac_saved_bytes(graph: ModelGraph, block: BlockInfo) -> tuple[float, float]:
     """(total, residual-width part) of what the "op" selective checkpoint keeps per copy.
 

@@ -18,9 +18,13 @@ Op kinds (`OpInfo.kind`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import networkx as nx
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class ModelGraph:
     # ending there hands on beside the hidden states (trace/side_values.py); empty where the
     # runtime hands on the hidden states alone (Hugging Face models) or cannot split the model
     pipeline_side_values: list[tuple[SideValue, ...]] = field(default_factory=list)
+    # what per_block functions derived from this graph (a graph is not changed once traced)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def blocks(self) -> list[BlockInfo]:
@@ -171,22 +177,12 @@ class ModelGraph:
 
     def block_nodes(self, block: BlockInfo) -> list[str]:
         """Graph nodes of the block's first copy (none for "pre", "post" and hand-built graphs)."""
-        prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
-        return [n for n in self.graph.nodes if n.startswith(prefix)] if prefix else []
+        return list(_block_nodes(self, block))
 
     def segment_nodes(self, block: BlockInfo) -> list[str]:
         """block_nodes, and for "pre" / "post" the top-level nodes before the first block node /
         after the last (the split trace/blocks.py makes)."""
-        if block.kind not in ("pre", "post"):
-            return self.block_nodes(block)
-        firsts = tuple(b.paths[0] + "." for b in self.blocks if b.paths)
-        names = list(self.graph.nodes)
-        in_block = [n.startswith(firsts) for n in names]
-        first = in_block.index(True) if True in in_block else len(names)
-        last = len(in_block) - 1 - in_block[::-1].index(True) if True in in_block else -1
-        if block.kind == "pre":
-            return [n for i, n in enumerate(names) if i < first and not in_block[i]]
-        return [n for i, n in enumerate(names) if i > last and not in_block[i]]
+        return list(_segment_nodes(self, block))
 
     def layer_blocks(self) -> list[BlockInfo]:
         """BlockInfo of every block copy, in execution order (len == num_layers)."""
@@ -195,3 +191,40 @@ class ModelGraph:
 
     def forward_flops(self) -> int:
         return sum(s.forward_flops * s.count for s in self.segments)
+
+
+def per_block(func: Callable[..., T]) -> Callable[..., T]:
+    """Memoise `func(graph, block, *args)`, a pure function of the traced graph, one block and
+    hashable arguments, on the graph: the search asks for the same block's derived numbers
+    (its nodes, its saved bytes) for every configuration it costs. The block is held with its
+    value, so its id() is never another block's while the graph lives."""
+    @functools.wraps(func)
+    def memoised(graph: ModelGraph, block: BlockInfo, *args, **kwargs):
+        key = (func.__qualname__, id(block), args, tuple(sorted(kwargs.items())))
+        try:
+            return graph.memo[key][1]
+        except KeyError:
+            value = func(graph, block, *args, **kwargs)
+            graph.memo[key] = (block, value)
+            return value
+    return memoised
+
+
+@per_block
+def _block_nodes(graph: ModelGraph, block: BlockInfo) -> tuple[str, ...]:
+    prefix = block.paths[0] + "." if block.paths and block.paths[0] else None
+    return tuple(n for n in graph.graph.nodes if n.startswith(prefix)) if prefix else ()
+
+
+@per_block
+def _segment_nodes(graph: ModelGraph, block: BlockInfo) -> tuple[str, ...]:
+    if block.kind not in ("pre", "post"):
+        return _block_nodes(graph, block)
+    firsts = tuple(b.paths[0] + "." for b in graph.blocks if b.paths)
+    names = list(graph.graph.nodes)
+    in_block = [n.startswith(firsts) for n in names]
+    first = in_block.index(True) if True in in_block else len(names)
+    last = len(in_block) - 1 - in_block[::-1].index(True) if True in in_block else -1
+    if block.kind == "pre":
+        return tuple(n for i, n in enumerate(names) if i < first and not in_block[i])
+    return tuple(n for i, n in enumerate(names) if i > last and not in_block[i])

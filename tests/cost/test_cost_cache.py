@@ -22,6 +22,8 @@ GRAPHS = {"dense": dict(model_type="llama", **TINY),
 COMPUTE_KEY = {"tp", "cp", "ep", "micro_batch", "precision", "sequence_parallel"}
 ACTIVATION_KEY = {"tp", "cp", "micro_batch", "precision", "sequence_parallel",
                   "zero_stage"}  # keyed as whether autocast computes from fp32 weights
+STATES_KEY = {"dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "precision", "dp_replicate",
+              "dp_shard"}  # = dp // dp_replicate
 LAYER_KEY = {"global_batch", "seq_len", "dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "micro_batch",
              "precision", "sequence_parallel", "dp_replicate",
              "dp_shard",  # = dp // dp_replicate
@@ -59,6 +61,10 @@ def test_cached_costs_read_only_their_key(kind, config):
             seen = Recording(config)
             layers._compute_times(block, graph, seen, gpu, flash)
             assert seen.read <= COMPUTE_KEY, f"compute_times reads {seen.read - COMPUTE_KEY}"
+            for runtime in (layers.Runtime(), layers.Runtime(True, True)):
+                seen = Recording(config)
+                layers._layer_states(block, graph, seen, runtime)
+                assert seen.read <= STATES_KEY, f"layer_states reads {seen.read - STATES_KEY}"
             for mode in ("none", "selective", "full"):
                 for policy in ("op", "attention_core", layers.sac.OP_SAC):
                     seen = Recording(config)
