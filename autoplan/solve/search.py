@@ -25,8 +25,8 @@ from autoplan.trace.graph import ModelGraph
 from autoplan.solve.cpsat import MEMORY_UNIT_B, Partition, solve_partition
 from autoplan.solve.preference import mechanisms, preference_key, within_band
 from autoplan.solve.space import Request, outer_configs
-from autoplan.solve.tables import (block_runs, build_tables, lower_bound_ns, memory_lower_bound_kib,
-                                   pipeline_slots, time_lower_bound_ns)
+from autoplan.solve.tables import (block_runs, build_tables, least_memory_kib, lower_bound_ns,
+                                   memory_lower_bound_kib, pipeline_slots, time_lower_bound_ns)
 
 GIB_KIB = 2**20
 
@@ -141,8 +141,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
         # out only if every variant is, and its time bound is the least over variants
         variants = [replace(members[0], zero_stage=z, offload=o, schedule="1f1b", vpp=1)
                     for z, o in sorted({(m.zero_stage, m.offload) for m in members})]
-        least = [memory_lower_bound_kib(build_tables(graph, v, cluster, fixed_rc, tail_table=False,
-                                                     cache=cache)) for v in variants]
+        least = [least_memory_kib(graph, v, cache) for v in variants]
         fitting = [v for v, kib in zip(variants, least) if kib <= capacity_kib(cluster)]
         if not fitting:
             skipped_memory.append((min(least) / GIB_KIB, len(members)))

@@ -16,7 +16,7 @@ from autoplan.cost import CostCache, layer_cost
 from autoplan.cost.cache import or_no_cache
 from autoplan.cost import memory as cost_memory
 from autoplan.cost import pipeline as cost_pipeline
-from autoplan.cost.layers import DEFAULT_RUNTIME
+from autoplan.cost.layers import DEFAULT_RUNTIME, activation_bytes, layer_states
 from autoplan.cost.stages import (StageCost, last_stage_loss_bytes, num_virtual_stages, partition,
                                   pp_p2p_s, stage_cost)
 from autoplan.cost.step import dp_sync_s, optimizer_s, step_time_s
@@ -95,21 +95,10 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     post = layer_cost(graph.post, graph, config, cluster, "none", cache=cache)
     chunks = num_virtual_stages(config)
     fixed_time = _fixed_time_s(graph, config, cluster, pre, post, cache)
-    buffers = (cost_memory.pipeline_buffer_bytes(graph, config)
-               + cost_memory.zero3_buffer_bytes(max(largest_gather, pre.zero3_gather_params,
-                                                    post.zero3_gather_params), config))
-    fixed_state = [cost_memory.runtime_overhead_bytes() + buffers * (chunks // config.pp)
-                   for _ in range(config.pp)]
-    fixed_act = [0.0] * config.pp
-    fixed_state[0] += pre.state_bytes
-    fixed_act[0] += pre.activation_bytes
-    last_rank = (chunks - 1) % config.pp
-    loss = last_stage_loss_bytes(graph, config, DEFAULT_RUNTIME)
-    fixed_state[last_rank] += post.state_bytes + sum(loss.values())
-    fixed_act[last_rank] += post.activation_bytes
-    m = config.num_microbatches
-    in_flight = [cost_pipeline.microbatches_in_flight(config.schedule, config.pp, r, m, config.vpp)
-                 for r in range(config.pp)]
+    fixed_state, fixed_act = _fixed_memory_bytes(graph, config, (pre.state_bytes, pre.activation_bytes),
+                                                 (post.state_bytes, post.activation_bytes),
+                                                 max(largest_gather, pre.zero3_gather_params, post.zero3_gather_params))
+    in_flight = _in_flight(config)
     tail = _even_partition_tail_s(graph, config, cluster, cache) if with_tail else 0.0
     return Tables(
         num_layers=graph.num_layers, pp=config.pp, vpp=chunks // config.pp, groups=groups,
@@ -122,19 +111,66 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
     )
 
 
+def _fixed_memory_bytes(graph: ModelGraph, config: ParallelConfig, pre: tuple[float, float],
+                        post: tuple[float, float], largest_gather: float) -> tuple[list[float], list[float]]:
+    """Per rank: (states, activations per micro-batch in flight) outside the blocks: runtime
+    overhead and buffers everywhere, the embedding's (`pre`: states, activations) on rank 0,
+    the head's and the loss on the rank holding the last chunk."""
+    chunks = num_virtual_stages(config)
+    buffers = (cost_memory.pipeline_buffer_bytes(graph, config)
+               + cost_memory.zero3_buffer_bytes(largest_gather, config))
+    fixed_state = [cost_memory.runtime_overhead_bytes() + buffers * (chunks // config.pp)
+                   for _ in range(config.pp)]
+    fixed_act = [0.0] * config.pp
+    fixed_state[0] += pre[0]
+    fixed_act[0] += pre[1]
+    last_rank = (chunks - 1) % config.pp
+    loss = last_stage_loss_bytes(graph, config, DEFAULT_RUNTIME)
+    fixed_state[last_rank] += post[0] + sum(loss.values())
+    fixed_act[last_rank] += post[1]
+    return fixed_state, fixed_act
+
+
+def _in_flight(config: ParallelConfig) -> list[float]:
+    m = config.num_microbatches
+    return [cost_pipeline.microbatches_in_flight(config.schedule, config.pp, r, m, config.vpp)
+            for r in range(config.pp)]
+
+
+def least_memory_kib(graph: ModelGraph, config: ParallelConfig, cache: CostCache | None = None) -> float:
+    """`memory_lower_bound_kib(build_tables(graph, config, cluster))`, the same number, from
+    the memory terms alone: the search bounds every ZeRO/offload variant of every family by
+    it, and most are ruled out before any time is costed."""
+    groups, largest_gather = [], 0.0
+    for lo, hi, name in block_runs(graph, cache):
+        block = graph.segment(name)
+        states = layer_states(block, graph, config, DEFAULT_RUNTIME, cache)
+        largest_gather = max(largest_gather, states.zero3_gather_params)
+        least_act = min(_kib(activation_bytes(block, graph, config, mode, True, DEFAULT_RUNTIME, cache))
+                        for mode in MODES)
+        groups.append((hi - lo, _kib(states.state_bytes), least_act))
+    ends = []
+    for block in (graph.pre, graph.post):
+        states = layer_states(block, graph, config, DEFAULT_RUNTIME, cache)
+        act = activation_bytes(block, graph, config, "none", True, DEFAULT_RUNTIME, cache)
+        largest_gather = max(largest_gather, states.zero3_gather_params)
+        ends.append((states.state_bytes, act))
+    fixed_state, fixed_act = _fixed_memory_bytes(graph, config, ends[0], ends[1], largest_gather)
+    return _least_kib(groups, [_kib(b) for b in fixed_state], [_kib(b) for b in fixed_act],
+                      _in_flight(config), config.pp)
+
+
 def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre,
                  post, cache: CostCache | None = None) -> tuple[RankTails, ...] | None:
-    """Per rank and block count n = 0..L: the step-end time (exposed DP sync + optimizer,
-    `cost.step`) of the rank holding n blocks, for a model of one group of identical blocks.
-    These read only the rank's parameter counts and backward time, which recomputation
-    does not change (checked: None otherwise, and for several groups)."""
-    runs = block_runs(graph, cache)
-    if len(runs) != 1:
-        return None
-    block = graph.segment(runs[0][2])
-    costs = [layer_cost(block, graph, config, cluster, mode, cache=cache) for mode in MODES]
-    if len({(c.bwd_s, c.dense_params, c.expert_params) for c in costs}) != 1:
-        return None
+    """Per rank, by blocks held of each run (`RankTails`): the step-end time (exposed DP sync +
+    optimizer, `cost.step`) of the rank. These read only the rank's parameter counts and
+    backward time, which recomputation does not change (checked: None otherwise)."""
+    blocks = []
+    for _, _, name in block_runs(graph, cache):
+        costs = [layer_cost(graph.segment(name), graph, config, cluster, mode, cache=cache) for mode in MODES]
+        if len({(c.bwd_s, c.dense_params, c.expert_params) for c in costs}) != 1:
+            return None
+        blocks.append(costs[0])
     chunks = num_virtual_stages(config)
     last_rank = (chunks - 1) % config.pp
     rows: dict[tuple, RankTails] = {}
@@ -142,34 +178,40 @@ def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre,
         key = (rank == 0, rank == last_rank)
         if key not in rows:
             ends = tuple(c for c, here in zip((pre, post), key) if here)
-            rows[key] = RankTails(lambda n, ends=ends: _ns(_tail_s(config, cluster, costs[0], n, ends)))
+            rows[key] = RankTails(lambda counts, ends=ends: _ns(_tail_s(config, cluster, blocks, counts, ends)))
     return tuple(rows[(rank == 0, rank == last_rank)] for rank in range(config.pp))
 
 
 class RankTails:
-    """One rank's step-end time by block count, computed when first asked (the solver asks
-    for a few counts near L / pp; most configurations are pruned before it asks at all)."""
+    """One rank's step-end time by blocks held per run (`of`; `[n]` for a model of one run),
+    computed when first asked (the solver asks for a few counts near L / pp; most
+    configurations are pruned before it asks at all)."""
 
     def __init__(self, tail_ns):
         self.tail_ns = tail_ns
-        self.memo: dict[int, int] = {}
+        self.memo: dict[tuple[int, ...], int] = {}
+
+    def of(self, counts: tuple[int, ...]) -> int:
+        if counts not in self.memo:
+            self.memo[counts] = self.tail_ns(counts)
+        return self.memo[counts]
 
     def __getitem__(self, n: int) -> int:
-        if n not in self.memo:
-            self.memo[n] = self.tail_ns(n)
-        return self.memo[n]
+        return self.of((n,))
 
 
-def _tail_s(config: ParallelConfig, cluster, block, n: int, ends: tuple) -> float:
-    """`step.dp_sync_s + step.optimizer_s` of a rank with n blocks and the embedding/head
-    `ends`: they read only the sums of parameters and backward time, and the largest layer."""
-    layers = [block] * min(n, 1) + list(ends)
+def _tail_s(config: ParallelConfig, cluster, blocks: list, counts: tuple[int, ...], ends: tuple) -> float:
+    """`step.dp_sync_s + step.optimizer_s` of a rank with counts[g] blocks like blocks[g] and
+    the embedding/head `ends`: they read only the sums of parameters and backward time, and
+    the largest layer."""
+    held = [(block, n) for block, n in zip(blocks, counts) if n]
+    layers = [block for block, _ in held] + list(ends)
     stage = StageCost(
         stage_index=0, physical_stage=0, layers=(), fwd_s=0.0,
-        bwd_s=n * block.bwd_s + sum(c.bwd_s for c in ends), recompute_s=0.0, comm_s={},
+        bwd_s=sum(n * b.bwd_s for b, n in held) + sum(c.bwd_s for c in ends), recompute_s=0.0, comm_s={},
         comm_total_s={}, in_flight=0.0, memory_bytes={}, model_flops=0.0, hardware_flops=0.0,
-        dense_params=n * block.dense_params + sum(c.dense_params for c in ends),
-        expert_params=n * block.expert_params + sum(c.expert_params for c in ends),
+        dense_params=sum(n * b.dense_params for b, n in held) + sum(c.dense_params for c in ends),
+        expert_params=sum(n * b.expert_params for b, n in held) + sum(c.expert_params for c in ends),
         largest_block_params=max((c.dense_params + c.expert_params for c in layers), default=0.0))
     return dp_sync_s([stage], config, cluster) + optimizer_s([stage], config, cluster)
 
@@ -246,7 +288,14 @@ def _forced_recompute_ns(tables: Tables) -> float:
 def memory_lower_bound_kib(tables: Tables) -> float:
     """Least memory the fullest rank can need: states and fixed terms spread perfectly,
     every block at its smallest activation footprint."""
-    states = sum(g.state_kib * (g.hi - g.lo) for g in tables.groups)
-    acts = sum(min(g.activation_kib.values()) * (g.hi - g.lo) for g in tables.groups)
-    fixed = sum(tables.fixed_state_kib) + sum(f * a for f, a in zip(tables.in_flight, tables.fixed_activation_kib))
-    return (states + min(tables.in_flight) * acts + fixed) / tables.pp
+    groups = [(g.hi - g.lo, g.state_kib, min(g.activation_kib.values())) for g in tables.groups]
+    return _least_kib(groups, tables.fixed_state_kib, tables.fixed_activation_kib, tables.in_flight, tables.pp)
+
+
+def _least_kib(groups: list[tuple[int, int, int]], fixed_state_kib: list[int], fixed_activation_kib: list[int],
+               in_flight: list[float], pp: int) -> float:
+    """memory_lower_bound_kib of (blocks, state KiB, least activation KiB) per group."""
+    states = sum(n * state for n, state, _ in groups)
+    acts = sum(n * act for n, _, act in groups)
+    fixed = sum(fixed_state_kib) + sum(f * a for f, a in zip(in_flight, fixed_activation_kib))
+    return (states + min(in_flight) * acts + fixed) / pp
