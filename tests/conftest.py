@@ -9,6 +9,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Traced graphs are not kept on disk across tests (trace/store.py): a test that patches the
+# tracer must see its patch, not a graph another test stored; tests/trace/test_store.py
+# turns the cache on in a folder of its own.
+os.environ["AUTOPLAN_CACHE"] = "0"
 
 # Property tests draw the same examples on every run, so CI's verdict does not depend on the
 # draw; cases that random exploration found are pinned with @example. No example database

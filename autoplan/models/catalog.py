@@ -42,6 +42,11 @@ def catalog_names() -> list[str]:
     return sorted(path.stem for path in directory.glob("*.json")) if directory.is_dir() else []
 
 
+def catalog_file(name: str) -> Path:
+    """The catalog file of a (case-insensitive) name; UserError if unknown."""
+    return _catalog_path(name)
+
+
 def _catalog_path(name: str) -> Path:
     names = catalog_names()
     wanted = name.strip().lower()

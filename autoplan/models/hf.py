@@ -6,11 +6,12 @@ torch-only reference models stay the default, and only this module imports it.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from autoplan.errors import UserError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 HF_PREFIX = "hf:"
 
@@ -19,6 +20,8 @@ def build_transformers_model(config: dict[str, Any], where: str) -> nn.Module:
     """The transformers model of `config` (no weights: call it under torch.device("meta")),
     with SDPA attention. The class is the config's first `architectures` entry that
     transformers has, else its causal-LM class (AutoModelForCausalLM)."""
+    import torch
+
     transformers = _transformers(where)
     model_type = config.get("model_type")
     fields = {key: value for key, value in config.items() if key != "model_type"}
@@ -32,7 +35,7 @@ def build_transformers_model(config: dict[str, Any], where: str) -> nn.Module:
     hf_config._attn_implementation = "sdpa"
     for name in config.get("architectures") or []:
         cls = getattr(transformers, str(name), None)
-        if isinstance(cls, type) and issubclass(cls, nn.Module):
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
             return cls(hf_config)
     try:
         return transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
