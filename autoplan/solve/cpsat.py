@@ -21,8 +21,10 @@ that solver's assumptions and as its cross-check in tests/solve.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ortools.sat.python import cp_model
+if TYPE_CHECKING:  # imported where a model is built: a plan of identical blocks never needs it
+    from ortools.sat.python import cp_model
 
 MODES = ("none", "selective", "full")
 TIME_UNIT_S = 1e-9  # objective and times in nanoseconds
@@ -107,11 +109,9 @@ def objective_ns(tables: Tables, cuts, full, selective) -> float:
     times = [0] * tables.pp
     syncs = list(tables.fixed_sync_ns or [0] * tables.pp)
     mems = [fixed_memory_kib(tables, r) for r in range(tables.pp)]
-    blocks = [0] * tables.pp
     for k in range(tables.chunks):
         rank = k % tables.pp
         times[rank] += tables.fixed_time_ns[k]
-        blocks[rank] += cuts[k + 1] - cuts[k]
         for g, group in enumerate(tables.groups):
             n = _count(tables, cuts[k], cuts[k + 1], group)
             f, s = full[k][g], selective[k][g]
@@ -125,9 +125,18 @@ def objective_ns(tables: Tables, cuts, full, selective) -> float:
     if any(m > tables.capacity_kib for m in mems):
         return float("inf")
     if tables.tail_ns:
-        syncs = [d + tables.tail_ns[r][n] for r, (d, n) in enumerate(zip(syncs, blocks))]
+        syncs = [d + _tail(tables, r, cuts) for r, d in enumerate(syncs)]
     scale = objective_scale(tables)
     return (round(tables.slots * scale) * max(times) + scale * max(syncs)) / scale
+
+
+def _tail(tables: Tables, rank: int, cuts) -> int:
+    """The tabled step-end time of `rank` under `cuts`: by its block count for one group (a
+    sequence indexed by n), by its blocks per group otherwise (tables.RankTails.of)."""
+    counts = [sum(_count(tables, cuts[k], cuts[k + 1], group) for k in range(rank, tables.chunks, tables.pp))
+              for group in tables.groups]
+    row = tables.tail_ns[rank]
+    return row.of(tuple(counts)) if hasattr(row, "of") else row[sum(counts)]
 
 
 def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1,
@@ -137,16 +146,20 @@ def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1
     partition is then only FEASIBLE (its objective, with the tail, is not proven least)."""
     from dataclasses import replace
 
-    from autoplan.solve import homogeneous
+    from autoplan.solve import homogeneous, runs
 
     if homogeneous.applies(tables):  # one group of identical blocks: exact, no MIP needed
         return homogeneous.solve_identical(tables)
+    if runs.applies(tables):  # one long run and a few other blocks: exact too
+        return runs.solve_runs(tables)
     if tables.tail_ns:
         part = solve_partition(replace(tables, tail_ns=None), time_limit_s, workers, hint)
         return part and replace(part, status="FEASIBLE",
                                 objective_ns=objective_ns(tables, part.cuts, part.full, part.selective))
     if len(tables.groups) == 1:
         return _solve_homogeneous(tables, time_limit_s, workers)
+    from ortools.sat.python import cp_model
+
     model = cp_model.CpModel()
     v = _add_variables(model, tables)
     add_partition_constraints(model, tables, v)
@@ -170,6 +183,8 @@ def solve_partition(tables: Tables, time_limit_s: float = 10.0, workers: int = 1
 
 def _solve(model: cp_model.CpModel, time_limit_s: float, workers: int):
     """(solver, status) of a reproducible run; (None, status) when nothing was found."""
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     # The limit is CP-SAT's deterministic time, so the same tables give the same answer on a
     # loaded machine as on an idle one; the wall-clock limit is only a backstop.
@@ -278,6 +293,8 @@ def _solve_homogeneous(tables: Tables, time_limit_s: float, workers: int) -> Par
     matters, not which of its chunks holds them. Variables per rank instead of per chunk;
     chunks are filled afterwards (at least one block each). Same objective and memory as
     the general model (exhaustive cross-check in tests/solve)."""
+    from ortools.sat.python import cp_model
+
     group, pp, vpp, L = tables.groups[0], tables.pp, tables.vpp, tables.num_layers
     model = cp_model.CpModel()
     n = [model.new_int_var(vpp, L, f"n_{r}") for r in range(pp)]

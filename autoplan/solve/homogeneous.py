@@ -50,33 +50,42 @@ def applies(tables: Tables) -> bool:
     return True
 
 
-class _RankTime:
-    """g_r(n): the least time per micro-batch of rank r holding n blocks, within memory."""
+class RankTime:
+    """g_r(n): the least time per micro-batch of rank r holding n blocks of `group`, and
+    `minors` (fixed counts of other groups' blocks, each with its own recomputation), within
+    memory. With no minors, the identical-blocks case."""
 
-    def __init__(self, tables: Tables, rank: int):
-        group = tables.groups[0]
+    def __init__(self, tables: Tables, rank: int, group: GroupTable | None = None,
+                 minors: tuple[tuple[GroupTable, int], ...] = ()):
+        group = group or tables.groups[0]
         t = group.time_ns
         self.none, self.d_full, self.d_sel = t["none"], t["full"] - t["none"], t["selective"] - t["none"]
         self.per_block, self.per_full, self.per_sel = memory_coefficients(tables, rank, group)
         self.budget = tables.capacity_kib - fixed_memory_kib(tables, rank)
         self.fixed = sum(tables.fixed_time_ns[k] for k in range(rank, tables.chunks, tables.pp))
         self.modes = tables.modes
-        self.memo: dict[int, tuple[int, int, int, int] | None] = {}
+        self.options = _minor_options(tables, rank, minors)
+        self.memo: dict[int, tuple | None] = {}
 
-    def least(self, n: int) -> tuple[int, int, int, int] | None:
-        """(time, full, selective, KiB used minus capacity) of the fastest recomputation that
-        fits; None if none does."""
+    def least(self, n: int) -> tuple[int, int, int, int, tuple] | None:
+        """(time, full, selective, KiB used minus capacity, the minors' (full, selective)) of
+        the fastest recomputation that fits; None if none does."""
         if n not in self.memo:
-            best = self._least(n)
-            self.memo[n] = best and (*best, self.over_capacity_kib(n, best[1], best[2]))
+            best = None
+            for extra_ns, extra_kib, choice in self.options:
+                found = self._least(n, self.budget - extra_kib)
+                if found is not None and (best is None or found[0] + extra_ns < best[0]):
+                    best = (found[0] + extra_ns, found[1], found[2], extra_kib, choice)
+            self.memo[n] = best and (best[0], best[1], best[2],
+                                     self.over_capacity_kib(n, best[1], best[2]) + best[3], best[4])
         return self.memo[n]
 
     def over_capacity_kib(self, n: int, full: int, selective: int) -> int:
         return n * self.per_block + full * self.per_full + selective * self.per_sel - self.budget
 
-    def _least(self, n: int) -> tuple[int, int, int] | None:
+    def _least(self, n: int, budget: int) -> tuple[int, int, int] | None:
         base = n * self.none + self.fixed
-        excess = n * self.per_block - self.budget  # KiB recomputation must save
+        excess = n * self.per_block - budget  # KiB recomputation must save
         if self.modes == ("none",):
             return (base, 0, 0) if excess <= 0 else None
         if self.modes == ("full",):
@@ -107,21 +116,51 @@ class _RankTime:
         return best
 
 
-def _least_max_time(ranks: list[_RankTime], vpp: int, layers: int, cap: list[int]) -> list[int] | None:
-    """Blocks per rank (vpp <= n_r <= cap_r, sum = layers) minimising max_r g_r(n_r); None if
-    nothing fits. Greedy: the next block goes to the rank whose time grows to the least value;
-    among equal times, to the rank that then uses the least memory (a lower peak for the same
-    step time; later 1F1B stages hold fewer micro-batches)."""
-    counts = [vpp] * len(ranks)
-    if any(r.least(vpp) is None or vpp > c for r, c in zip(ranks, cap)):
+def _minor_options(tables: Tables, rank: int, minors) -> list[tuple[int, int, tuple]]:
+    """(time, KiB, ((full, selective) per minor group)) of every recomputation of the fixed
+    minor blocks the modes allow, less those another option beats in both time and memory."""
+    options = [(0, 0, ())]
+    for group, count in minors:
+        t = group.time_ns
+        per_block, per_full, per_sel = memory_coefficients(tables, rank, group)
+        cells = [(f, s) for f in range(count + 1) for s in range(count + 1 - f) if allowed(tables.modes, count, f, s)]
+        options = [(time + count * t["none"] + f * (t["full"] - t["none"]) + s * (t["selective"] - t["none"]),
+                    kib + count * per_block + f * per_full + s * per_sel, (*choice, (f, s)))
+                   for time, kib, choice in options for f, s in cells]
+    kept, least_kib = [], None
+    for option in sorted(options):
+        if least_kib is None or option[1] < least_kib:
+            kept.append(option)
+            least_kib = option[1]
+    return kept
+
+
+def allowed(modes: tuple[str, ...], n: int, f: int, s: int) -> bool:
+    """Whether n blocks with f fully and s selectively recomputed obey a fixed recompute mode."""
+    if modes == ("none",):
+        return f == s == 0
+    if modes == ("full",):
+        return f == n and s == 0
+    if modes == ("selective",):
+        return s == n and f == 0
+    return True
+
+
+def _least_max_time(ranks: list[RankTime], lows: list[int], total: int, cap: list[int]) -> list[int] | None:
+    """Blocks per rank (lows_r <= n_r <= cap_r, sum = total) minimising max_r g_r(n_r); None
+    if nothing fits. Greedy: the next block goes to the rank whose time grows to the least
+    value; among equal times, to the rank that then uses the least memory (a lower peak for
+    the same step time; later 1F1B stages hold fewer micro-batches)."""
+    counts = list(lows)
+    if any(r.least(low) is None or low > c for r, low, c in zip(ranks, lows, cap)):
         return None
     heap = []
     for i, rank in enumerate(ranks):
-        nxt = rank.least(vpp + 1) if vpp + 1 <= cap[i] else None
+        nxt = rank.least(lows[i] + 1) if lows[i] + 1 <= cap[i] else None
         if nxt is not None:
             heap.append((nxt[0], nxt[3], i))
     heapq.heapify(heap)
-    for _ in range(layers - vpp * len(ranks)):
+    for _ in range(total - sum(lows)):
         if not heap:
             return None
         *_, i = heapq.heappop(heap)
@@ -133,7 +172,7 @@ def _least_max_time(ranks: list[_RankTime], vpp: int, layers: int, cap: list[int
 
 
 def _rank_sync(tables: Tables, rank: int, n: int) -> int:
-    """Step-end time of `rank` holding n blocks: linear sync plus the tabled tail."""
+    """Step-end time of `rank` holding n identical blocks: linear sync plus the tabled tail."""
     tail = tables.tail_ns[rank][n] if tables.tail_ns else 0
     fixed = tables.fixed_sync_ns[rank] if tables.fixed_sync_ns else 0
     return n * tables.groups[0].sync_ns + fixed + tail
@@ -159,20 +198,18 @@ def _sums_to(allowed: list[list[int]], total: int) -> list[int] | None:
     return counts[::-1]
 
 
-def _least_max_sync(tables: Tables, caps: list[int]) -> tuple[int, list[int]] | None:
-    """(least max_r sync_r, counts) over counts vpp <= n_r <= caps_r summing to L: a binary
-    search over the attainable sync levels (sync_r need not be monotone in n_r: more blocks
-    also lengthen the backward that hides the DP sync)."""
-    vpp, L = tables.vpp, tables.num_layers
-    lows = [max(vpp, L - (sum(caps) - cap)) for cap in caps]  # the others hold at most their caps
-    syncs = [[(n, _rank_sync(tables, r, n)) for n in range(low, cap + 1)]
-             for r, (low, cap) in enumerate(zip(lows, caps))]
+def _least_max_sync(sync, lows: list[int], total: int, caps: list[int]) -> tuple[int, list[int]] | None:
+    """(least max_r sync(r, n_r), counts) over counts lows_r <= n_r <= caps_r summing to
+    `total`: a binary search over the attainable sync levels (sync need not be monotone in
+    n_r: more blocks also lengthen the backward that hides the DP sync)."""
+    lows = [max(low, total - (sum(caps) - cap)) for low, cap in zip(lows, caps)]  # the others hold at most their caps
+    syncs = [[(n, sync(r, n)) for n in range(low, cap + 1)] for r, (low, cap) in enumerate(zip(lows, caps))]
     levels = sorted({d for rank in syncs for _, d in rank})
     best = None
     lo, hi = 0, len(levels) - 1
     while lo <= hi:
         mid = (lo + hi) // 2
-        counts = _sums_to([[n for n, d in rank if d <= levels[mid]] for rank in syncs], L)
+        counts = _sums_to([[n for n, d in rank if d <= levels[mid]] for rank in syncs], total)
         if counts is None:
             lo = mid + 1
         else:
@@ -180,11 +217,11 @@ def _least_max_sync(tables: Tables, caps: list[int]) -> tuple[int, list[int]] | 
     return best
 
 
-def _times_below(rank: _RankTime, vpp: int, L: int, limit: float) -> list[tuple[int, int]]:
-    """(n, g_r(n)) from n = vpp up while the time stays below `limit` (g_r is nondecreasing:
+def _times_below(rank: RankTime, low: int, high: int, limit: float) -> list[tuple[int, int]]:
+    """(n, g_r(n)) for n = low..high while the time stays below `limit` (g_r is nondecreasing:
     larger counts only reach levels the search never tries)."""
     out = []
-    for n in range(vpp, L + 1):
+    for n in range(low, high + 1):
         least = rank.least(n)
         if least is None or least[0] >= limit:
             break
@@ -192,38 +229,50 @@ def _times_below(rank: _RankTime, vpp: int, L: int, limit: float) -> list[tuple[
     return out
 
 
-def solve_identical(tables: Tables) -> Partition | None:
-    """Best partition of one group of identical blocks (see the module docstring), or None if
-    nothing fits. Call only where `applies(tables)`.
+def least_counts(ranks: list[RankTime], lows: list[int], highs: list[int], total: int, sync,
+                 slot_weight: int, scale: int, bound: float = float("inf")) -> tuple[int, list[int]] | None:
+    """(objective, counts): blocks per rank (lows_r <= n_r <= highs_r, sum = total)
+    minimising slot_weight * max_r g_r(n_r) + scale * max_r sync(r, n_r), if below `bound`.
 
-    The objective is slot_weight * max_r g_r(n_r) + scale * max_r sync_r(n_r). Every level G
-    of the time part, from the least upwards, caps each rank's blocks at the most whose time
-    stays within G; the least max sync under those caps completes the objective. Levels stop
-    once slot_weight * G alone reaches the best objective found, so the result is exact."""
-    pp, vpp, L = tables.pp, tables.vpp, tables.num_layers
-    if pp * vpp > L:
-        return None
-    ranks = [_RankTime(tables, r) for r in range(pp)]
-    scale = objective_scale(tables)
-    slot_weight = round(tables.slots * scale)
-
+    Every level G of the time part, from the least upwards, caps each rank's blocks at the
+    most whose time stays within G; the least max sync under those caps completes the
+    objective. Levels stop once slot_weight * G alone reaches the best objective found, so
+    the result is exact."""
     def objective(counts: list[int]) -> int:
         times = max(ranks[r].least(n)[0] for r, n in enumerate(counts))
-        return slot_weight * times + scale * max(_rank_sync(tables, r, n) for r, n in enumerate(counts))
+        return slot_weight * times + scale * max(sync(r, n) for r, n in enumerate(counts))
 
-    greedy = _least_max_time(ranks, vpp, L, [L] * pp)
+    greedy = _least_max_time(ranks, lows, total, highs)
     if greedy is None:
         return None
-    best, best_value = greedy, objective(greedy)
-    times = [_times_below(rank, vpp, L, best_value / slot_weight) for rank in ranks]
     least_time = max(ranks[r].least(n)[0] for r, n in enumerate(greedy))
+    if slot_weight * least_time >= bound:
+        return None
+    best, best_value = greedy, objective(greedy)
+    times = [_times_below(rank, low, high, best_value / slot_weight) for rank, low, high in zip(ranks, lows, highs)]
     for level in sorted({t for rank in times for _, t in rank if t >= least_time}):
         if slot_weight * level >= best_value:
             break
-        caps = [max((n for n, t in rank if t <= level), default=vpp - 1) for rank in times]
-        found = _least_max_sync(tables, caps)
+        caps = [max((n for n, t in rank if t <= level), default=low - 1) for rank, low in zip(times, lows)]
+        found = _least_max_sync(sync, lows, total, caps)
         if found is not None and objective(found[1]) < best_value:
             best, best_value = found[1], objective(found[1])
+    return (best_value, best) if best_value < bound else None
+
+
+def solve_identical(tables: Tables) -> Partition | None:
+    """Best partition of one group of identical blocks (see the module docstring), or None if
+    nothing fits. Call only where `applies(tables)`."""
+    pp, vpp, L = tables.pp, tables.vpp, tables.num_layers
+    if pp * vpp > L:
+        return None
+    ranks = [RankTime(tables, r) for r in range(pp)]
+    scale = objective_scale(tables)
+    found = least_counts(ranks, [vpp] * pp, [L] * pp, L, lambda r, n: _rank_sync(tables, r, n),
+                         round(tables.slots * scale), scale)
+    if found is None:
+        return None
+    value, best = found
     choice = [ranks[r].least(n) for r, n in enumerate(best)]
     return fill_chunks(tables, best, [c[1] for c in choice], [c[2] for c in choice],
-                       objective_ns=best_value / scale, status="OPTIMAL")
+                       objective_ns=value / scale, status="OPTIMAL")

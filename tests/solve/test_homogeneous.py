@@ -88,11 +88,11 @@ def test_one_group_goes_to_the_direct_solver():
 @given(identical_blocks(max_layers=12))
 def test_least_time_per_rank_is_brute_force(t: Tables):
     from autoplan.solve.cpsat import fixed_memory_kib, memory_coefficients
-    from autoplan.solve.homogeneous import _RankTime
+    from autoplan.solve.homogeneous import RankTime
 
     group, times = t.groups[0], t.groups[0].time_ns
     for rank in range(t.pp):
-        least = _RankTime(t, rank).least
+        least = RankTime(t, rank).least
         per_block, per_full, per_sel = memory_coefficients(t, rank, group)
         budget = t.capacity_kib - fixed_memory_kib(t, rank)
         for n in range(t.num_layers + 1):
