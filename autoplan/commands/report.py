@@ -212,8 +212,8 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
 
 
 def _emit(doc, fmt, out, force, sweep, detail) -> None:
-    from autoplan.report import render_files as rf
-
+    if fmt in ("html", "md"):  # charts: matplotlib, imported only for the formats that draw
+        from autoplan.report import render_files as rf
     if fmt == "json":
         text = json.dumps(doc, indent=2) + "\n"
     elif fmt == "html":

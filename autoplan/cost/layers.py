@@ -459,15 +459,16 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         rc_flops = fraction * (times.fwd_flops - profile.attention_flops * config.micro_batch
                                / graph.batch_size / config.cp / config.tp)
     params = block_params(block, graph, config)
+    fwd_s, bwd_s = times.fwd_s, times.bwd_s  # plus what the runtime adds to them below
     accumulate = grad_accumulation_s(params, config, gpu)
     if accumulate:
-        times = replace(times, bwd_s=times.bwd_s + accumulate)
+        bwd_s += accumulate
     if runtime.fsdp_copy_out and config.zero_stage >= 2 and not fsdp_pipeline_unsharded(config):
         # ZeRO-3 gathers before forward and again before backward, ZeRO-2 before forward only
         copy = compute.fsdp_copy_out_s(params.dense + params.expert,
                                        memory.weight_bytes_per_param(config.precision), gpu)
-        times = replace(times, fwd_s=times.fwd_s + copy,
-                        bwd_s=times.bwd_s + (copy if config.zero_stage >= 3 else 0.0))
+        fwd_s += copy
+        bwd_s += copy if config.zero_stage >= 3 else 0.0
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
     tp = tp_comm_s(graph, block, config, fabric, groups, rc, runtime)
@@ -482,32 +483,33 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     # With pipelining, the all-to-all of one micro-batch runs under another's compute
     # (DeepSeek-V3 DualPipe, §3.2.1; Megatron-Core 1F1B A2A overlap): only what compute
     # cannot hide is exposed. Without PP there is no other micro-batch to hide it under.
-    exposed["ep"] = max(0.0, ep - times.fwd_s - times.bwd_s) if config.pp > 1 else ep
-    z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, times.fwd_s + recompute_s,
-                                      times.bwd_s, volume.fsdp_gathers(block, runtime.fsdp_root_regathered))
+    exposed["ep"] = max(0.0, ep - fwd_s - bwd_s) if config.pp > 1 else ep
+    z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, fwd_s + recompute_s,
+                                      bwd_s, volume.fsdp_gathers(block, runtime.fsdp_root_regathered))
     if runtime.zero3_flat_gather:
-        z_total, z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc, times.fwd_s,
-                                               recompute_s, times.bwd_s)
+        z_total, z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc, fwd_s,
+                                               recompute_s, bwd_s)
     total["zero3"], exposed["zero3"] = z_total, z_exposed
-    total["zero2"], exposed["zero2"] = zero2_comm_s(params, config, fabric, groups, times.bwd_s)
+    total["zero2"], exposed["zero2"] = zero2_comm_s(params, config, fabric, groups, bwd_s)
     exposed["zero2"] = comm.contended_exposed_s(total["zero2"], exposed["zero2"])
     # hidden NCCL weight gathers / gradient reductions slow the compute they hide under (the
     # measured case, comm.OVERLAP_COMPUTE_RATE). Not applied to TP overlap (Transformer Engine
     # userbuffers copy with the copy engines, not SM/HBM-staged NCCL kernels: pytorch/pytorch
     # PR #130583 on low-contention copy-engine collectives) nor to EP/CP exchanges (unmeasured).
     exposed["zero3"] = comm.contended_exposed_s(total["zero3"], exposed["zero3"])
-    total["offload"], exposed["offload"] = param_offload_comm_s(params, config, gpu, times.fwd_s + recompute_s,
-                                                                times.bwd_s, runtime.fp32_module_weights,
+    total["offload"], exposed["offload"] = param_offload_comm_s(params, config, gpu, fwd_s + recompute_s,
+                                                                bwd_s, runtime.fp32_module_weights,
                                                                 expert_state_layout(config, runtime)[1])
     if block.experts and block.kind not in ("pre", "post"):
         # dropless routing reads token counts back every MoE layer: host time is exposed (host.py)
         h_fwd, h_bwd, h_rc = host.moe_host_s(block.experts / (config.ep or 1), rc)
-        times = replace(times, fwd_s=times.fwd_s + h_fwd, bwd_s=times.bwd_s + h_bwd)
+        fwd_s += h_fwd
+        bwd_s += h_bwd
         recompute_s += h_rc
     states = layer_states(block, graph, config, runtime, cache)
     activation = activation_bytes(block, graph, config, rc, flash_attention, runtime, cache)
     return LayerCost(
-        name=block.name, recompute=rc, fwd_s=times.fwd_s, bwd_s=times.bwd_s,
+        name=block.name, recompute=rc, fwd_s=fwd_s, bwd_s=bwd_s,
         recompute_s=recompute_s,
         comm_s=_frozen({k: v for k, v in exposed.items() if v}),
         comm_total_s=_frozen({k: v for k, v in total.items() if v}),

@@ -17,9 +17,9 @@ matplotlib.use("Agg")  # no display, no network: rendering only
 import matplotlib.pyplot as plt  # noqa: E402
 
 from autoplan.report import timeline  # noqa: E402
+from autoplan.report.document import MEMORY_PARTS, step_components  # noqa: E402
 
 CHARTS = ("time-vs-cost", "memory", "step-time", "pipeline")
-MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries", "overhead")
 COLORS = {"parameters": "#4c72b0", "gradients": "#55a868", "optimizer": "#c44e52", "activations": "#8172b2",
           "buffers": "#ccb974", "temporaries": "#da8bc3", "overhead": "#64b5cd", "compute": "#4c72b0", "recompute": "#8172b2",
           "bubble": "#bbbbbb", "other": "#777777"}
@@ -112,21 +112,6 @@ def memory_svg(estimate: dict, capacity_gib: float, title: str) -> str:
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _svg(fig, "memory")
-
-
-def step_components(estimate: dict) -> list[tuple[str, float]]:
-    """(part, seconds) of one step: compute, recompute, exposed comm by kind, bubble, CPU
-    offload, other."""
-    t = estimate["time_breakdown_s"]
-    parts = [("compute", t["compute"]), ("recompute", t["recompute"])]
-    parts += [(f"comm {kind}", s) for kind, s in sorted(estimate["comm_breakdown_s"].items())]
-    parts.append(("bubble", t["bubble"]))
-    if t.get("offload"):
-        parts.append(("offload", t["offload"]))
-    rest = estimate["step_time_s"] - sum(s for _, s in parts)
-    if rest > 1e-6 * estimate["step_time_s"]:  # the optimizer update and what else the step adds
-        parts.append(("other", rest))
-    return parts
 
 
 def step_time_svg(labelled: list[tuple[str, dict]], title: str) -> str:

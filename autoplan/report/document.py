@@ -79,9 +79,26 @@ class PlanDetail:
     usd_per_gpu_hour: float
 
 
-def detail_dict(d: PlanDetail) -> dict[str, Any]:
-    from autoplan.report.charts import step_components
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries", "overhead")
 
+
+def step_components(estimate: dict) -> list[tuple[str, float]]:
+    """(part, seconds) of one step: compute, recompute, exposed comm by kind, bubble, CPU
+    offload, other."""
+    t = estimate["time_breakdown_s"]
+    parts = [("compute", t["compute"]), ("recompute", t["recompute"])]
+    parts += [(f"comm {kind}", s) for kind, s in sorted(estimate["comm_breakdown_s"].items())]
+    parts.append(("bubble", t["bubble"]))
+    if t.get("offload"):
+        parts.append(("offload", t["offload"]))
+    rest = estimate["step_time_s"] - sum(s for _, s in parts)
+    if rest > 1e-6 * estimate["step_time_s"]:  # the optimizer update and what else the step adds
+        parts.append(("other", rest))
+    return parts
+
+
+
+def detail_dict(d: PlanDetail) -> dict[str, Any]:
     e = d.estimate
     return {"title": d.title, "gpu": d.plan.gpu, "num_gpus": d.plan.world_size,
             "config": {k: getattr(d.plan, k) for k in CONFIG_KEYS},

@@ -150,7 +150,7 @@ def _runners_up_table(doc: dict[str, Any]):
 def _print_detail(d: dict[str, Any], console) -> None:
     from rich.table import Table
 
-    from autoplan.report.charts import MEMORY_PARTS
+    from autoplan.report.document import MEMORY_PARTS
 
     g = d["goodput"]
     head = Table(title=d["title"], show_header=False)

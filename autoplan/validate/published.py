@@ -26,7 +26,6 @@ from autoplan.textfile import read_text
 from autoplan.hardware import load_gpu, make_cluster
 from autoplan.limits import MAX_GPUS, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, check_at_most
 from autoplan.models.catalog import config_from_published
-from autoplan.trace.tracer import graph_for_config
 from autoplan.validate.families import by_family, interleaved_default_vpp, layer_sac, run_family, runtime_traits
 
 
@@ -189,6 +188,8 @@ def candidate_configs(run: dict[str, Any]) -> list[tuple[ParallelConfig, dict[st
 def _graph_for_run(run: dict[str, Any]):
     config = config_from_published(run["model"])
     # the published layout is given: nothing here chooses what autoplan's runtime applies
+    from autoplan.trace.tracer import graph_for_config  # torch: only when a run is costed
+
     return graph_for_config(config, 1, int(run["model"]["seq_len"]), probe_runtime=False)
 
 
