@@ -145,6 +145,9 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return RowwiseParallel(output_layouts=seq)
     if name == "sequence_parallel":
         return SequenceParallel() if sequence_parallel else None
+    if name == "head_norm":  # a norm over each head's features, on (batch, seq, this rank's heads, head_dim):
+        # its weight is replicated and its gradient summed over the ranks' heads
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if name == "prepare_input":
         return GatherFirstInput(seq)
     if name == "vocab_embedding":

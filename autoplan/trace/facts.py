@@ -35,6 +35,9 @@ _SPLITS = {"split", "chunk", "split_with_sizes", "unbind", "tensor_split"}
 _MHA_TARGETS = {"MultiheadAttention", "multi_head_attention_forward"}
 _FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up): sharding its "
           "output columns would mix the parts on each rank; left unsplit")
+_NORM_ACROSS_HEADS = ("normalises q or k over all heads at once (an OLMo2-style q_norm/k_norm over the "
+                      "whole projection): a rank holding some heads would need every head's statistics; "
+                      "left unsplit")
 _PACKED_MHA = ("nn.MultiheadAttention packs q, k and v in one in_proj_weight and runs attention "
                "inside one call, so it cannot be sharded by heads; left unsplit")
 
@@ -50,19 +53,48 @@ def _graph_maps(ops: list[OpInfo], edges: list[tuple[str, str]]):
     return by_name, inputs, users
 
 
-def _walk_back(row: str, by_name: dict, inputs: dict) -> tuple[set[str], set[str]]:
-    """(feeding linears, ops passed through) walking back from `row` to the stop kinds."""
-    feeders, through, stack = set(), set(), list(inputs[row])
+def _per_head_norm(op: OpInfo) -> bool:
+    """A norm over each head's features alone (Qwen3's q_norm/k_norm on (batch, seq, heads,
+    head_dim)): it reads no other head, so a rank holding some heads computes it exactly."""
+    shape = op.input_shapes[0] if op.kind == "norm" and op.input_shapes else ()
+    return len(shape) >= 4
+
+
+def _walk_back(row: str, by_name: dict, inputs: dict) -> tuple[set[str], set[str], set[str]]:
+    """(feeding linears, ops passed through, norms stopped at) walking back from `row` to
+    the stop kinds; per-head norms are passed through."""
+    feeders, through, norms, stack = set(), set(), set(), list(inputs[row])
     while stack:
         name = stack.pop()
         if name in through or name in feeders:
             continue
-        if by_name[name].kind == "linear":
+        op = by_name[name]
+        if op.kind == "linear":
             feeders.add(name)
-        elif by_name[name].kind not in _STOP_KINDS:
+        elif op.kind not in _STOP_KINDS or _per_head_norm(op):
             through.add(name)
             stack.extend(inputs[name])
-    return feeders, through
+        elif op.kind == "norm":
+            norms.add(name)
+    return feeders, through, norms
+
+
+def _fed_by_linear(name: str, by_name: dict, inputs: dict) -> bool:
+    """Norm op `name` reads a linear's output through views, element-wise ops and the norm's
+    own other ops (a norm traced op by op) only."""
+    module = by_name[name].module
+    stack, seen = list(inputs[name]), set()
+    while stack:
+        src = stack.pop()
+        if src in seen:
+            continue
+        seen.add(src)
+        op = by_name[src]
+        if op.kind == "linear":
+            return True
+        if op.kind not in _STOP_KINDS or (op.kind == "norm" and op.module == module):
+            stack.extend(inputs[src])
+    return False
 
 
 def _region(feeders: set[str], through: set[str], users: dict) -> set[str]:
@@ -84,8 +116,11 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
     if len(hidden) != 1 or not out or out[-1] not in hidden:
         return "the linears do not map hidden -> X -> hidden"
     inside = region | feeders
+    widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
     for name in region:
         op = by_name[name]
+        if op.kind == "norm" and not _one_head_each(op, widths):
+            return f"{name} normalises a tensor that is not one head's features of a column's output"
         # a residual is hidden wide; head-layout tensors (RoPE tables beside one KV head) are not
         if op.kind == "elementwise" and op.output_shape and op.output_shape[-1] in hidden:
             full = sum(1 for shape in op.input_shapes if shape == op.output_shape)
@@ -99,6 +134,14 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
         if escaped:
             return f"{name} is also used by {escaped[0]}"
     return None
+
+
+def _one_head_each(op: OpInfo, widths: set[int]) -> bool:
+    """A per-head norm op (or a step of one traced op by op: its statistics end in 1) on a
+    column's output viewed as (..., heads, head_dim): every row it reduces is one head's."""
+    shape = op.input_shapes[0]
+    heads, features = shape[-2], shape[-1]
+    return heads > 1 and any(w % heads == 0 and features in (1, w // heads) for w in widths)
 
 
 def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict) -> bool:
@@ -125,18 +168,26 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
     for op in ops:
         if op.kind != "linear":
             continue
-        feeders, through = _walk_back(op.name, by_name, inputs)
+        feeders, through, norms = _walk_back(op.name, by_name, inputs)
         region = _region(feeders, through, users)
         kinds = {by_name[n].kind for n in region}
         if not feeders or not kinds & {"attention", "elementwise", "matmul"}:
             continue
-        if _illegal(op.name, feeders, region, by_name, inputs, users):
-            continue
         kind = "attention" if kinds & {"attention", "matmul"} else "mlp"
         attention = [by_name[n] for n in sorted(region, key=order.index)
                      if by_name[n].kind == "attention"]
+        across = sorted(n for n in norms if _fed_by_linear(n, by_name, inputs))
+        if kind == "attention" and across:  # q/k normalised over all heads: no head split
+            pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
+                          "fused": False, "attention": attention, "norm_across_heads": across,
+                          "head_norms": []})
+            continue
+        if _illegal(op.name, feeders, region, by_name, inputs, users):
+            continue
         pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
-                      "fused": _fused(kind, feeders, region, by_name), "attention": attention})
+                      "fused": _fused(kind, feeders, region, by_name), "attention": attention,
+                      "norm_across_heads": [],
+                      "head_norms": sorted(n for n in region if by_name[n].kind == "norm")})
     return pairs
 
 
@@ -144,6 +195,7 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
     """(module, reason) for each part of a block that tensor parallelism must leave whole."""
     module_of = {op.name: op.module for op in ops}
     reasons = [(module_of[c], _FUSED) for p in pairs if p["fused"] for c in p["column"]]
+    reasons += [(module_of[n], _NORM_ACROSS_HEADS) for p in pairs for n in p.get("norm_across_heads", [])]
     reasons += [(op.module, _PACKED_MHA) for op in ops
                 if op.kind == "attention" and op.target in _MHA_TARGETS]
     covered = {a.name for p in pairs for a in p["attention"]}
@@ -164,7 +216,7 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
     pairs = [p for p in linear_pairs(ops, edges) if p["row"] not in experts]
     facts["unsplit"] = unsplit_reasons(ops, pairs)
     for pair in pairs:
-        if pair["fused"]:
+        if pair["fused"] or pair.get("norm_across_heads"):
             continue
         linears = [by_name[n] for n in pair["column"]] + [by_name[pair["row"]]]
         facts["tp_parameters"] += sum(op.parameters for op in linears)
@@ -230,9 +282,10 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
             styles[_relative(column, first)] = "colwise"
         styles[_relative(row, first)] = "rowwise"
         styles[_relative(_common_parent(columns + [row]), first)] = "prepare_input"
+    head_norms = {n for pair in pairs for n in pair.get("head_norms", [])}
     for op in block_ops:
         if op.kind == "norm" and op.module:
-            styles[_relative(op.module, first)] = "sequence_parallel"
+            styles[_relative(op.module, first)] = "head_norm" if op.name in head_norms else "sequence_parallel"
     return styles
 
 

@@ -19,6 +19,8 @@ CONFIGS = {
                     dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=64, shared_expert_intermediate_size=64,
                          decoder_sparse_step=1, mlp_only_layers=[])),
+    # per-head q/k RMSNorms (q_norm, k_norm over head_dim): TP shards them by heads
+    "hf_qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, num_key_value_heads=2, head_dim=16)),
     "hf_gpt2": ("GPT2Config", "GPT2LMHeadModel",
                 {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
@@ -35,7 +37,7 @@ CONFIGS = {
                "attn_implementation": "sdpa"}),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
-               "hf_qwen2moe": "model.layers", "hf_gpt2": "transformer.h",
+               "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_gpt2": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block"}
 
 

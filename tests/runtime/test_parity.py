@@ -132,6 +132,11 @@ CONFIGS = {
             traced_plan_dict, "hf_mixtral", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_qwen2moe_dp2_tp2_sp_ep2_traced": ("hf_qwen2moe", functools.partial(
             traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, ep=2, optimizer=PARITY_OPTIMIZER)),
+        # per-head q/k norms: replicated weights on each rank's heads, gradients summed over TP
+        "hf_qwen3_dp2_tp2_sp_traced": ("hf_qwen3", functools.partial(
+            traced_plan_dict, "hf_qwen3", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
+        "hf_qwen3_dp2_tp2_zero3_traced": ("hf_qwen3", functools.partial(
+            traced_plan_dict, "hf_qwen3", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),

@@ -306,3 +306,40 @@ def test_the_shared_expert_mlp_of_qwen2_moe_is_no_pair():
     modules = {m for p in graph.tensor_parallel for m in (*p["column"], p["row"])}
     assert modules and not any(m.startswith("mlp.") for m in modules)
     assert not any(path.startswith("mlp.") for path in graph.tp_styles["model.layers.*"])
+
+
+def _hf_meta(config_name: str, model_name: str, **fields):
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+        **fields)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return getattr(transformers, model_name)(config)
+
+
+def test_per_head_q_k_norms_are_sharded_with_their_heads():
+    # Qwen3: q_norm/k_norm over head_dim on (batch, seq, heads, head_dim) read one head each
+    graph = trace_model(_hf_meta("Qwen3Config", "Qwen3ForCausalLM", head_dim=16),
+                        (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    attention = [p for p in graph.tensor_parallel if p["kind"] == "attention"]
+    assert [(tuple(p["column"]), p["row"], p["divides"]) for p in attention] == \
+        [(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj",
+          {"heads": 4, "kv_heads": 2})]
+    styles = graph.tp_styles["model.layers.*"]
+    assert styles["self_attn.q_norm"] == styles["self_attn.k_norm"] == "head_norm"
+    assert styles["input_layernorm"] == "sequence_parallel" and graph.tp_unsplit == []
+    assert "tp" not in graph.refused  # the runtime applied them at tp=2 on the fake process group
+
+
+def test_q_k_norms_over_all_heads_are_left_unsplit_with_that_reason():
+    # OLMo2: q_norm/k_norm over the whole projection, before the view into heads
+    graph = trace_model(_hf_meta("Olmo2Config", "Olmo2ForCausalLM"),
+                        (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert not [p for p in graph.tensor_parallel if p["kind"] == "attention"]
+    reasons = {u["module"]: u["reason"] for u in graph.tp_unsplit}
+    assert set(reasons) == {"self_attn.q_norm", "self_attn.k_norm"}
+    assert all("over all heads" in reason for reason in reasons.values())
+    assert not any("fused" in u["reason"] for u in graph.tp_unsplit)
