@@ -12,8 +12,9 @@ recompute and FSDP find their modules by the plan's paths.
   last stage     applies the final norm and the head; elsewhere both are `StageGap`s, so a
                  stage's output is its hidden states.
 This is only right for families whose base model adds nothing to `inputs_embeds` (no learned
-positions, no embedding scale); the ones verified by parity tests are SPLIT_MODEL_TYPES,
-others are refused with a reason.
+positions; Gemma's embedding scale sits in its embedding module in transformers 5); the ones
+verified by parity tests (tests/runtime/test_parity.py, one pp2 case each) are
+SPLIT_MODEL_TYPES, others are refused with a reason.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-SPLIT_MODEL_TYPES = ("llama", "mixtral", "qwen2_moe")
+SPLIT_MODEL_TYPES = ("gemma", "llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3")
 
 
 class StageGap(nn.Identity):

@@ -21,6 +21,11 @@ CONFIGS = {
                          decoder_sparse_step=1, mlp_only_layers=[])),
     # per-head q/k RMSNorms (q_norm, k_norm over head_dim): TP shards them by heads
     "hf_qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, num_key_value_heads=2, head_dim=16)),
+    # q_norm/k_norm over the whole projection (TP leaves it unsplit; PP splits it)
+    "hf_olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_COMMON, num_key_value_heads=2)),
+    "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, num_key_value_heads=2)),  # q/k/v biases
+    "hf_gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_COMMON, num_key_value_heads=2, head_dim=16)),
+    "hf_mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=2)),
     "hf_gpt2": ("GPT2Config", "GPT2LMHeadModel",
                 {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
@@ -37,7 +42,8 @@ CONFIGS = {
                "attn_implementation": "sdpa"}),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
-               "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_gpt2": "transformer.h",
+               "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
+               "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers", "hf_gpt2": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block"}
 
 

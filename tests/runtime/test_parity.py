@@ -70,6 +70,12 @@ CONFIGS = {
         "fp16_zero2": ("llama", P(dp=2, zero_stage=2, precision="fp16")),
         "token_file_zero3": ("llama", P(dp=2, zero_stage=3)),  # --data PATH (uint16 .bin)
         "tied_tp2": ("tied_llama", P("tied_llama", tp=2)),  # lm_head.weight is embed_tokens.weight
+        # the Hugging Face pipeline split of each family it is offered for (pipeline_hf.py)
+        "hf_qwen3_pp2": ("hf_qwen3", P("hf_qwen3", pp=2, schedule="1f1b")),
+        "hf_olmo2_pp2": ("hf_olmo2", P("hf_olmo2", pp=2, schedule="1f1b")),
+        "hf_qwen2_pp2": ("hf_qwen2", P("hf_qwen2", pp=2, schedule="1f1b")),
+        "hf_gemma_pp2": ("hf_gemma", P("hf_gemma", pp=2, schedule="1f1b")),  # scaled embedding
+        "hf_mistral_pp2": ("hf_mistral", P("hf_mistral", pp=2, schedule="1f1b")),
     },
     4: {
         "ddp": ("llama", P(dp=4)),
