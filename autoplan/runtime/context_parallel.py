@@ -121,14 +121,17 @@ def _unfused_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return scores
 
 
-def _ring_blocks(hop: int, rank: int) -> tuple[bool, str]:
+def _ring_blocks(hop: int, rank: int, causal: bool = True) -> tuple[bool, str]:
     """Which part of the zig-zag layout attends at this hop: (causal, part).
 
     A rank holds chunks (r, 2cp-1-r) of the sequence. Its own K/V (hop 0): both chunks,
     causal. K/V from an earlier ring rank s < r: every local query sees their first chunk
     (s < r) and none sees their second (2cp-1-s > 2cp-1-r > r): "first kv". From a later
     rank s > r: only the second local chunk of queries attends, to both chunks: "second q".
+    Without causality (an encoder) every query sees every key at every hop.
     """
+    if not causal:
+        return False, "all"
     if hop == 0:
         return True, "all"
     return False, "first kv" if hop <= rank else "second q"
@@ -145,17 +148,17 @@ def _merged(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of local q (zig-zag chunks) against all ranks' k/v."""
+    """Attention of local q (zig-zag chunks) against all ranks' k/v, causal or not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, causal_model=True):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         repeat, half = q.shape[-3] // k.shape[-3], q.shape[-2] // 2
         kv = torch.stack([k, v])
         out = lse = first_rest = None
         for hop in range(size):
             pending = _ring_exchange(kv, group) if hop < size - 1 else None
-            causal, part = _ring_blocks(hop, rank)
+            causal, part = _ring_blocks(hop, rank, causal_model)
             kk, vv = _expand_heads(kv[0], repeat), _expand_heads(kv[1], repeat)
             if part == "first kv":
                 kk, vv = kk[..., :half, :], vv[..., :half, :]
@@ -175,7 +178,7 @@ class RingAttention(torch.autograd.Function):
                 kv = _arrived(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.rest = group, scale, first_rest
+        ctx.group, ctx.scale, ctx.rest, ctx.causal_model = group, scale, first_rest, causal_model
         return out
 
     @staticmethod
@@ -191,7 +194,7 @@ class RingAttention(torch.autograd.Function):
         for hop in range(size):
             # the K/V block of the next hop travels while this one's gradients are computed
             pending = _ring_exchange(kv, group) if hop < size - 1 else None
-            causal, part = _ring_blocks(hop, rank)
+            causal, part = _ring_blocks(hop, rank, ctx.causal_model)
             kk, vv = _expand_heads(kv[0], repeat), _expand_heads(kv[1], repeat)
             rows = slice(half, None) if part == "second q" else slice(None)
             cols = slice(None, half) if part == "first kv" else slice(None)
@@ -215,7 +218,7 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = _arrived(pending)
         grad_kv = own + _arrived(arriving) if arriving is not None else own
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
 
 
 def _arrived(exchange: tuple[torch.Tensor, list]) -> torch.Tensor:
@@ -233,9 +236,9 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     group = state
-    if attn_mask is not None or dropout_p or not is_causal:
-        raise UserError("context parallelism supports causal SDPA without attn_mask or dropout; "
-                        "pass is_causal=True and no mask, or use cp=1 for this model.")
+    if attn_mask is not None or dropout_p:
+        raise UserError("context parallelism supports SDPA without attn_mask or dropout (causal via "
+                        "is_causal=True, or not causal); pass no mask, or use cp=1 for this model.")
     if query.shape[-3] != key.shape[-3] and (not enable_gqa or query.shape[-3] % key.shape[-3]):
         raise UserError("context parallelism got K/V with a different head count than Q: pass "
                         "enable_gqa=True to scaled_dot_product_attention (Q heads a multiple of "
@@ -243,14 +246,14 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     device = query.device.type
     if not torch.amp.is_autocast_available(device):
-        return RingAttention.apply(query, key, value, group, scale)
+        return RingAttention.apply(query, key, value, group, scale, is_causal)
     if torch.is_autocast_enabled(device):
         # as autocast casts SDPA's inputs (on its lower-precision list): the ring then sends
         # 16-bit K/V and the fused kernel takes them
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (t.to(dtype) for t in (query, key, value))
     with torch.autocast(device, enabled=False):  # the ring's fp32 merges stay fp32
-        return RingAttention.apply(query, key, value, group, scale)
+        return RingAttention.apply(query, key, value, group, scale, is_causal)
 
 
 def context_parallel_supported(module: nn.Module) -> str | None:
@@ -258,8 +261,9 @@ def context_parallel_supported(module: nn.Module) -> str | None:
 
     Two ways a module reaches F.scaled_dot_product_attention: its own forward calls it, or it
     is a Hugging Face attention module whose config selects the "sdpa" implementation (the
-    call then sits in transformers' sdpa_attention_forward). Hugging Face marks causal
-    attention with `is_causal`; ring attention is causal only."""
+    call then sits in transformers' sdpa_attention_forward). Ring attention runs causal
+    attention and attention without a mask (an encoder's); a mask it cannot shard (padding,
+    a relative position bias) is refused when the call passes one."""
     if isinstance(module, nn.MultiheadAttention):
         return ("nn.MultiheadAttention passes causality as a mask (or not at all) to its "
                 "attention, and ring attention is causal SDPA without a mask")
@@ -270,8 +274,6 @@ def context_parallel_supported(module: nn.Module) -> str | None:
             return (f"its attention implementation is {implementation!r}; context parallelism "
                     "replaces scaled_dot_product_attention, so build the model with "
                     "attn_implementation='sdpa'")
-        if not getattr(module, "is_causal", False):
-            return "it is not causal attention (is_causal is False); ring attention is causal only"
         return None
     try:
         source = inspect.getsource(type(module).forward)

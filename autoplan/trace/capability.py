@@ -227,6 +227,36 @@ def _pop(running: list[str]) -> None:
     running.pop()  # a forward hook that returns something replaces the module's output
 
 
+# (what torch's error says, what it means for the model): the probe's failures that have one
+# cause, said as the cause
+KNOWN_FAILURES = (
+    ("is invalid for input of size",
+     "its forward reshapes to a size fixed in its code or read from the whole model (a head "
+     "count or the full width, as in `reshape(batch, seq, dim)`), while this split leaves each "
+     "rank a part of the heads or of the sequence; reshape with -1 (`reshape(batch, seq, -1)`)"),
+    ("mixed torch.Tensor and DTensor",
+     "its forward combines a tensor-parallel output with a plain tensor outside a column/row "
+     "pair (a residual added to one branch, or attention and MLP run in parallel from one norm)"),
+    ("Attempting to broadcast a dimension",
+     "its forward combines a split tensor with a whole one of the original size (position or "
+     "token-type embeddings added to a sequence shard, a bias of all heads added to some)"),
+    ("stack expects each tensor to be equal size",
+     "its attention's keys and values differ in shape (MLA's separate rope and value head "
+     "dimensions), which ring attention does not exchange"),
+    ("DataDependent",
+     "its forward branches on tensor values, which cannot be run on the plan-time probe's "
+     "fake tensors"),
+)
+
+
+def known_failure(message: str, kind: str) -> str | None:
+    """The cause of a failure KNOWN_FAILURES names, with torch's exception type; else None."""
+    for fragment, cause in KNOWN_FAILURES:
+        if fragment in message or fragment in kind:
+            return f"{cause} ({kind})"
+    return None
+
+
 def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
                        routing: RoutingContext | None, run: bool = True) -> str | None:
     """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
@@ -245,6 +275,9 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         return f"{where}: {exc}" if where and where not in str(exc) else str(exc)
     except Exception as exc:  # the runtime's own failure is the fact to report
         where = next((p for p in reversed(running) if p), "the root module")
+        known = known_failure(str(exc), type(exc).__name__)
+        if known:
+            return f"{where}: {known}"
         return f"{where} fails under autoplan.runtime: {type(exc).__name__}: " \
                f"{(str(exc).splitlines() or [''])[0][:300]}"
     finally:

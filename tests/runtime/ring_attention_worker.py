@@ -2,8 +2,8 @@
 
 usage: torchrun --nproc-per-node CP ring_attention_worker.py RESULTS.json
 Each rank takes its zig-zag rows of q, k and v, runs RingAttention over the world group and
-compares its output and its q/k/v gradient rows with causal SDPA on the full tensors (the
-same on every rank: one seed). Cases: fp32 and bf16 on the fused CPU kernel, grouped-query
+compares its output and its q/k/v gradient rows with SDPA on the full tensors (the same on
+every rank: one seed), causal, and not causal for an encoder's attention. Cases: fp32 and bf16 on the fused CPU kernel, grouped-query
 K/V, the unfused fallback (what fp32 on CUDA uses), and SDPA's call under bf16 autocast
 with fp32 q/k and bf16 v (a Hugging Face model's RoPE under autocast from fp32 weights).
 Rank 0 writes {"errors": {case: max abs error}, "sent": {case: {dtype: [messages, bytes]}}},
@@ -23,7 +23,9 @@ from autoplan.runtime.data import zigzag_positions
 
 CASES = {"fp32": (torch.float32, 4, 4, True), "bf16": (torch.bfloat16, 4, 4, True),
          "gqa": (torch.float32, 4, 2, True), "unfused": (torch.float32, 4, 2, False),
-         "autocast": (torch.float32, 4, 2, True)}
+         "autocast": (torch.float32, 4, 2, True),
+         "encoder": (torch.float32, 4, 2, True), "encoder_unfused": (torch.float32, 4, 2, False)}
+NOT_CAUSAL = {"encoder", "encoder_unfused"}  # an encoder's attention: every query sees every key
 SENT: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
 
 
@@ -42,6 +44,12 @@ def _recording(case: str):
 def _ring(case: str, q, k, v):
     """Ring attention of the local rows, as the runtime calls it: the autocast case through the
     SDPA replacement under bf16 autocast, the others straight."""
+    if case in NOT_CAUSAL:  # through the SDPA replacement, as an encoder's module calls it
+        context_parallel._ACTIVE.state = dist.group.WORLD
+        try:
+            return context_parallel._cp_sdpa(q, k, v, is_causal=False, enable_gqa=True)
+        finally:
+            context_parallel._ACTIVE.state = None
     if case != "autocast":
         return context_parallel.RingAttention.apply(q, k, v, dist.group.WORLD, q.shape[-1] ** -0.5)
     context_parallel._ACTIVE.state = dist.group.WORLD
@@ -53,6 +61,8 @@ def _ring(case: str, q, k, v):
 
 
 def _whole(case: str, q, k, v):
+    if case in NOT_CAUSAL:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True)
     if case != "autocast":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

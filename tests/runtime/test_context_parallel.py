@@ -5,11 +5,13 @@ import pytest
 # fp32: summation-order differences only (values ~1, 1e-5 is ~100x fp32 rounding of a sum of
 # a few dozen terms); bf16: inputs and output rounded to bf16's 8-bit mantissa (2^-8 = 0.004
 # relative), merged in fp32, so a few bf16 ulps of values ~1-3; autocast: bf16 on both sides.
-TOLERANCE = {"fp32": 1e-5, "gqa": 1e-5, "unfused": 1e-5, "bf16": 0.05, "autocast": 0.05}
+TOLERANCE = {"fp32": 1e-5, "gqa": 1e-5, "unfused": 1e-5, "bf16": 0.05, "autocast": 0.05,
+             "encoder": 1e-5, "encoder_unfused": 1e-5}
 # (dtype K/V travel in, element bytes, K/V heads) of each case (ring_attention_worker.CASES);
 # under bf16 autocast the ring takes autocast's cast of q/k/v, as SDPA would
 CASE_KV = {"fp32": ("float32", 4, 4), "bf16": ("bfloat16", 2, 4), "gqa": ("float32", 4, 2),
-           "unfused": ("float32", 4, 2), "autocast": ("bfloat16", 2, 2)}
+           "unfused": ("float32", 4, 2), "autocast": ("bfloat16", 2, 2),
+           "encoder": ("float32", 4, 2), "encoder_unfused": ("float32", 4, 2)}
 
 
 def _expected_sends(case: str, cp: int) -> dict[str, list[int]]:

@@ -66,16 +66,17 @@ def test_hf_models_get_positions_and_a_mask_only_for_zigzag_positions():
         assert model_call(TinyGPT()).kwargs(ids, torch.arange(8)) == {}
 
 
-def test_context_parallel_accepts_hf_sdpa_causal_attention_only():
+def test_context_parallel_accepts_hf_sdpa_attention_only():
     llama = _meta("hf_llama")
     assert context_parallel_supported(llama.model.layers[0].self_attn) is None
     eager = _meta("hf_llama", attn_implementation="eager")
     assert "'eager'" in context_parallel_supported(eager.model.layers[0].self_attn)
+    plan = Plan.from_dict(plan_dict("hf_llama", cp=2))
+    with pytest.raises(UserError, match=r"model\.layers\.0\.self_attn.*'eager'"):
+        validate_plan(eager, plan)
+    # attention that is not causal (an encoder's) runs the ring without the causal mask
     bert = _meta("hf_bert")
-    assert "not causal" in context_parallel_supported(bert.bert.encoder.layer[0].attention.self)
-    plan = Plan.from_dict(plan_dict("hf_bert", cp=2))
-    with pytest.raises(UserError, match=r"bert\.encoder\.layer\.0\.attention\.self.*not causal"):
-        validate_plan(bert, plan)
+    assert context_parallel_supported(bert.bert.encoder.layer[0].attention.self) is None
 
 
 def test_context_parallel_refuses_multihead_attention_of_transformer_encoder():

@@ -33,8 +33,16 @@ def test_tensor_parallelism_of_a_hard_coded_head_count_is_refused_naming_the_mod
     graph = _graph("fixed_heads.py")
     assert graph.tensor_parallel  # the data flow has legal pairs ...
     assert "layers.0.attn" in graph.refused["tp"]  # ... but the view needs all heads per rank
-    assert "is invalid for input of size" in graph.refused["tp"]
+    # the cause, not torch's words ("shape ... is invalid for input of size ...")
+    assert "reshape with -1" in graph.refused["tp"] and "invalid for input" not in graph.refused["tp"]
     assert set(graph.refused) == {"tp"}  # cp and pp run
+
+
+def test_an_encoder_gets_context_parallelism_and_the_cause_of_its_tp_refusal():
+    graph = _graph("encoder_full_width.py")
+    assert graph.context_parallel == ["blocks.0.attn", "blocks.1.attn"]
+    assert "cp" not in graph.refused  # ring attention without causality ran on the fake group
+    assert "blocks.0.attn" in graph.refused["tp"] and "reshape with -1" in graph.refused["tp"]
 
 
 def test_reference_llama_passes_every_probe():
@@ -145,7 +153,7 @@ def test_context_parallel_refused_at_run_time_names_the_module(tmp_path):
     loaded = load_model(str(path))
     graph = trace_model(loaded.module, loaded.example_inputs(1, 32))
     assert graph.context_parallel
-    assert "causal SDPA without attn_mask" in graph.refused["cp"]
+    assert "SDPA without attn_mask" in graph.refused["cp"]
     assert "layers.0.attn" in graph.refused["cp"], graph.refused["cp"]
 
 
