@@ -38,6 +38,10 @@ _FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up): 
 _NORM_ACROSS_HEADS = ("normalises q or k over all heads at once (an OLMo2-style q_norm/k_norm over the "
                       "whole projection): a rank holding some heads would need every head's statistics; "
                       "left unsplit")
+_SHARED_ACROSS_HEADS = ("its output is broadcast to every head (as MLA's shared rotary key and low-rank "
+                        "latent are), so a head split would need it "
+                        "computed whole with its gradient summed over the ranks, which autoplan's "
+                        "runtime does not do yet; left unsplit")
 _PACKED_MHA = ("nn.MultiheadAttention packs q, k and v in one in_proj_weight and runs attention "
                "inside one call, so it cannot be sharded by heads; left unsplit")
 
@@ -77,6 +81,20 @@ def _walk_back(row: str, by_name: dict, inputs: dict) -> tuple[set[str], set[str
         elif op.kind == "norm":
             norms.add(name)
     return feeders, through, norms
+
+
+def _broadcast_to_heads(feeder: str, region: set[str], by_name: dict, users: dict) -> bool:
+    """The feeder's output reaches attention through an `expand` (one tensor for every head)."""
+    stack, seen = list(users[feeder]), set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in region:
+            continue
+        seen.add(name)
+        if by_name[name].target == "expand":
+            return True
+        stack.extend(users[name])
+    return False
 
 
 def _fed_by_linear(name: str, by_name: dict, inputs: dict) -> bool:
@@ -182,6 +200,12 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
                           "fused": False, "attention": attention, "norm_across_heads": across,
                           "head_norms": []})
             continue
+        shared = sorted(f for f in feeders if _broadcast_to_heads(f, region, by_name, users))
+        if kind == "attention" and shared:  # MLA: a projection every head reads whole
+            pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
+                          "fused": False, "attention": attention, "norm_across_heads": [],
+                          "shared_across_heads": shared, "head_norms": []})
+            continue
         if _illegal(op.name, feeders, region, by_name, inputs, users):
             continue
         pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
@@ -196,6 +220,7 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
     module_of = {op.name: op.module for op in ops}
     reasons = [(module_of[c], _FUSED) for p in pairs if p["fused"] for c in p["column"]]
     reasons += [(module_of[n], _NORM_ACROSS_HEADS) for p in pairs for n in p.get("norm_across_heads", [])]
+    reasons += [(module_of[n], _SHARED_ACROSS_HEADS) for p in pairs for n in p.get("shared_across_heads", [])]
     reasons += [(op.module, _PACKED_MHA) for op in ops
                 if op.kind == "attention" and op.target in _MHA_TARGETS]
     covered = {a.name for p in pairs for a in p["attention"]}
@@ -216,7 +241,7 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
     pairs = [p for p in linear_pairs(ops, edges) if p["row"] not in experts]
     facts["unsplit"] = unsplit_reasons(ops, pairs)
     for pair in pairs:
-        if pair["fused"] or pair.get("norm_across_heads"):
+        if pair["fused"] or pair.get("norm_across_heads") or pair.get("shared_across_heads"):
             continue
         linears = [by_name[n] for n in pair["column"]] + [by_name[pair["row"]]]
         facts["tp_parameters"] += sum(op.parameters for op in linears)

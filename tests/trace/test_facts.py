@@ -343,3 +343,18 @@ def test_q_k_norms_over_all_heads_are_left_unsplit_with_that_reason():
     assert set(reasons) == {"self_attn.q_norm", "self_attn.k_norm"}
     assert all("over all heads" in reason for reason in reasons.values())
     assert not any("fused" in u["reason"] for u in graph.tp_unsplit)
+
+
+def test_mla_attention_is_left_unsplit_naming_the_projection_all_heads_share():
+    from autoplan.trace.tracer import graph_for_config
+
+    config = dict(model_type="deepseek_v3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                  kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=256,
+                  max_position_embeddings=128)
+    graph = graph_for_config(config, 1, 64)
+    reasons = {u["module"]: u["reason"] for u in graph.tp_unsplit}
+    assert "self_attn.kv_a_proj_with_mqa" in reasons
+    assert "broadcast to every head" in reasons["self_attn.kv_a_proj_with_mqa"]
+    assert not any("not between a column and a row" in r for r in reasons.values())
