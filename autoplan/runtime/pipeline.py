@@ -11,6 +11,7 @@ by `pipeline_hf` instead. Stages are driven by the torch.distributed.pipelining 
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -75,7 +76,9 @@ def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | N
             return f"its stages must list {layers[0]} ... {layers[-1]} once each, in order"
         return _tie_across_stages(model, stages)
     try:
-        _BlockTracer({path for paths in stages for path in paths}).trace(model)
+        _trace(model, {path for paths in stages for path in paths})
+    except UserError as exc:
+        return str(exc)
     except Exception as exc:  # any tracing failure means: no fx split for this model
         return (f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc)[:200]}); "
                 f"and the split without tracing does not apply: {hf_problem}")
@@ -112,8 +115,9 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
             inputs = _live_across(nodes, stage, k - 1)
         sub = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for value in inputs:
-            env[value] = sub.placeholder(value.name)
+        for value in inputs:  # the forward's own inputs keep their defaults (see _trace)
+            default = value.args[0] if k == 0 and value.args else inspect.Parameter.empty
+            env[value] = sub.placeholder(value.name, default_value=default)
         for node in mine:
             env[node] = sub.node_copy(node, lambda a: env[a])
         if k == len(stages) - 1:
@@ -143,8 +147,24 @@ def values_handed_on(model: nn.Module, stages: list[list[str]]
 def _cut(model: nn.Module, stages: list[list[str]]) -> tuple[fx.Graph, dict[fx.Node, int]]:
     """The model's graph with the blocks as leaves, and the stage of each of its nodes."""
     block_stage = {path: i for i, paths in enumerate(stages) for path in paths}
-    graph = _BlockTracer(set(block_stage)).trace(model)
+    graph = _trace(model, set(block_stage))
     return graph, _node_stages(graph, block_stage, len(stages) - 1)
+
+
+def _trace(model: nn.Module, blocks: set[str]) -> fx.Graph:
+    """The model's graph with `blocks` as leaves, traced as a pipeline calls it: the first
+    stage receives the token ids alone, so every other input of the forward takes its default
+    (traced as that value: a `position_ids=None` branch runs as the job runs it). A forward
+    that needs another input is refused (UserError)."""
+    params = list(inspect.signature(model.forward).parameters.values())[1:]
+    varargs = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.kind not in varargs]
+    if required:
+        raise UserError(
+            f"its forward takes {', '.join(required)} besides the token ids (as an encoder-decoder takes "
+            "its decoder inputs), and a pipeline hands its first stage the token ids alone")
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return _BlockTracer(blocks).trace(model, concrete_args=defaults or None)
 
 
 def _live_across(nodes: list[fx.Node], stage: dict[fx.Node, int], cut: int) -> list[fx.Node]:

@@ -95,7 +95,7 @@ def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: 
         return ("context parallelism splits a sample's token sequence across ranks; a sample of an "
                 "image model is one image, whose attention runs over its own patches or windows")
     if not graph.context_parallel:
-        return ("context parallelism needs causal attention through F.scaled_dot_product_attention "
+        return ("context parallelism needs attention through F.scaled_dot_product_attention "
                 "over the token sequence")
     if "cp" in graph.refused:
         return f"autoplan's runtime cannot apply context parallelism to this model: {graph.refused['cp']}"

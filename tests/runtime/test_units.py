@@ -178,3 +178,41 @@ def test_token_file_checks_size_and_every_id(tmp_path):
         check_token_file(str(path), 256, seq_len=16, chunk_tokens=64)
     with pytest.raises(UserError, match="holds 300 uint16 tokens; a training row needs"):
         check_token_file(str(path), 256, seq_len=400)
+
+
+class _PositionsDefaultNone(torch.nn.Module):
+    """A decoder whose forward numbers the tokens itself when `position_ids` is None, the
+    way a pipeline calls it (the first stage gets the token ids alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32)
+        self.pos = torch.nn.Embedding(16, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, ids, position_ids=None, *, scale: float = 1.0):
+        if position_ids is None:
+            position_ids = torch.arange(ids.shape[1], device=ids.device)
+        x = self.embed(ids) + self.pos(position_ids)[None]
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x)) * scale
+        return self.head(x)
+
+
+class _EncoderDecoder(_PositionsDefaultNone):
+    def forward(self, ids, decoder_input_ids):
+        return super().forward(ids) + self.embed(decoder_input_ids).sum()
+
+
+def test_inputs_with_defaults_split_as_the_pipeline_calls_the_model():
+    torch.manual_seed(0)
+    model = _PositionsDefaultNone()
+    stages = [["layers.0", "layers.1"], ["layers.2", "layers.3"]]
+    assert pipeline_split_problem(model, stages) is None
+    _check_chain(model, stages)
+
+
+def test_a_forward_needing_inputs_besides_the_tokens_is_refused_naming_them():
+    reason = pipeline_split_problem(_EncoderDecoder(), [["layers.0", "layers.1"], ["layers.2", "layers.3"]])
+    assert reason is not None and "decoder_input_ids besides the token ids" in reason
