@@ -26,6 +26,11 @@ CONFIGS = {
     "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, num_key_value_heads=2)),  # q/k/v biases
     "hf_gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_COMMON, num_key_value_heads=2, head_dim=16)),
     "hf_mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=2)),
+    # attention and MLP in parallel from one norm, both added to the residual (GPT-J)
+    "hf_gptj": ("GPTJConfig", "GPTJForCausalLM",
+                {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "rotary_dim": 8, "vocab_size": 256,
+                 "n_positions": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                 "use_cache": False, "tie_word_embeddings": False, "attn_implementation": "sdpa"}),
     "hf_gpt2": ("GPT2Config", "GPT2LMHeadModel",
                 {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
@@ -43,7 +48,8 @@ CONFIGS = {
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
-               "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers", "hf_gpt2": "transformer.h",
+               "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers",
+               "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block"}
 
 
@@ -64,7 +70,7 @@ def blocks(kind: str) -> list[str]:
 
 
 def attention_modules(kind: str) -> list[str]:
-    name = {"hf_gpt2": "attn", "hf_bert": "attention.self"}.get(kind, "self_attn")
+    name = {"hf_gpt2": "attn", "hf_gptj": "attn", "hf_bert": "attention.self"}.get(kind, "self_attn")
     return [f"{block}.{name}" for block in blocks(kind)]
 
 
