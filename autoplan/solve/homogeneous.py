@@ -28,19 +28,22 @@ from __future__ import annotations
 
 import heapq
 
-from autoplan.solve.cpsat import (Partition, Tables, fill_chunks, fixed_memory_kib, memory_coefficients,
-                                  objective_scale)
+from autoplan.solve.cpsat import (GroupTable, Partition, Tables, fill_chunks, fixed_memory_kib,
+                                  memory_coefficients, objective_scale)
 
 
 def applies(tables: Tables) -> bool:
-    """One group whose g_r(n) is nondecreasing in n: times and sync are non-negative and
-    removing a block, recomputed or not, frees memory (so n - 1 fits wherever n does)."""
-    if len(tables.groups) != 1:
-        return False
-    group = tables.groups[0]
-    if min(group.time_ns.values()) < 0 or group.sync_ns < 0 or min(tables.fixed_sync_ns or [0]) < 0:
-        return False
+    """One group whose g_r(n) is nondecreasing in n (`monotone`)."""
+    return len(tables.groups) == 1 and monotone(tables, tables.groups[0])
+
+
+def monotone(tables: Tables, group: GroupTable) -> bool:
+    """The group's times and sync and the fixed sync are non-negative, recomputing never saves
+    time, and removing a block, recomputed or not, frees memory on every rank (so n - 1 fits
+    wherever n does): what makes g_r(n) nondecreasing."""
     t = group.time_ns
+    if min(t.values()) < 0 or group.sync_ns < 0 or min(tables.fixed_sync_ns or [0]) < 0:
+        return False
     if t["full"] < t["none"] or t["selective"] < t["none"]:
         return False
     for rank in range(tables.pp):

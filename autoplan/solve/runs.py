@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from autoplan.solve.cpsat import Partition, Tables, _count, memory_coefficients, objective_ns, objective_scale
-from autoplan.solve.homogeneous import RankTime, least_counts
+from autoplan.solve.cpsat import Partition, Tables, _count, objective_ns, objective_scale
+from autoplan.solve.homogeneous import RankTime, least_counts, monotone
 
 MAX_MINOR_BLOCKS = 8  # at most 2^8 ways to cut them; more goes to CP-SAT
 
@@ -29,25 +29,14 @@ def major_index(tables: Tables) -> int:
 
 
 def applies(tables: Tables) -> bool:
-    """Several groups, one run holding all but a few blocks, and the conditions of
-    `homogeneous.applies` for every group (non-negative times and sync, removing a block frees
-    memory), so that g_r(n) of the long run is nondecreasing."""
-    if len(tables.groups) < 2 or tables.tail_ns is not None and not callable(getattr(tables.tail_ns[0], "of", None)):
+    """Several groups, one run holding all but a few blocks, every group `monotone` (so that
+    g_r(n) of the long run is nondecreasing), and a step-end tail by blocks per group."""
+    if len(tables.groups) < 2 or (tables.tail_ns is not None and not hasattr(tables.tail_ns[0], "of")):
         return False
     major = tables.groups[major_index(tables)]
     if tables.num_layers - (major.hi - major.lo) > MAX_MINOR_BLOCKS:
         return False
-    if min(tables.fixed_sync_ns or [0]) < 0:
-        return False
-    for group in tables.groups:
-        t = group.time_ns
-        if min(t.values()) < 0 or group.sync_ns < 0 or t["full"] < t["none"] or t["selective"] < t["none"]:
-            return False
-        for rank in range(tables.pp):
-            per_block, per_full, per_sel = memory_coefficients(tables, rank, group)
-            if min(per_block, per_block + per_full, per_block + per_sel) < 0:
-                return False
-    return True
+    return all(monotone(tables, group) for group in tables.groups)
 
 
 @dataclass(frozen=True)
