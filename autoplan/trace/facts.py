@@ -200,8 +200,12 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
                           "fused": False, "attention": attention, "norm_across_heads": across,
                           "head_norms": []})
             continue
-        shared = sorted(f for f in feeders if _broadcast_to_heads(f, region, by_name, users))
-        if kind == "attention" and shared:  # MLA: a projection every head reads whole
+        # MLA: the columns read low-rank latents of different widths, and a projection of the
+        # hidden states reaches every head through an expand (a GQA model's K/V repeat is an
+        # expand too, but its columns all read the hidden states)
+        latents = {by_name[f].input_shapes[0][-1] for f in feeders if by_name[f].input_shapes}
+        shared = sorted(f for f in feeders if len(latents) > 1 and _broadcast_to_heads(f, region, by_name, users))
+        if kind == "attention" and shared:
             pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
                           "fused": False, "attention": attention, "norm_across_heads": [],
                           "shared_across_heads": shared, "head_norms": []})
