@@ -176,29 +176,69 @@ def test_checkpoint_dir_inside_a_running_jobs_run_dir_is_refused(tiny_job, clean
     assert after == before
 
 
+_HOLD_UNTIL_RELEASED = '''
+import autoplan.runtime.loop as _loop
+
+_init_distributed = _loop.init_distributed
+
+
+def _held_init_distributed(*args, **kwargs):
+    """Rank 0 of the launch that took the run directory's lock (taken just before this) waits
+    here until the test has seen the other launch end: the two overlap however loaded the
+    machine is."""
+    import json as _json, time as _time
+    lock = os.path.join(os.environ["HOLD_RUN_DIR"], ".autoplan.lock")
+    deadline = _time.monotonic() + 240
+    while not os.path.exists(os.environ["HOLD_RELEASE_FILE"]) and _time.monotonic() < deadline:
+        try:
+            holder = _json.load(open(lock)).get("run_id")
+        except (OSError, ValueError):
+            holder = None
+        if not holder or holder != os.environ.get("TORCHELASTIC_RUN_ID"):
+            break
+        _time.sleep(0.1)
+    return _init_distributed(*args, **kwargs)
+
+
+_loop.init_distributed = _held_init_distributed
+'''
+
+
 def test_two_launches_at_once_one_runs_and_one_is_refused(tiny_job, tmp_path):
-    """Both pass launch.sh's check before either rank 0 holds the lock; the refused rank 0
-    makes torchrun restart that job's workers, which must not take the directory over once
-    the first job has ended (that resumed from its checkpoint and appended to its metrics)."""
-    run = tmp_path / "run"
+    """Two launches of one job into one run directory. Started together, both may pass
+    launch.sh's check before either rank 0 holds the lock; the refused rank 0 then makes
+    torchrun restart that launch's workers, which must still be refused. The winner holds
+    the directory until the loser has ended (a loaded machine would otherwise run them one
+    after the other, and both would train)."""
+    job = _patched_job(tiny_job, tmp_path, _HOLD_UNTIL_RELEASED)
+    run, release = tmp_path / "run", tmp_path / "release"
     env = dict(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-               OMP_NUM_THREADS="1", MAX_RESTARTS="1")
+               OMP_NUM_THREADS="1", MAX_RESTARTS="1", HOLD_RELEASE_FILE=str(release),
+               HOLD_RUN_DIR=str(run))
     for name in ("RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC_PER_NODE"):
         env[name] = ""
-    procs = [subprocess.Popen(["bash", str(tiny_job / "launch.sh"), "--steps", "4",
+    logs = [tmp_path / f"launch{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(["bash", str(job / "launch.sh"), "--steps", "4",
                                "--checkpoint-every", "2", "--run-dir", str(run)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, **env}, cwd=tmp_path, start_new_session=True)
-             for _ in range(2)]
+             for log in logs]  # files, not pipes: an unread pipe would stall the loser
     try:
-        outputs = [proc.communicate(timeout=300) for proc in procs]
+        deadline = time.monotonic() + 240
+        while all(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first_done = [proc.poll() is not None for proc in procs]
+        release.touch()
+        for proc in procs:
+            proc.wait(timeout=300)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    codes = sorted(proc.returncode for proc in procs)
-    text = "\n".join(out + err for out, err in outputs)
-    assert codes[0] == 0 and codes[1] != 0, text[-3000:]
+    text = "\n".join(log.read_text() for log in logs)
+    assert first_done.count(True) == 1, (first_done, text[-3000:])
+    loser, winner = (procs[0], procs[1]) if first_done[0] else (procs[1], procs[0])
+    assert winner.returncode == 0 and loser.returncode != 0, text[-6000:]
     assert "is in use by job pid" in text and "resumed from" not in text, text[-3000:]
     assert [row["step"] for row in metrics(run)] == [0, 1, 2, 3]
 
