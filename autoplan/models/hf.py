@@ -32,16 +32,33 @@ def build_transformers_model(config: dict[str, Any], where: str) -> nn.Module:
                         f"{model_type!r}; give a config of a family it has (the keys of "
                         "transformers.CONFIG_MAPPING), or drop model_source (and the hf: prefix) "
                         "to build autoplan's reference model") from None
-    hf_config._attn_implementation = "sdpa"
     for name in config.get("architectures") or []:
         cls = getattr(transformers, str(name), None)
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            return cls(hf_config)
+            return _with_attention(lambda attn: cls(_attention(hf_config, attn)))
     try:
-        return transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        return _with_attention(lambda attn: transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation=attn))
     except ValueError as exc:
         raise UserError(f"{where}: model_type {model_type!r} has no causal-LM class in transformers "
                         f"({exc}); name the class in the config's \"architectures\" list") from None
+
+
+def _attention(hf_config, implementation: str):
+    hf_config._attn_implementation = implementation
+    return hf_config
+
+
+def _with_attention(build):
+    """build("sdpa"), or build("eager") for a class that refuses SDPA: a model without
+    attention (Mamba's state-space blocks) or one transformers gives no SDPA path; context
+    parallelism, which needs SDPA, is then refused for it by the capability probe."""
+    try:
+        return build("sdpa")
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        return build("eager")
 
 
 def _transformers(where: str):

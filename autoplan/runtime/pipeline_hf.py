@@ -8,9 +8,11 @@ the full model, so checkpoints reshard between plans with and without PP, and TP
 recompute and FSDP find their modules by the plan's paths.
   stage 0        embeds the token ids (`input_ids`);
   later stages   receive the hidden states as `inputs_embeds` (their embedding is removed);
-  every stage    builds the rotary cos/sin from `position_ids` (this rank's positions);
-  last stage     applies the final norm and the head; elsewhere both are `StageGap`s, so a
-                 stage's output is its hidden states.
+  every stage    builds the rotary cos/sin from `position_ids` (this rank's positions; a
+                 family without positions, Mamba, ignores them);
+  last stage     applies the final norm and the head through the causal LM's forward;
+                 other stages run the base model alone, with the final norm a `StageGap`,
+                 so their output is the hidden states.
 This is only right for families whose base model adds nothing to `inputs_embeds` (no learned
 positions; Gemma's embedding scale sits in its embedding module in transformers 5); the ones
 verified by parity tests (tests/runtime/test_parity.py, one pp2 case each) are
@@ -22,7 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-SPLIT_MODEL_TYPES = ("gemma", "llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3")
+SPLIT_MODEL_TYPES = ("gemma", "llama", "mamba", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe",
+                     "qwen3")
+# (token embedding, final norm) of the base model; the block list is `layers` in every family
+_PARTS = {"mamba": ("embeddings", "norm_f")}
+_DEFAULT_PARTS = ("embed_tokens", "norm")
 
 
 class StageGap(nn.Identity):
@@ -47,9 +53,9 @@ def hf_split_problem(model: nn.Module) -> str | None:
         return (f"the pipeline split of Hugging Face models is verified for "
                 f"{', '.join(SPLIT_MODEL_TYPES)} only, not {model_type!r}")
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    parts = ("embed_tokens", "layers", "norm")
-    if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(model, "lm_head"):
-        return "it lacks the embed_tokens / layers / norm / lm_head modules the split expects"
+    embed, norm = _PARTS.get(model_type, _DEFAULT_PARTS)
+    if base is None or not all(hasattr(base, p) for p in (embed, "layers", norm)) or not hasattr(model, "lm_head"):
+        return f"it lacks the {embed} / layers / {norm} / lm_head modules the split expects"
     return None
 
 
@@ -62,15 +68,21 @@ def _shell(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Modul
     return copy
 
 
-def _stage_forward(root: nn.Module, first: bool, positions: torch.Tensor, zigzag: bool):
-    """forward(x) of a stage: token ids (first stage) or hidden states -> logits or hidden."""
+def _stage_forward(root: nn.Module, prefix: str, first: bool, last: bool, positions: torch.Tensor,
+                   zigzag: bool):
+    """forward(x) of a stage: token ids (first stage) or hidden states -> logits (last stage,
+    through the causal LM's own forward) or hidden states (the base model's forward alone:
+    what a causal LM does after its base model, such as Mamba's cast to the head's dtype or
+    a logit soft-cap, belongs to the last stage only)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         kwargs = {"input_ids" if first else "inputs_embeds": x,
                   "position_ids": positions.to(x.device)[None, :], "use_cache": False}
         if zigzag:  # zig-zag CP positions jump, yet are one sequence, not packed ones
             kwargs["attention_mask"] = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
-        return type(root).forward(root, **kwargs).logits
+        if last:
+            return type(root).forward(root, **kwargs).logits
+        return getattr(root, prefix)(**kwargs).last_hidden_state
 
     return forward
 
@@ -82,6 +94,7 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     so the split also runs on fake tensors)."""
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
+    embed, norm = _PARTS.get(model.config.model_type, _DEFAULT_PARTS)
     layer_paths = [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
     parts = []
     for k, paths in enumerate(stages):
@@ -89,10 +102,10 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
         layers = nn.ModuleList(layer if path in paths else _OtherStageLayer()
                                for layer, path in zip(base.layers, layer_paths))
         stage_base = _shell(base, {"layers": layers,
-                                   "embed_tokens": base.embed_tokens if first else None,
-                                   "norm": base.norm if last else StageGap()})
+                                   embed: getattr(base, embed) if first else None,
+                                   norm: getattr(base, norm) if last else StageGap()})
         root = _shell(model, {prefix: stage_base,
                               "lm_head": model.lm_head if last else StageGap()})
-        root.forward = _stage_forward(root, first, positions, zigzag)
+        root.forward = _stage_forward(root, prefix, first, last, positions, zigzag)
         parts.append(root)
     return parts

@@ -31,8 +31,13 @@ def expert_matrices(module: nn.Module, num_experts: int | None) -> tuple[list[tu
             if first and all([tuple(p.shape) for p in m.parameters()] == first for m in sub):
                 matrices += [s for s in first if len(s) == 2]
                 ids |= {id(p) for p in sub.parameters()}
+    # a convolution's kernel is 3-D too (a state-space mixer's depthwise conv1d is
+    # channels x 1 x width), as is any stack with a width-1 side: neither is E experts' matrices
+    kernels = {id(p) for m in module.modules() if isinstance(m, nn.modules.conv._ConvNd)
+               for p in m.parameters(recurse=False)}
     for param in module.parameters():
-        if param.dim() == 3 and id(param) not in ids and (num_experts is None or param.shape[0] == num_experts):
+        if (param.dim() == 3 and id(param) not in ids | kernels and min(param.shape[1:]) > 1
+                and (num_experts is None or param.shape[0] == num_experts)):
             matrices.append((int(param.shape[1]), int(param.shape[2])))
             ids.add(id(param))
     return matrices, ids

@@ -36,6 +36,11 @@ CONFIGS = {
                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
                  "bos_token_id": 0, "eos_token_id": 0,
                  "attn_implementation": "sdpa"}),
+    # a state-space model: no attention, a depthwise conv1d and a selective scan per block
+    "hf_mamba": ("MambaConfig", "MambaForCausalLM",
+                 {"hidden_size": 64, "num_hidden_layers": LAYERS, "vocab_size": 256, "state_size": 8,
+                  "expand": 2, "conv_kernel": 4, "time_step_rank": 8, "use_cache": False,
+                  "tie_word_embeddings": False, "attn_implementation": "eager"}),
     "hf_bert": ("BertConfig", "BertForMaskedLM",
                 {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
                  "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
@@ -50,7 +55,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
                "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
-               "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block"}
+               "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers"}
 
 
 def build(kind: str, **overrides):

@@ -76,6 +76,8 @@ CONFIGS = {
         "hf_qwen2_pp2": ("hf_qwen2", P("hf_qwen2", pp=2, schedule="1f1b")),
         "hf_gemma_pp2": ("hf_gemma", P("hf_gemma", pp=2, schedule="1f1b")),  # scaled embedding
         "hf_mistral_pp2": ("hf_mistral", P("hf_mistral", pp=2, schedule="1f1b")),
+        "hf_mamba_pp2": ("hf_mamba", P("hf_mamba", pp=2, schedule="1f1b")),  # a state-space model
+        "hf_mamba_zero3": ("hf_mamba", P("hf_mamba", dp=2, zero_stage=3)),
     },
     4: {
         "ddp": ("llama", P(dp=4)),

@@ -358,3 +358,47 @@ def test_mla_attention_is_left_unsplit_naming_the_projection_all_heads_share():
     assert "self_attn.kv_a_proj_with_mqa" in reasons
     assert "broadcast to every head" in reasons["self_attn.kv_a_proj_with_mqa"]
     assert not any("not between a column and a row" in r for r in reasons.values())
+
+
+MAMBA = dict(model_type="mamba", hidden_size=64, num_hidden_layers=2, vocab_size=256, state_size=8,
+             expand=2, conv_kernel=4, time_step_rank=8)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_state_space_model_is_dense_and_pipelined_unless_its_head_is_tied(tied):
+    # Mamba's mixer holds a depthwise conv1d (channels x 1 x width, 3-D like stacked expert
+    # weights): it is no MoE layer with 256 experts, and EP is not offered. transformers'
+    # Mamba has no SDPA path: it is built with eager attention (it has no attention at all).
+    from autoplan.models.hf import build_transformers_model
+
+    with torch.device("meta"):
+        model = build_transformers_model(dict(MAMBA, tie_word_embeddings=tied), "config.json")
+    assert model.config._attn_implementation == "eager"
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert [b.kind for b in graph.blocks] == ["dense"] and graph.blocks[0].count == 2
+    assert graph.expert_parallel == [] and "ep" not in graph.refused
+    assert graph.context_parallel == []
+    if tied:  # the embedding on stage 0 is the head on the last one
+        assert "backbone.embeddings.weight and lm_head.weight" in graph.refused["pp"]
+    else:
+        assert "pp" not in graph.refused, graph.refused.get("pp")
+
+
+def test_a_stacked_parameter_with_a_width_one_side_is_no_expert_stack():
+    from autoplan.trace.fallback import moe_facts
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n_experts = 8  # a routing-like attribute beside a depthwise kernel
+            self.kernel = nn.Parameter(torch.zeros(8, 1, 4))
+            self.conv = nn.Conv1d(8, 8, 4, groups=8)
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_experts, self.top_k = 8, 2
+            self.w = nn.Parameter(torch.zeros(8, 16, 32))
+
+    assert moe_facts(Mixer()) == (0, 0)
+    assert moe_facts(Experts()) == (8, 2)
