@@ -131,6 +131,9 @@ class ModelGraph:
     cp_buffers: dict[str, int] = field(default_factory=dict)  # position tables sliced by seq -> dim
     expert_parallel: list[dict] = field(default_factory=list)
     fallback_modules: list[str] = field(default_factory=list)  # costed at balanced routing
+    # {module, ops}: a module running a Python loop over the sequence (transformers' slow
+    # Mamba scan), costed op by op as traced
+    sequence_loops: list[dict] = field(default_factory=list)
     tp_unsplit: list[dict] = field(default_factory=list)  # {block, module, reason} TP leaves whole
     # TP style table: "" -> {module path: style} for modules outside blocks; a block class
     # ("layers.*", or one block path) -> {path relative to each block: style}
@@ -228,3 +231,14 @@ def _segment_nodes(graph: ModelGraph, block: BlockInfo) -> tuple[str, ...]:
     if block.kind == "pre":
         return tuple(n for i, n in enumerate(names) if i < first and not in_block[i])
     return tuple(n for i, n in enumerate(names) if i > last and not in_block[i])
+
+
+def sequence_loop_notes(loops: list[dict], seq_len) -> list[str]:
+    """One sentence for the modules that loop over the sequence in Python (see ModelGraph)."""
+    if not loops:
+        return []
+    first, more = loops[0], len(loops) - 1
+    return [f"{first['module']}{f' (and {more} more)' if more else ''} runs {first['ops']:,} torch "
+            f"ops per forward at {seq_len} tokens, a Python loop over the sequence: it is costed op "
+            "by op as traced (a fused kernel, such as mamba-ssm's selective scan for transformers' "
+            "Mamba, is not modelled and is far faster on a GPU)"]

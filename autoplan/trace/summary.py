@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from autoplan.trace.activations import saved_bytes_by_mode
-from autoplan.trace.graph import ModelGraph
+from autoplan.trace.graph import ModelGraph, sequence_loop_notes
 
 
 def summarize(graph: ModelGraph) -> dict[str, Any]:
@@ -61,6 +61,7 @@ def summarize(graph: ModelGraph) -> dict[str, Any]:
         "expert_parallel": graph.expert_parallel,
         "pipeline_cut_points": [path for path, _ in graph.layer_order],
         "fallback_modules": graph.fallback_modules,
+        "sequence_loops": graph.sequence_loops,
         "image_size": graph.image_size,
         "ops": graph.graph.number_of_nodes(),
     }
@@ -142,8 +143,11 @@ def render(summary: dict[str, Any], console) -> None:
     ep = summary["expert_parallel"]
     console.print(f"[bold]Expert parallel:[/] {len(ep)} MoE modules"
                   + (f", {ep[0]['experts']} experts, top-{ep[0]['top_k']}" if ep else ""))
+    for note in sequence_loop_notes(summary["sequence_loops"], summary.get("seq_len")):
+        console.print(f"[yellow]{note}[/]")
     if summary["fallback_modules"]:
         console.print("[yellow]Data-dependent routing, run on meta with balanced routing "
                       "(T*k/E tokens per expert) and measured:[/] "
                       + ", ".join(summary["fallback_modules"][:4])
                       + (" ..." if len(summary["fallback_modules"]) > 4 else ""))
+

@@ -334,6 +334,12 @@ def test_per_head_q_k_norms_are_sharded_with_their_heads():
     assert "tp" not in graph.refused  # the runtime applied them at tp=2 on the fake process group
 
 
+def test_a_transformer_at_a_short_sequence_has_no_sequence_loop():
+    graph = trace_model(_hf_meta("Qwen3Config", "Qwen3ForCausalLM", head_dim=16),
+                        (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    assert graph.sequence_loops == []
+
+
 def test_q_k_norms_over_all_heads_are_left_unsplit_with_that_reason():
     # OLMo2: q_norm/k_norm over the whole projection, before the view into heads
     graph = trace_model(_hf_meta("Olmo2Config", "Olmo2ForCausalLM"),
@@ -378,6 +384,9 @@ def test_a_state_space_model_is_dense_and_pipelined_unless_its_head_is_tied(tied
     assert [b.kind for b in graph.blocks] == ["dense"] and graph.blocks[0].count == 2
     assert graph.expert_parallel == [] and "ep" not in graph.refused
     assert graph.context_parallel == []
+    # the reference scan (no mamba-ssm kernels) loops over the tokens: said, not hidden
+    assert [loop["module"] for loop in graph.sequence_loops] == ["backbone.layers.0.mixer"]
+    assert graph.sequence_loops[0]["ops"] > 2 * 32
     if tied:  # the embedding on stage 0 is the head on the last one
         assert "backbone.embeddings.weight and lm_head.weight" in graph.refused["pp"]
     else:
