@@ -86,29 +86,36 @@ def decomposed_rmsnorm_bytes_per_element(act_bytes: int) -> int:
 
 def block_memory_bytes(profile: BlockProfile, act_bytes: int, traced_dtype_bytes: int,
                        compiled: bool = False, rmsnorm_kernel: str = "fused",
-                       scale: float = 1.0) -> float:
+                       scale: float = 1.0, fused_scan: bool = False) -> float:
     """HBM bytes of the block copy's memory-bound ops in the forward, in the run's activation
     dtype, for `scale` times the traced tokens. `compiled`: torch.compile fuses them per region
     (profile.inductor_fused_traffic; the norms' decomposition fuses with the rest, as
     torchtitan's "compiled_rmsnorm" did, pytorch/torchtitan#442). Eager: op by op, with each
     RMSNorm one kernel ("fused") or op by op in fp32 ("decomposed",
-    decomposed_rmsnorm_bytes_per_element)."""
+    decomposed_rmsnorm_bytes_per_element). `fused_scan`: a sequence loop a library runs as one
+    kernel (profile.FUSED_SCAN_CLASSES) moves its boundary tensors only."""
     if compiled and profile.fused_memory_bytes is not None:
         return profile.fused_memory_bytes * scale * act_bytes / traced_dtype_bytes
-    bytes_ = profile.memory_bytes * scale * act_bytes / traced_dtype_bytes
+    memory = profile.memory_bytes
+    if fused_scan:
+        memory += profile.scan_fused_bytes - profile.scan_memory_bytes
+    bytes_ = memory * scale * act_bytes / traced_dtype_bytes
     if rmsnorm_kernel == "decomposed":
         bytes_ += profile.rmsnorm_elements * scale * (decomposed_rmsnorm_bytes_per_element(act_bytes)
                                                       - 2 * act_bytes)
     return bytes_
 
 
-def block_kernels(profile: BlockProfile, compiled: bool = False, rmsnorm_kernel: str = "fused") -> int:
+def block_kernels(profile: BlockProfile, compiled: bool = False, rmsnorm_kernel: str = "fused",
+                  fused_scan: bool = False) -> int:
     """Kernels one forward of the block copy launches (host.block_host_s): one per fused region
-    and extern kernel when compiled, else one per op, a decomposed RMSNorm's eight."""
+    and extern kernel when compiled, else one per op, a decomposed RMSNorm's eight, and a
+    fused sequence loop's one."""
     if compiled and profile.fused_kernels is not None:
         return profile.fused_kernels
     extra = DECOMPOSED_RMSNORM_KERNELS - 1 if rmsnorm_kernel == "decomposed" else 0
-    return profile.kernels + extra * profile.rmsnorm_ops
+    scan = 1 - profile.scan_kernels if fused_scan and profile.scan_kernels else 0
+    return profile.kernels + extra * profile.rmsnorm_ops + scan
 
 
 def gemm_precision(precision: str) -> str:
@@ -157,13 +164,14 @@ def block_times(profile: BlockProfile, hidden: int, experts: int, config: Parall
                 gpu, traced_batch: int, traced_dtype_bytes: int, heads: int = 0,
                 seq_len: int = 0, flash_attention: bool = True,
                 flash_kernel: str = "flash2", compiled: bool = False,
-                rmsnorm_kernel: str = "fused") -> BlockTimes:
+                rmsnorm_kernel: str = "fused", fused_scan: bool = False) -> BlockTimes:
     """Forward and backward seconds of one block copy per micro-batch on one rank.
 
     `flash_attention=False` costs the attention core unfused (materialized s x s scores,
     as Megatron-LM before FlashAttention, Dao et al. 2022); otherwise `flash_kernel` names the
     FlashAttention kernel (FLASH_KERNEL_SLOWDOWN). `compiled` and `rmsnorm_kernel` say how the
-    memory-bound ops run (block_memory_bytes)."""
+    memory-bound ops run (block_memory_bytes); `fused_scan` whether a sequence loop runs as its
+    library's fused kernel (its GEMMs then are part of that memory-bound kernel)."""
     tp, cp = config.tp, config.cp
     ep = config.ep if experts else 1
     scale = config.micro_batch / traced_batch / cp  # tokens on this rank vs traced
@@ -171,7 +179,8 @@ def block_times(profile: BlockProfile, hidden: int, experts: int, config: Parall
     peak = hw.peak_flops_per_s(gpu, precision)
     gemm_s = 0.0
     flops = 0.0
-    for g in profile.gemms:
+    scan_fused = fused_scan and not compiled
+    for g in profile.gemms + (() if scan_fused else profile.scan_gemms):
         m, n, k, f = _sharded_gemm(g, scale, tp, ep, hidden, profile.routed_tokens_per_token,
                                    experts)
         flops += f
@@ -196,7 +205,7 @@ def block_times(profile: BlockProfile, hidden: int, experts: int, config: Parall
         attention_s = flash2_s * slow_fwd
         attention_bwd_s = BACKWARD_ATTENTION_FACTOR * flash2_s * slow_bwd
     memory = block_memory_bytes(profile, activation_dtype_bytes(config.precision), traced_dtype_bytes,
-                                compiled, rmsnorm_kernel, scale)
+                                compiled, rmsnorm_kernel, scale, scan_fused)
     # without sequence parallelism the norms/dropouts run replicated on every TP rank
     memory /= tp if config.sequence_parallel else 1
     memory_s = memory / hw.hbm_bytes_per_s(gpu) + attention_memory_s

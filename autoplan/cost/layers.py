@@ -421,14 +421,16 @@ def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, 
     profile = cached_block_profile(graph, block, cache, fused=compiled)
     times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
                                 graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
-                                flash_attention, flash_kernel, compiled, rmsnorm_kernel)
+                                flash_attention, flash_kernel, compiled, rmsnorm_kernel,
+                                gpu.fused_library_kernels)
     if block.kind == "post" and not profile.has_loss and graph.vocab:
         loss_fwd, loss_bwd = compute.loss_times_s(volume.tokens_per_rank(graph, config), graph.vocab,
                                                   config.tp, gpu)
         times = replace(times, memory_fwd_s=times.memory_fwd_s + loss_fwd,
                         fwd_s=times.fwd_s + loss_fwd, bwd_s=times.bwd_s + loss_bwd)
     # the host issues kernels no faster than HOST_S_PER_OP each: a floor under a short block
-    floor_fwd, floor_bwd = host.block_host_s(compute.block_kernels(profile, compiled, rmsnorm_kernel))
+    floor_fwd, floor_bwd = host.block_host_s(compute.block_kernels(
+        profile, compiled, rmsnorm_kernel, gpu.fused_library_kernels and not compiled))
     return replace(times, fwd_s=max(times.fwd_s, floor_fwd), bwd_s=max(times.bwd_s, floor_bwd))
 
 

@@ -28,6 +28,13 @@ FUSABLE_KINDS = ("elementwise", "norm", "view")
 # Whole-norm ops that eager PyTorch may run as one fused kernel or op by op in fp32
 # (compute.decomposed_rmsnorm_bytes_per_element): nn.RMSNorm and F.rms_norm as traced.
 RMSNORM_TARGETS = ("RMSNorm", "rms_norm")
+# Module classes whose Python loop over the sequence (trace: ModelGraph.sequence_loops) the
+# library runs as fused GPU kernels when they are installed: transformers' MambaMixer calls
+# mamba-ssm's selective_scan_fn / mamba_inner_fn and causal-conv1d on CUDA
+# (transformers/models/mamba/modeling_mamba.py, MambaMixer.cuda_kernels_forward), a scan that
+# reads its inputs from HBM once, keeps the state in SRAM and writes the output once (Gu & Dao
+# 2023, Mamba, §3.3.2 "hardware-aware algorithm").
+FUSED_SCAN_CLASSES = ("MambaMixer",)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,12 @@ class BlockProfile:
     fused_kernels: int | None = None
     rmsnorm_elements: float = 0.0  # input elements of whole RMSNorm ops (RMSNORM_TARGETS)
     rmsnorm_ops: int = 0
+    # the ops of a fused-kernel sequence loop (FUSED_SCAN_CLASSES): its GEMMs (not in `gemms`),
+    # its share of memory_bytes and kernels op by op, and the fused kernel's HBM bytes
+    scan_gemms: tuple[Gemm, ...] = ()
+    scan_memory_bytes: float = 0.0
+    scan_kernels: int = 0
+    scan_fused_bytes: float = 0.0
 
 
 def _block_ops(graph: ModelGraph, block: BlockInfo) -> list:
@@ -77,10 +90,23 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
     norm_excess = 0.0
     rmsnorm_elements = 0.0
     rmsnorm_ops = 0
-    for op in ops:
+    loops = {loop["module"] for loop in graph.sequence_loops if loop.get("class") in FUSED_SCAN_CLASSES}
+    scan = [n for n in graph.segment_nodes(block)
+            if graph.graph.nodes[n]["op"].module in loops and graph.graph.nodes[n]["op"].kind != "view"]
+    in_scan = set(scan)
+    scan_gemms: list[Gemm] = []
+    scan_memory = 0.0
+    for name, op in zip(graph.segment_nodes(block), ops):
         if op.kind == "view":
             continue
         kernels += 1
+        if name in in_scan:
+            if op.kind in GEMM_KINDS and op.gemm_mnk and op.flops > 0:
+                scan_gemms.append(Gemm(*op.gemm_mnk, float(op.flops)))
+            else:
+                scan_memory += op.bytes_read + op.bytes_written
+                memory += op.bytes_read + op.bytes_written
+            continue
         if op.kind in FUSABLE_KINDS:
             fusable += op.bytes_read + op.bytes_written
         if op.kind == "norm" and op.target in RMSNORM_TARGETS and op.input_shapes and op.input_shapes[0]:
@@ -110,7 +136,49 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
                         float(block.top_k) if block.experts else 0.0, kernels, norm_excess,
                         any(op.kind == "loss" for op in ops), fused_memory_bytes=fused_memory,
                         fused_kernels=fused_kernels, rmsnorm_elements=rmsnorm_elements,
-                        rmsnorm_ops=rmsnorm_ops)
+                        rmsnorm_ops=rmsnorm_ops, scan_gemms=tuple(scan_gemms),
+                        scan_memory_bytes=scan_memory, scan_kernels=len(scan),
+                        scan_fused_bytes=region_traffic_bytes(graph, scan) if scan else 0.0)
+
+
+def region_traffic_bytes(graph: ModelGraph, names: list[str]) -> float:
+    """HBM bytes of `names` (ops of one block copy) run as one kernel: each tensor it takes
+    from outside read once (through views, to the op that made it), what it reads that no
+    traced op made (parameters, buffers) once per op, and each tensor it makes that an op
+    outside reads written once; everything else stays on chip."""
+    g = graph.graph
+    inside = set(names)
+
+    def op(n: str):
+        return g.nodes[n]["op"]
+
+    def source(n: str) -> str:  # the op whose tensor a chain of views reads
+        while op(n).kind == "view":
+            preds = [p for p in g.predecessors(n) if op(p).output_shape]
+            if len(preds) != 1:
+                break
+            n = preds[0]
+        return n
+
+    def read_outside(n: str) -> bool:  # an op outside reads n's tensor, through views
+        for s in g.successors(n):
+            if s not in inside and (op(s).kind != "view" or read_outside(s) or not list(g.successors(s))):
+                return True
+        return not list(g.successors(n))
+
+    reads: dict[str, float] = {}
+    unlinked = 0.0
+    for n in names:
+        linked = 0.0
+        for p in g.predecessors(n):
+            if not op(p).output_shape:
+                continue
+            linked += op(p).bytes_written
+            if (src := source(p)) not in inside:
+                reads[src] = float(op(src).bytes_written)
+        unlinked += max(0.0, op(n).bytes_read - linked)
+    writes = sum(float(op(n).bytes_written) for n in names if read_outside(n))
+    return sum(reads.values()) + unlinked + writes
 
 
 def inductor_fused_traffic(graph: ModelGraph, names: list[str]) -> tuple[float, int]:

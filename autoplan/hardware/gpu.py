@@ -28,7 +28,8 @@ _GPU_OPTIONAL_NUMBERS = ("host_link_gb_per_s", "host_memory_gib", "host_cpu_core
 
 
 _GPU_KEYS = frozenset(_GPU_NUMBERS + _GPU_OPTIONAL_NUMBERS + ("key", "name", "aliases", "intra_node_topology", "peak_tflops",
-                                      "efficiency", "sources", "measured_at", "method"))
+                                      "efficiency", "sources", "measured_at", "method",
+                                      "fused_library_kernels"))
 
 
 _EFF_REQUIRED = (
@@ -115,6 +116,9 @@ class GPU:
     """Host (CPU) DRAM of the typical system, per node of `gpus_per_node` GPUs, bytes; None if not in the file."""
     host_cpu_cores: int | None = None
     """Host CPU cores of the typical system, per node; None if not in the file."""
+    fused_library_kernels: bool = True
+    """Model libraries run their fused GPU kernels here (mamba-ssm's selective scan for
+    transformers' Mamba); false for the CPU test device, where they run their Python loops."""
 
     @property
     def memory_gib(self) -> float:
@@ -269,6 +273,8 @@ def _gpu_from_table(table: Mapping[str, Any], where: str) -> GPU:
         host_memory_bytes=(_number(table, "host_memory_gib", where) * GIB
                            if "host_memory_gib" in table else None),
         host_cpu_cores=_integer(table, "host_cpu_cores", where) if "host_cpu_cores" in table else None,
+        fused_library_kernels=_require(table, "fused_library_kernels", bool, where)
+        if "fused_library_kernels" in table else True,
     )
 
 
@@ -362,6 +368,7 @@ def _gpu_to_table(gpu: GPU) -> dict[str, Any]:
         **({"host_link_gb_per_s": c(gpu.host_link_bytes_per_s / GB)} if gpu.host_link_bytes_per_s else {}),
         **({"host_memory_gib": c(gpu.host_memory_bytes / GIB)} if gpu.host_memory_bytes else {}),
         **({"host_cpu_cores": gpu.host_cpu_cores} if gpu.host_cpu_cores else {}),
+        **({} if gpu.fused_library_kernels else {"fused_library_kernels": False}),
         "sources": dict(gpu.sources),
     }
 

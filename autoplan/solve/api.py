@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autoplan.cost import CostCache
+from autoplan.cost.profile import FUSED_SCAN_CLASSES
 from autoplan.errors import UserError
 from autoplan.hardware import resolve_cluster  # noqa: F401  (re-exported for commands)
 from autoplan.trace.graph import ModelGraph, sequence_loop_notes
@@ -61,7 +62,8 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
             f"sequences of {seq_len} tokens into micro-batches"
             + (f" with --fix {' '.join(f'{k}={v}' for k, v in request.fixed.items())}" if request.fixed else "")
             + "; use a global batch that is a multiple of the data-parallel degree you want, or drop a --fix")
-    result.notes.extend(sequence_loop_notes(graph.sequence_loops, graph.seq_len))
+    fused = FUSED_SCAN_CLASSES if cluster.gpu.fused_library_kernels else ()
+    result.notes.extend(sequence_loop_notes(graph.sequence_loops, graph.seq_len, fused))
     plan = to_plan(result.best, graph, model, cluster) if result.best else None
     return PlanJob(plan=plan, result=result, graph=graph, model=model, cluster=cluster, request=request,
                    cache=cache)

@@ -233,12 +233,21 @@ def _segment_nodes(graph: ModelGraph, block: BlockInfo) -> tuple[str, ...]:
     return tuple(n for i, n in enumerate(names) if i > last and not in_block[i])
 
 
-def sequence_loop_notes(loops: list[dict], seq_len) -> list[str]:
-    """One sentence for the modules that loop over the sequence in Python (see ModelGraph)."""
+
+def sequence_loop_notes(loops: list[dict], seq_len, fused_classes: tuple[str, ...] | None = None) -> list[str]:
+    """One sentence for the modules that loop over the sequence in Python (sequence_loops).
+    `fused_classes`: the classes the plan costs as their library's fused kernel on its device
+    (None: no device chosen, as in `analyze`)."""
     if not loops:
         return []
     first, more = loops[0], len(loops) - 1
-    return [f"{first['module']}{f' (and {more} more)' if more else ''} runs {first['ops']:,} torch "
-            f"ops per forward at {seq_len} tokens, a Python loop over the sequence: it is costed op "
-            "by op as traced (a fused kernel, such as mamba-ssm's selective scan for transformers' "
-            "Mamba, is not modelled and is far faster on a GPU)"]
+    what = (f"{first['module']} ({first.get('class', '?')}){f' and {more} more' if more else ''} "
+            f"loops over the sequence in Python ({first['ops']:,} torch ops per forward at {seq_len} tokens)")
+    if fused_classes is None:
+        return [f"{what}: `plan` costs it as one fused kernel where its library has one for the "
+                "GPU (transformers' Mamba: mamba-ssm's selective scan), else op by op as traced"]
+    if first.get("class") in fused_classes:
+        return [f"{what}: costed as one fused kernel, mamba-ssm's selective scan, which transformers "
+                "calls on CUDA when mamba-ssm and causal-conv1d are installed on the training nodes; "
+                "without them it runs this loop, far slower than this estimate"]
+    return [f"{what}: costed op by op as traced (no fused kernel of it is modelled on this device)"]

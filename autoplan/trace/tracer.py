@@ -323,7 +323,7 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         fallback_modules=_outermost(costed_by_routing, block_of, first_path),
         fingerprint=fingerprint(module), model_name=name, image_size=image,
         pipeline_side_values=side_values,
-        sequence_loops=sequence_loops(rec.ops, seq),
+        sequence_loops=sequence_loops(rec.ops, seq, module),
     )
     add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
     if probe_runtime:
@@ -498,7 +498,7 @@ def _outermost(fallbacks: list[str], block_of: dict[str, str], first_path: dict[
 _CONFIG_GRAPHS: dict[tuple[str, int, int, bool], ModelGraph] = {}
 
 
-def sequence_loops(ops, seq_len: int) -> list[dict]:
+def sequence_loops(ops, seq_len: int, model: nn.Module) -> list[dict]:
     """Modules that ran more torch ops than twice the sequence's tokens (and at least 64): a
     Python loop over the tokens, as transformers' Mamba runs its selective scan without the
     mamba-ssm kernels. A transformer block's modules run a few dozen ops whatever the length."""
@@ -506,8 +506,8 @@ def sequence_loops(ops, seq_len: int) -> list[dict]:
     for op in ops:
         if op.module:
             counts[op.module] = counts.get(op.module, 0) + 1
-    return [{"module": module, "ops": count} for module, count in counts.items()
-            if count > max(64, 2 * seq_len)]
+    return [{"module": path, "class": type(model.get_submodule(path)).__name__, "ops": count}
+            for path, count in counts.items() if count > max(64, 2 * seq_len)]
 
 
 def graph_for_config(config: dict, batch_size: int = 1, seq_len: int = 2048, *,
