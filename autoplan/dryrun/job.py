@@ -13,6 +13,7 @@ on is the input every later stage is fed. The other ranks then run side by side.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import time
 import traceback
@@ -64,15 +65,19 @@ def _run_ranks(plan_dict: dict, workers: int) -> list[tuple[RankRun, float]]:
     `workers` at a time after pipeline rank 0."""
     plan = Plan.from_dict(plan_dict)
     ranks = representative_ranks(plan)
-    first = _result(_ForkedRank(plan_dict, ranks[0], []), plan, ranks[0])
-    running: dict[int, _ForkedRank] = {}
-    results = {}
-    for rank in ranks[1:]:
-        if len(running) == workers:  # the oldest makes room
-            oldest = next(iter(running))
-            results[oldest] = _result(running.pop(oldest), plan, oldest)
-        running[rank] = _ForkedRank(plan_dict, rank, first[0].boundary)
-    results.update({rank: _result(forked, plan, rank) for rank, forked in running.items()})
+    gc.freeze()  # the host's objects stay out of the ranks' collections (and their pages shared)
+    try:
+        first = _result(_ForkedRank(plan_dict, ranks[0], []), plan, ranks[0])
+        running: dict[int, _ForkedRank] = {}
+        results = {}
+        for rank in ranks[1:]:
+            if len(running) == workers:  # the oldest makes room
+                oldest = next(iter(running))
+                results[oldest] = _result(running.pop(oldest), plan, oldest)
+            running[rank] = _ForkedRank(plan_dict, rank, first[0].boundary)
+        results.update({rank: _result(forked, plan, rank) for rank, forked in running.items()})
+    finally:
+        gc.unfreeze()  # collectable again when the host exits
     return [first] + [results[rank] for rank in ranks[1:]]
 
 
