@@ -101,7 +101,7 @@ class _ForkedRank:
     """One rank's dry run in a process forked from this one; `result()` as a Future's."""
 
     def __init__(self, plan_dict: dict, rank: int, boundary: Boundary) -> None:
-        context = multiprocessing.get_context("fork")  # from the host, which holds no threads
+        context = multiprocessing.get_context("fork")  # from the host, which runs no torch op
         self._conn, child_end = context.Pipe(duplex=False)
         self._process = context.Process(target=_send_run, args=(child_end, plan_dict, rank, boundary),
                                         daemon=True)
