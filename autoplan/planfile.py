@@ -112,11 +112,13 @@ def check_same_model(plan: Plan, ref, spec: str, plan_file: str) -> None:
 
 
 def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None = None, *,
-                      trust_plan_model: bool = False) -> CheckedPlan:
+                      trust_plan_model: bool = False, probe_runtime: bool = True) -> CheckedPlan:
     """Read, check and re-estimate a plan file; `model_spec` (a MODEL given on the command
     line) defaults to the plan's own model (`load_plan_model`), `gpu` to the plan's GPU
     (another GPU keeps the plan's node size and that GPU's own NIC). The checked plan's model
-    is the one loaded: its path as given, or resolved against the plan file's folder."""
+    is the one loaded: its path as given, or resolved against the plan file's folder.
+    `probe_runtime=False` leaves the runtime's capability facts (`graph.refused`) off the
+    graph: the estimate does not read them, only the planner's choice of axes does."""
     from autoplan.cost import estimate_partition
     from autoplan.hardware import resolve_cluster
     from autoplan.models.sources import load_model
@@ -132,7 +134,8 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     check_same_model(plan, loaded.ref, spec, path)
     cluster = resolve_cluster(gpu or plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, None if gpu else plan.inter_node_bandwidth_gb_per_s)
-    graph = trace_model(loaded.module, loaded.example_inputs(1, plan.seq_len), name=loaded.ref.name)
+    graph = trace_model(loaded.module, loaded.example_inputs(1, plan.seq_len), name=loaded.ref.name,
+                        probe_runtime=probe_runtime)
     by_path = {block: graph.segment(name) for block, name in graph.layer_order}
     stages = plan.stages or [[block for block, _ in graph.layer_order]]
     unknown = [block for stage in stages for block in stage if block not in by_path]

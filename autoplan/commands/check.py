@@ -148,7 +148,9 @@ def check_plan(target: str, workers: int, model: str | None = None, trust_plan_m
     from autoplan.dryrun.job import dry_run
 
     start = time.perf_counter()
-    checked = load_checked_plan(plan_path_of(target), model, trust_plan_model=trust_plan_model)
+    # no capability probe: the dry run applies and runs the runtime itself, at the plan's size
+    checked = load_checked_plan(plan_path_of(target), model, trust_plan_model=trust_plan_model,
+                                probe_runtime=False)
     plan, est = checked.plan, checked.plan.estimate
     cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, plan.inter_node_bandwidth_gb_per_s)

@@ -87,14 +87,19 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
             torch.ops.aten.baddbmm.default}
 
 
+def refuse_mixed_matmul(func, args) -> None:
+    """Raise as ATen's real kernels do when `func` is a matmul of tensors of different dtypes."""
+    if func in _MATMULS:
+        dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        if len(dtypes) > 1:
+            names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            raise RuntimeError(f"{func} of {names} tensors: the real kernel refuses mixed "
+                               "dtypes (expected m1 and m2 to have the same dtype)")
+
+
 class MatmulDtypes(TorchDispatchMode):
     """Refuse a matmul of tensors of different dtypes, as ATen's real kernels do."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _MATMULS:
-            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
-            if len(dtypes) > 1:
-                names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-                raise RuntimeError(f"{func} of {names} tensors: the real kernel refuses mixed "
-                                   "dtypes (expected m1 and m2 to have the same dtype)")
+        refuse_mixed_matmul(func, args)
         return func(*args, **(kwargs or {}))

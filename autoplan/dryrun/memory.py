@@ -73,6 +73,7 @@ class StepMemoryTracker(MemTracker):
         self._window: Window | None = None
         self._host_step = False  # inside host_step
         self._host_inputs = False  # the op being tracked reads host memory
+        self._seen: dict = {}  # device -> its snapshot's values when last folded in
 
     def open(self, name: str) -> None:
         """Start a window: later allocations count towards it until the next one opens."""
@@ -87,6 +88,10 @@ class StepMemoryTracker(MemTracker):
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
+            values = tuple(snap.values())
+            if self._seen.get(dev) == values:  # most ops move no memory: nothing new to fold
+                continue
+            self._seen[dev] = values
             if self._peak_mem.get(dev, 0) < snap[TOTAL_KEY]:
                 self._peak_mem[dev] = snap[TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(snap)

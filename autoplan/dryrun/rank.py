@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 
 from autoplan.dryrun.collectives import Collective, CollectiveLog
-from autoplan.dryrun.kernels import MatmulDtypes, cuda_saved_tensors
+from autoplan.dryrun.kernels import cuda_saved_tensors, refuse_mixed_matmul
 from autoplan.dryrun.memory import StepMemoryTracker, Window
-from autoplan.dryrun.routing import balanced_routing
+from autoplan.dryrun.routing import BalancedRouting
 from autoplan.plan import Plan
 from autoplan.runtime.args import TrainArgs
 from autoplan.runtime.loop import Trainer, token_loss
@@ -69,6 +69,16 @@ class RankRun:
     # whole): as the runtime holds them after applying the plan, and as the model has them
     runtime_parameters: int = 0
     model_parameters: int = 0
+
+
+class _StepOps(BalancedRouting):
+    """Balanced MoE routing and the real kernels' refusal of mixed-dtype matmuls (kernels.py
+    MatmulDtypes) in one dispatch mode: every op of the step passes through each mode on the
+    stack, a Python call each, and the step runs tens of thousands of ops."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        refuse_mixed_matmul(func, args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def representative_ranks(plan: Plan) -> list[int]:
@@ -367,8 +377,7 @@ def run_rank(plan: Plan, build_model: Callable[[], nn.Module], meta: nn.Module, 
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode (torch-cpu-facts.md item 16)
         meta = copy.deepcopy(meta)  # meta tensors cannot be copied inside FakeTensorMode
         model_parameters = _model_parameters(meta, plan, mesh.pp_rank)
-        with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing() as routing, \
-                MatmulDtypes():
+        with FakeTensorMode(allow_non_fake_inputs=True), _StepOps() as routing:
             trainer = Trainer(build_model, plan, TrainArgs(), mesh=mesh, meta=meta,
                               ddp=False)
             _warm_optimizers(trainer)

@@ -68,6 +68,8 @@ class BalancedRouting(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten.bincount.default:
             return self._bincount(func, *args, **kwargs)
+        if not self.routed:  # no counts made yet, so none to run for real: skip the search
+            return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not tensors or not all(_concrete(t) for t in tensors):
             return func(*args, **kwargs)

@@ -304,6 +304,26 @@ def test_a_failed_rank_is_one_user_error_naming_it():
         _result(future, plan, 2)
 
 
+@pytest.mark.parametrize("ending", ["raises", "exits"])
+def test_a_rank_failing_in_its_forked_process_is_one_user_error_naming_it(monkeypatch, ending):
+    # the host forks each rank: what the rank raised, or that it ended without a result,
+    # comes back as the rank's UserError
+    import os
+
+    from autoplan.dryrun import job
+    from autoplan.errors import UserError
+
+    def fail(*_args, **_kwargs):
+        if ending == "exits":
+            os._exit(3)
+        raise ValueError("no such stage")
+
+    monkeypatch.setattr(job, "run_rank", fail)
+    said = "ValueError: no such stage" if ending == "raises" else "its worker process ended without a result"
+    with pytest.raises(UserError, match=rf"rank 0 \(pipeline rank 0 of 1\) failed: {said}"):
+        job._run_ranks(json.loads(TINY.read_text()), 1)
+
+
 def _stage_param_counts(plan: Plan) -> list[tuple[int, int]]:
     """(parameters, parameters of its largest FSDP group) of each pipeline stage of the tiny
     model: stage 0 holds the embedding, the last the final norm and head; each block is its
