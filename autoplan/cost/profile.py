@@ -71,14 +71,11 @@ class BlockProfile:
     scan_fused_bytes: float = 0.0
 
 
-def _block_ops(graph: ModelGraph, block: BlockInfo) -> list:
-    return [graph.graph.nodes[n]["op"] for n in graph.segment_nodes(block)]
-
-
 def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> BlockProfile:
     """GEMMs, attention and memory traffic of one block copy (traced batch/seq/dtype); with
     `fused`, also its traffic and kernels under torch.compile (inductor_fused_traffic)."""
-    ops = _block_ops(graph, block)
+    names = graph.segment_nodes(block)
+    ops = [graph.graph.nodes[n]["op"] for n in names]
     head_dim = block.hidden // block.heads if block.heads else 128
     if not ops:
         return _profile_from_sums(block, head_dim)
@@ -91,15 +88,16 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
     rmsnorm_elements = 0.0
     rmsnorm_ops = 0
     loops = {loop["module"] for loop in graph.sequence_loops if loop.get("class") in FUSED_SCAN_CLASSES}
-    scan = [n for n in graph.segment_nodes(block)
-            if graph.graph.nodes[n]["op"].module in loops and graph.graph.nodes[n]["op"].kind != "view"]
+    scan = [n for n, op in zip(names, ops) if op.module in loops and op.kind != "view"]
     in_scan = set(scan)
     scan_gemms: list[Gemm] = []
     scan_memory = 0.0
-    for name, op in zip(graph.segment_nodes(block), ops):
+    for name, op in zip(names, ops):
         if op.kind == "view":
             continue
         kernels += 1
+        if op.kind in FUSABLE_KINDS:
+            fusable += op.bytes_read + op.bytes_written
         if name in in_scan:
             if op.kind in GEMM_KINDS and op.gemm_mnk and op.flops > 0:
                 scan_gemms.append(Gemm(*op.gemm_mnk, float(op.flops)))
@@ -107,8 +105,6 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
                 scan_memory += op.bytes_read + op.bytes_written
                 memory += op.bytes_read + op.bytes_written
             continue
-        if op.kind in FUSABLE_KINDS:
-            fusable += op.bytes_read + op.bytes_written
         if op.kind == "norm" and op.target in RMSNORM_TARGETS and op.input_shapes and op.input_shapes[0]:
             rmsnorm_elements += _numel(op.input_shapes[0])
             rmsnorm_ops += 1
@@ -129,7 +125,7 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
             memory += op.bytes_read + op.bytes_written
     fused_memory = fused_kernels = None
     if fused:
-        fused_bytes, regions = inductor_fused_traffic(graph, graph.segment_nodes(block))
+        fused_bytes, regions = inductor_fused_traffic(graph, names)
         fused_memory = memory - fusable + fused_bytes
         fused_kernels = sum(1 for op in ops if op.kind not in FUSABLE_KINDS) + regions
     return BlockProfile(tuple(gemms), attention, head_dim, memory,

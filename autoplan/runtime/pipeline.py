@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleZBVZeroBubble)
 
 from autoplan.errors import UserError
-from autoplan.runtime.pipeline_hf import hf_split_problem, split_hf_stages
+from autoplan.runtime.pipeline_hf import hf_block_paths, hf_split_problem, split_hf_stages
 from autoplan.runtime.tying import tied_groups
 
 
@@ -70,8 +70,7 @@ def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | N
     hf_problem = hf_split_problem(model)
     if hf_problem is None:
         listed = [path for paths in stages for path in paths]
-        prefix = model.base_model_prefix
-        layers = [f"{prefix}.layers.{i}" for i in range(len(getattr(model, prefix).layers))]
+        layers = hf_block_paths(model)
         if listed != layers:
             return f"its stages must list {layers[0]} ... {layers[-1]} once each, in order"
         return _tie_across_stages(model, stages)

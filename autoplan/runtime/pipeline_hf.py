@@ -8,27 +8,46 @@ the full model, so checkpoints reshard between plans with and without PP, and TP
 recompute and FSDP find their modules by the plan's paths.
   stage 0        embeds the token ids (`input_ids`);
   later stages   receive the hidden states as `inputs_embeds` (their embedding is removed);
+                 what the base model does to the embeddings before its first block (GPT-2's
+                 learned positions, an embedding dropout) is left out there: positions add
+                 a zero, dropouts pass through;
   every stage    builds the rotary cos/sin from `position_ids` (this rank's positions; a
                  family without positions, Mamba, ignores them);
   last stage     applies the final norm and the head through the causal LM's forward;
                  other stages run the base model alone, with the final norm a `StageGap`,
                  so their output is the hidden states.
-This is only right for families whose base model adds nothing to `inputs_embeds` (no learned
-positions; Gemma's embedding scale sits in its embedding module in transformers 5); the ones
-verified by parity tests (tests/runtime/test_parity.py, one pp2 case each) are
-SPLIT_MODEL_TYPES, others are refused with a reason.
+The module names differ by family (_FAMILIES); the families verified by parity tests
+(tests/runtime/test_parity.py, one pp2 case each) are SPLIT_MODEL_TYPES, others are refused
+with a reason.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
-SPLIT_MODEL_TYPES = ("gemma", "llama", "mamba", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe",
-                     "qwen3")
-# (token embedding, final norm) of the base model; the block list is `layers` in every family
-_PARTS = {"mamba": ("embeddings", "norm_f")}
-_DEFAULT_PARTS = ("embed_tokens", "norm")
+
+@dataclass(frozen=True)
+class _Parts:
+    """Module names of a family: in the base model, the token embedding, the block list, the
+    final norm and the input-side modules only the first stage applies; the causal LM's head."""
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    norm: str = "norm"
+    head: str = "lm_head"
+    first_stage_only: tuple[str, ...] = ()
+
+
+_FAMILIES = {
+    "gemma": _Parts(), "llama": _Parts(), "mistral": _Parts(), "mixtral": _Parts(),
+    "olmo2": _Parts(), "phi3": _Parts(), "qwen2": _Parts(), "qwen2_moe": _Parts(), "qwen3": _Parts(),
+    "mamba": _Parts(embed="embeddings", norm="norm_f"),
+    "gpt2": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("wpe", "drop")),
+    "gpt_neox": _Parts(embed="embed_in", norm="final_layer_norm", first_stage_only=("emb_dropout",)),
+}
+SPLIT_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
 
 class StageGap(nn.Identity):
@@ -43,6 +62,14 @@ class _OtherStageLayer(nn.Module):
         return hidden_states
 
 
+class _NoPositions(nn.Module):
+    """A learned position embedding on a stage after the first, whose input already holds
+    them: adds a zero (0-dim, so the hidden states keep their dtype)."""
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), device=position_ids.device)
+
+
 def hf_split_problem(model: nn.Module) -> str | None:
     """None when `split_hf_stages` can split this model, else the reason it cannot."""
     config = getattr(model, "config", None)
@@ -52,11 +79,19 @@ def hf_split_problem(model: nn.Module) -> str | None:
     if model_type not in SPLIT_MODEL_TYPES:
         return (f"the pipeline split of Hugging Face models is verified for "
                 f"{', '.join(SPLIT_MODEL_TYPES)} only, not {model_type!r}")
+    parts = _FAMILIES[model_type]
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    embed, norm = _PARTS.get(model_type, _DEFAULT_PARTS)
-    if base is None or not all(hasattr(base, p) for p in (embed, "layers", norm)) or not hasattr(model, "lm_head"):
-        return f"it lacks the {embed} / layers / {norm} / lm_head modules the split expects"
+    names = (parts.embed, parts.layers, parts.norm, *parts.first_stage_only)
+    if base is None or not all(hasattr(base, n) for n in names) or not hasattr(model, parts.head):
+        return f"it lacks the {' / '.join(names)} / {parts.head} modules the split expects"
     return None
+
+
+def hf_block_paths(model: nn.Module) -> list[str]:
+    """The full paths of the decoder blocks of a model `hf_split_problem` accepts."""
+    parts = _FAMILIES[model.config.model_type]
+    prefix = model.base_model_prefix
+    return [f"{prefix}.{parts.layers}.{i}" for i in range(len(getattr(getattr(model, prefix), parts.layers)))]
 
 
 def _shell(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
@@ -92,20 +127,24 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     """One shell per (virtual) stage, holding the decoder layers the plan gives it.
     `zigzag`: the positions are a context-parallel rank's (flag, not read from the tensor,
     so the split also runs on fake tensors)."""
+    parts = _FAMILIES[model.config.model_type]
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
-    embed, norm = _PARTS.get(model.config.model_type, _DEFAULT_PARTS)
-    layer_paths = [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
-    parts = []
+    blocks = getattr(base, parts.layers)
+    layer_paths = hf_block_paths(model)
+    shells = []
     for k, paths in enumerate(stages):
         first, last = k == 0, k == len(stages) - 1
         layers = nn.ModuleList(layer if path in paths else _OtherStageLayer()
-                               for layer, path in zip(base.layers, layer_paths))
-        stage_base = _shell(base, {"layers": layers,
-                                   embed: getattr(base, embed) if first else None,
-                                   norm: getattr(base, norm) if last else StageGap()})
-        root = _shell(model, {prefix: stage_base,
-                              "lm_head": model.lm_head if last else StageGap()})
+                               for layer, path in zip(blocks, layer_paths))
+        children = {parts.layers: layers, parts.embed: getattr(base, parts.embed) if first else None,
+                    parts.norm: getattr(base, parts.norm) if last else StageGap()}
+        for name in parts.first_stage_only:
+            module = getattr(base, name)
+            children[name] = module if first else (
+                _NoPositions() if isinstance(module, nn.Embedding) else StageGap())
+        root = _shell(model, {prefix: _shell(base, children),
+                              parts.head: getattr(model, parts.head) if last else StageGap()})
         root.forward = _stage_forward(root, prefix, first, last, positions, zigzag)
-        parts.append(root)
-    return parts
+        shells.append(root)
+    return shells

@@ -41,6 +41,20 @@ CONFIGS = {
                  {"hidden_size": 64, "num_hidden_layers": LAYERS, "vocab_size": 256, "state_size": 8,
                   "expand": 2, "conv_kernel": 4, "time_step_rank": 8, "use_cache": False,
                   "tie_word_embeddings": False, "attn_implementation": "eager"}),
+    # learned positions and an embedding dropout before the first block (pipeline_hf's
+    # first_stage_only), untied: a tied head is refused under PP
+    "hf_gpt2_untied": ("GPT2Config", "GPT2LMHeadModel",
+                       {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
+                        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
+                        "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False,
+                        "attn_implementation": "sdpa"}),
+    # fused query_key_value, partial rotary, parallel residual, an embedding dropout
+    "hf_gptneox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                   dict(_COMMON, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0,
+                        use_parallel_residual=True)),
+    "hf_phi3": ("Phi3Config", "Phi3ForCausalLM",
+                dict(_COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
     "hf_bert": ("BertConfig", "BertForMaskedLM",
                 {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
                  "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
@@ -55,7 +69,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
                "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
-               "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers"}
+               "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",
+               "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers"}
 
 
 def build(kind: str, **overrides):

@@ -110,10 +110,14 @@ def test_hf_split_stages_chain_equals_full_model(kind):
 
 
 def test_pipeline_split_refuses_untraceable_models_with_a_reason():
-    model = builder("hf_gpt2")()  # learned positions are added to inputs_embeds: no shell split
-    blocks = hf_models.blocks("hf_gpt2")
+    model = builder("hf_gptj")()  # a family the shell split is not verified for
+    blocks = hf_models.blocks("hf_gptj")
     reason = pipeline_split_problem(model, [blocks[:1], blocks[1:]])
-    assert reason is not None and "torch.fx cannot trace" in reason and "'gpt2'" in reason
+    assert reason is not None and "torch.fx cannot trace" in reason and "'gptj'" in reason
+    gpt2 = builder("hf_gpt2")()  # split by the shells, but its head is its embedding
+    gpt2_blocks = hf_models.blocks("hf_gpt2")
+    reason = pipeline_split_problem(gpt2, [gpt2_blocks[:1], gpt2_blocks[1:]])
+    assert "transformer.wte.weight and lm_head.weight (tied weights)" in reason
     llama = builder("hf_llama")()
     llama_blocks = hf_models.blocks("hf_llama")
     assert "once each, in order" in pipeline_split_problem(llama, [llama_blocks[1:], llama_blocks[:1]])
