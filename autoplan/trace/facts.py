@@ -16,7 +16,8 @@ row-parallel, when the split is legal:
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
 model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
 fused projections (one Linear for q,k,v or gate,up: a ColwiseParallel row slice would mix
-q, k and v, where Megatron/torchtitan re-order the fused weight per rank) and
+q, k and v, where Megatron/torchtitan re-order the fused weight per rank; not a q,k,v
+projection laid out head by head, GPT-NeoX's, whose row slices are whole heads) and
 `nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
 """
 
@@ -162,15 +163,32 @@ def _one_head_each(op: OpInfo, widths: set[int]) -> bool:
     return heads > 1 and any(w % heads == 0 and features in (1, w // heads) for w in widths)
 
 
-def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict) -> bool:
+def _head_major(feeder: str, region: set[str], by_name: dict, inputs: dict) -> bool:
+    """A fused q/k/v column laid out head by head (GPT-NeoX's query_key_value): its output is
+    first viewed as (..., heads, 3 * head_dim) with the attention's own head count, so a
+    contiguous row slice of the weight holds whole heads, each with its q, k and v, and the
+    forward's -1 head count reads the rank's heads. (timm's (..., 3, heads, head_dim) and
+    GPT-2's split by width put q, k and v outermost: a row slice mixes them.)"""
+    width = by_name[feeder].output_shape[-1] if by_name[feeder].output_shape else 0
+    heads = {int(by_name[n].input_shapes[0][1]) for n in region if by_name[n].kind == "attention"
+             and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4}
+    views = [by_name[n] for n in region if feeder in inputs.get(n, ()) and by_name[n].kind == "view"]
+    return len(heads) == 1 and bool(views) and all(
+        len(v.output_shape) >= 4 and v.output_shape[-2] in heads and v.output_shape[-2] * v.output_shape[-1] == width
+        for v in views)
+
+
+def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict) -> bool:
     """One Linear computing several parts: a lone column feeding attention holds q, k and v
-    (GPT-2 c_attn, timm qkv); an MLP column whose output is split holds gate and up."""
+    (GPT-2 c_attn, timm qkv; not when laid out head by head, _head_major); an MLP column
+    whose output is split holds gate and up."""
     widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
     split_whole = any(by_name[n].target in _SPLITS and by_name[n].input_shapes
                       and by_name[n].input_shapes[0] and by_name[n].input_shapes[0][-1] in widths
                       for n in region)  # fused k,v beside a separate q
     if kind == "attention":
-        return len(feeders) == 1 or split_whole
+        lone = len(feeders) == 1 and not _head_major(next(iter(feeders)), region, by_name, inputs)
+        return lone or split_whole
     return split_whole or any(by_name[n].target in _SPLITS or (by_name[n].target == "getitem"
                and by_name[n].input_shapes and by_name[n].output_shape
                and by_name[n].output_shape[-1] != by_name[n].input_shapes[0][-1])
@@ -213,7 +231,7 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
         if _illegal(op.name, feeders, region, by_name, inputs, users):
             continue
         pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
-                      "fused": _fused(kind, feeders, region, by_name), "attention": attention,
+                      "fused": _fused(kind, feeders, region, by_name, inputs), "attention": attention,
                       "norm_across_heads": [],
                       "head_norms": sorted(n for n in region if by_name[n].kind == "norm")})
     return pairs
@@ -258,7 +276,8 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
                 facts["tp_flops"] += sum(a.flops for a in pair["attention"])
             widths = [by_name[n].output_shape[-1] for n in pair["column"]]
             if head_dim:
-                facts["kv_heads"] = int(min(widths) // head_dim)
+                # one column holds q, k and v head by head (_head_major): as many K/V heads as heads
+                facts["kv_heads"] = facts["heads"] if len(widths) == 1 else int(min(widths) // head_dim)
                 tokens = _tokens(by_name[pair["row"]])
                 facts["kv_bytes"] = 2 * tokens * facts["kv_heads"] * head_dim * 2
         else:

@@ -148,6 +148,9 @@ CONFIGS = {
             traced_plan_dict, "hf_qwen3", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_qwen3_dp2_tp2_zero3_traced": ("hf_qwen3", functools.partial(
             traced_plan_dict, "hf_qwen3", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        # one query_key_value laid out head by head: a contiguous row slice holds whole heads
+        "hf_gptneox_dp2_tp2_sp_traced": ("hf_gptneox", functools.partial(
+            traced_plan_dict, "hf_gptneox", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gptj_dp2_tp2_sp_traced": ("hf_gptj", functools.partial(
             traced_plan_dict, "hf_gptj", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),

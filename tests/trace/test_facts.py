@@ -241,7 +241,9 @@ CORPUS_PAIRS = {
     "t5": ({T5_SELF, T5_CROSS, ("mlp", ("layer.1.DenseReluDense.wi",), "layer.1.DenseReluDense.wo"),
             ("mlp", ("layer.2.DenseReluDense.wi",), "layer.2.DenseReluDense.wo")}, set()),
     "moe_loop": ({("attention", ("attn.q", "attn.k", "attn.v"), "attn.o")}, set()),  # experts: EP
-    "gpt_neox": (set(), {"attention.query_key_value"}),
+    # query_key_value viewed as (..., heads, 3 * head_dim): a row slice holds whole heads
+    "gpt_neox": ({("attention", ("attention.query_key_value",), "attention.dense"),
+                  ("mlp", ("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h")}, set()),
     "phi3": (set(), {"self_attn.qkv_proj", "mlp.gate_up_proj", ""}),
     "vit_b16": (set(), {"attn.qkv"}),
     "swin_t": (set(), {"attn.qkv"}),
