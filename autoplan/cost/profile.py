@@ -162,19 +162,8 @@ def region_traffic_bytes(graph: ModelGraph, names: list[str]) -> float:
                 return True
         return not list(g.successors(n))
 
-    reads: dict[str, float] = {}
-    unlinked = 0.0
-    for n in names:
-        linked = 0.0
-        for p in g.predecessors(n):
-            if not op(p).output_shape:
-                continue
-            linked += op(p).bytes_written
-            if (src := source(p)) not in inside:
-                reads[src] = float(op(src).bytes_written)
-        unlinked += max(0.0, op(n).bytes_read - linked)
     writes = sum(float(op(n).bytes_written) for n in names if read_outside(n))
-    return sum(reads.values()) + unlinked + writes
+    return kernel_reads_bytes(graph, names, source, inside.__contains__) + writes
 
 
 def inductor_fused_traffic(graph: ModelGraph, names: list[str]) -> tuple[float, int]:
@@ -245,22 +234,34 @@ def inductor_fused_traffic(graph: ModelGraph, names: list[str]) -> tuple[float, 
             members.setdefault(find(n), []).append(n)
     total = 0.0
     for rid, ops_ in members.items():
-        reads: dict[str, float] = {}
-        unlinked = 0.0
-        for n in ops_:
-            linked = 0.0
-            for p in g.predecessors(n):
-                if not op(p).output_shape:
-                    continue
-                linked += op(p).bytes_written
-                source = root.get(p, p)
-                if not (computes(source) and find(source) == rid):
-                    reads[source] = float(op(source).bytes_written)
-            unlinked += max(0.0, op(n).bytes_read - linked)
+        reads = kernel_reads_bytes(graph, ops_, lambda p: root.get(p, p),
+                                   lambda source: computes(source) and find(source) == rid)
         writes = sum(float(op(n).bytes_written) for n in ops_
                      if not (used := readers(n)) or any(not (computes(c) and find(c) == rid) for c in used))
-        total += sum(reads.values()) + unlinked + writes
+        total += reads + writes
     return total, len(members)
+
+
+def kernel_reads_bytes(graph: ModelGraph, names: list[str], source_of, made_inside) -> float:
+    """HBM bytes one kernel running the ops `names` reads: each tensor it takes from outside
+    once (`source_of(producer)`: the op whose tensor a producer is, through views;
+    `made_inside(op)`: whether the kernel itself makes it), and what no traced op made
+    (parameters, buffers, the block input) once per op that reads it."""
+    g = graph.graph
+    reads: dict[str, float] = {}
+    unlinked = 0.0
+    for n in names:
+        linked = 0.0
+        for p in g.predecessors(n):
+            producer = g.nodes[p]["op"]
+            if not producer.output_shape:
+                continue
+            linked += producer.bytes_written
+            source = source_of(p)
+            if not made_inside(source):
+                reads[source] = float(g.nodes[source]["op"].bytes_written)
+        unlinked += max(0.0, g.nodes[n]["op"].bytes_read - linked)
+    return sum(reads.values()) + unlinked
 
 
 def _numel(shape) -> int:
