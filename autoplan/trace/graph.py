@@ -131,8 +131,9 @@ class ModelGraph:
     cp_buffers: dict[str, int] = field(default_factory=dict)  # position tables sliced by seq -> dim
     expert_parallel: list[dict] = field(default_factory=list)
     fallback_modules: list[str] = field(default_factory=list)  # costed at balanced routing
-    # {module, ops}: a module running a Python loop over the sequence (transformers' slow
-    # Mamba scan), costed op by op as traced
+    # {module, class, ops}: a module running a Python loop over the sequence (transformers'
+    # Mamba scan without mamba-ssm); cost/profile.py costs a loop whose class has a fused GPU
+    # kernel as that kernel where the GPU runs it, any other op by op as traced
     sequence_loops: list[dict] = field(default_factory=list)
     tp_unsplit: list[dict] = field(default_factory=list)  # {block, module, reason} TP leaves whole
     # TP style table: "" -> {module path: style} for modules outside blocks; a block class
@@ -231,7 +232,6 @@ def _segment_nodes(graph: ModelGraph, block: BlockInfo) -> tuple[str, ...]:
     if block.kind == "pre":
         return tuple(n for i, n in enumerate(names) if i < first and not in_block[i])
     return tuple(n for i, n in enumerate(names) if i > last and not in_block[i])
-
 
 
 def sequence_loop_notes(loops: list[dict], seq_len, fused_classes: tuple[str, ...] | None = None) -> list[str]:

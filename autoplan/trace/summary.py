@@ -150,4 +150,3 @@ def render(summary: dict[str, Any], console) -> None:
                       "(T*k/E tokens per expert) and measured:[/] "
                       + ", ".join(summary["fallback_modules"][:4])
                       + (" ..." if len(summary["fallback_modules"]) > 4 else ""))
-
