@@ -32,9 +32,7 @@ from pathlib import Path
 import click
 
 from autoplan.commands import options as o
-from autoplan.cost.hw import memory_budget_bytes
 from autoplan.errors import DryRunMismatch, NoFeasiblePlan
-from autoplan.hardware import resolve_cluster
 from autoplan.planfile import load_checked_plan
 
 GIB = 2**30
@@ -145,35 +143,63 @@ BALANCED = ("balanced, every expert takes tokens x top_k / experts of each micro
 
 
 def check_plan(target: str, workers: int, model: str | None = None, trust_plan_model: bool = False) -> dict:
-    from autoplan.dryrun.job import dry_run
+    """The dry run's report of the plan at `target`, made in the dry run's host process, so that
+    this process never imports torch (autoplan.dryrun.host)."""
+    from autoplan.dryrun.host import run_in_host
 
     start = time.perf_counter()
-    # no capability probe: the dry run applies and runs the runtime itself, at the plan's size
-    checked = load_checked_plan(plan_path_of(target), model, trust_plan_model=trust_plan_model,
-                                probe_runtime=False)
-    plan, est = checked.plan, checked.plan.estimate
+    report = run_in_host(check_in_host, plan_path_of(target), workers, model, trust_plan_model)
+    report["wall_s"] = time.perf_counter() - start
+    return report
+
+
+def check_in_host(path: str, workers: int, model: str | None, trust_plan_model: bool) -> dict:
+    """In the dry run's host: the plan checked and estimated again in a process forked from it
+    (tracing runs torch ops, which the host must not run before it forks the ranks), then the
+    ranks' dry runs beside the cost model."""
+    from autoplan.cost.hw import memory_budget_bytes
+    from autoplan.dryrun.host import Forked
+    from autoplan.dryrun.job import run_ranks
+    from autoplan.hardware import resolve_cluster
+    from autoplan.plan import Plan
+
+    loaded = Forked(load_for_check, path, model, trust_plan_model).result()
+    plan = Plan.from_dict(loaded["plan"])
+    est = plan.estimate
     cluster = resolve_cluster(plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, plan.inter_node_bandwidth_gb_per_s)
     gpu_bytes = cluster.gpu.memory_bytes
     budget_bytes = memory_budget_bytes(cluster)  # the GPU less the plan's own headroom
     stages = est.get("per_stage") or [{"memory_gib": est.get("memory_gib_per_gpu"),
                                        "memory_breakdown_gib": est.get("memory_breakdown_gib", {})}]
-    runs = dry_run(plan, workers)
+    runs = run_ranks(loaded["plan"], workers)
     # the cost model's host memory is its fullest rank's; with one pipeline stage, every rank's
     host = est.get("host_memory_gib_per_gpu") if plan.pp == 1 else None
     ranks = [rank_report(run, secs, stages[min(run.pp_rank, len(stages) - 1)], budget_bytes, host,
-                         model_collectives(checked, run.pp_rank))
+                         loaded["collectives"][run.pp_rank])
              for run, secs in runs]
     worst = max(ranks, key=lambda r: r["peak_gib"])
     mismatched = [r["rank"] for r in ranks if r["parameters"]["runtime"] != r["parameters"]["model"]]
-    return {"plan": plan_path_of(target), "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,
+    return {"plan": path, "gpu": plan.gpu, "gpu_memory_gib": gpu_bytes / GIB,
             "memory_headroom_gib": (gpu_bytes - budget_bytes) / GIB, "budget_gib": budget_bytes / GIB,
             "world_size": plan.world_size, "device": "fake cpu tensors (no memory allocated)",
             "fits": worst["spare_gib"] >= 0, "worst_rank": worst["rank"],
             "parameters_match": not mismatched, "parameter_mismatch_ranks": mismatched,
             "spare_gib": worst["spare_gib"], "ranks": ranks,
-            "routing": BALANCED if any(run.balanced_routings for run, _ in runs) else None,
-            "wall_s": time.perf_counter() - start}
+            "routing": BALANCED if any(run.balanced_routings for run, _ in runs) else None}
+
+
+def load_for_check(path: str, model: str | None, trust_plan_model: bool) -> dict:
+    """The plan read back and estimated again from its model (planfile.load_checked_plan; no
+    capability probe: the dry run applies and runs the runtime itself, at the plan's size), and
+    the cost model's collectives of each pipeline rank the dry run runs, as plain values."""
+    from autoplan.dryrun.rank import representative_ranks
+
+    checked = load_checked_plan(path, model, trust_plan_model=trust_plan_model, probe_runtime=False)
+    plan = checked.plan
+    pp_ranks = {rank // (plan.world_size // plan.pp) for rank in representative_ranks(plan)}
+    return {"plan": plan.to_dict(),
+            "collectives": {pp: model_collectives(checked, pp) for pp in pp_ranks}}
 
 
 def render(report: dict, console) -> None:

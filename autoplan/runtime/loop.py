@@ -477,7 +477,6 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
             return []
         check_world_size(plan)
         stop_if_stopped_before(args.run_dir)
-        STOP.install()  # SIGTERM/SIGUSR1 from here on: checkpoint at the next step boundary
         validate_plan(meta, plan)  # before the process group: nothing can hang
         vocab_size_of(meta)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8" and rank == 0:
@@ -490,6 +489,11 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
             clear_exit_file(args.run_dir)
         owns_group = not dist.is_initialized()
         init_distributed()
+        # SIGTERM/SIGUSR1 from here on: checkpoint at the next step boundary. Not before: until
+        # the group is up there is nothing to save, and a rank waiting in rendezvous (a C++ wait,
+        # as when rank 0 was refused the run directory) cannot run a Python handler, so torchrun
+        # would wait out its grace period before killing it instead of ending it at once.
+        STOP.install()
         losses = Trainer(build_model, plan, args, meta=meta).run()
         _leave(owns_group)
         return losses

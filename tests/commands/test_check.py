@@ -321,7 +321,7 @@ def test_a_rank_failing_in_its_forked_process_is_one_user_error_naming_it(monkey
     monkeypatch.setattr(job, "run_rank", fail)
     said = "ValueError: no such stage" if ending == "raises" else "its worker process ended without a result"
     with pytest.raises(UserError, match=rf"rank 0 \(pipeline rank 0 of 1\) failed: {said}"):
-        job._run_ranks(json.loads(TINY.read_text()), 1)
+        job.run_ranks(json.loads(TINY.read_text()), 1)
 
 
 def _stage_param_counts(plan: Plan) -> list[tuple[int, int]]:
@@ -461,3 +461,16 @@ def test_fits_is_judged_against_the_plans_own_budget(tmp_path):
     text = " ".join(over.output.split())
     assert over.exit_code == 1, over.output
     assert "over the plan's budget of 0.5 GiB (8 GiB cpu less 7.5 GiB of headroom)" in text
+
+
+def test_the_checking_process_never_imports_torch():
+    # torch is imported once, by the dry run's host; the process running `autoplan check`
+    # gets plain values back (autoplan.dryrun.host)
+    import subprocess
+    import sys
+
+    code = ("import sys; from autoplan.commands.check import check_plan; "
+            f"report = check_plan({str(TINY)!r}, workers=1); "
+            "print(report['fits'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr[-2000:]
