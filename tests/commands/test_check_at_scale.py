@@ -2,9 +2,9 @@
 the cost model's memory per rank is within 5% of the dry run of the job's own runtime.
 
 Llama 3.1 8B on 8 H100 at 8K tokens, each plan made by `autoplan plan` with one axis or mode
-fixed (the solver picks the rest), and the committed 8B example (a two-stage interleaved
-pipeline). 5% is the issue's tolerance; benchmarks/results/check_vs_model.txt has every
-category of these and more.
+fixed (the solver picks the rest); the committed 8B example (a two-stage interleaved
+pipeline) is held to the same bar in test_check_examples.py, which dry-runs it once. 5% is the
+issue's tolerance; benchmarks/results/check_vs_model.txt has every category of these and more.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ FIXES = {"cp2": "cp=2 pp=1 tp=1",  # ring attention, selective recompute on most
          "full_recompute_mb2": "recompute=full pp=1 tp=1 cp=1 micro-batch=2 offload=none"}
 
 
-def _totals(plan: str) -> list[tuple[int, float, float]]:
-    report = check_plan(plan, workers=1)
+def totals(report: dict) -> list[tuple[int, float, float]]:
+    """(rank, dry-run GiB, cost model GiB) of each rank's total at its peak."""
     rows = [(rank["rank"], row) for rank in report["ranks"] for row in rank["memory"]
             if row["category"] == "total at peak"]
     return [(rank, row["dry_run_gib"], row["model_gib"]) for rank, row in rows]
@@ -38,12 +38,6 @@ def test_model_memory_is_within_5_percent_of_the_dry_run(name, tmp_path):
     args = [arg for fix in FIXES[name].split() for arg in ("--fix", fix)]
     made = CliRunner().invoke(cli, [*LLAMA_8B, *args, "-o", str(plan)])
     assert made.exit_code == 0, made.output
-    for rank, dry, model in _totals(str(plan)):
+    for rank, dry, model in totals(check_plan(str(plan), workers=1)):
         assert abs(model / dry - 1) <= 0.05, (name, rank, dry, model)
 
-
-def test_the_8b_example_is_within_5_percent_on_each_stage():
-    totals = _totals(str(ROOT / "generated" / "llama3.1-8b-8xh100-sxm-80gb"))
-    assert len(totals) == 2  # first and last pipeline stage
-    for rank, dry, model in totals:
-        assert abs(model / dry - 1) <= 0.05, (rank, dry, model)
