@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autoplan.config import tp_style_known
 from autoplan.errors import UserError
 from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
@@ -65,7 +66,7 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
                         + "; ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
                         + "). Was the plan made for another model? Re-run `autoplan plan` "
                         "for this model.")
-    bad_styles = sorted({s for s in tp_styles.values() if s not in TP_STYLES})
+    bad_styles = sorted({s for s in tp_styles.values() if not tp_style_known(s)})
     if bad_styles:
         raise UserError(f"unknown TP styles {bad_styles}; known: {', '.join(TP_STYLES)}.")
     if plan.schedule not in SCHEDULES:

@@ -27,6 +27,7 @@ from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module appl
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
+from autoplan.runtime.fused_projection import FusedColwiseParallel, fused_parts, localise_head_counts
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 from autoplan.runtime.tying import retie, tied_groups
@@ -141,6 +142,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     seq = Shard(1) if sequence_parallel else Replicate()
     if name == "colwise":
         return ColwiseParallel()
+    if name.partition(":")[0] in ("colwise_qkv", "colwise_gate_up"):
+        return FusedColwiseParallel(name)
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if name == "sequence_parallel":
@@ -209,6 +212,11 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         groups = tied_groups(model)
         parallelize_module(model, tp_mesh, plan)
         retie(model, groups, "tensor parallelism")
+    for path, style in plan.items():
+        if isinstance(style, FusedColwiseParallel) and style.style.startswith("colwise_qkv"):
+            # the module holding the projection splits its output by its head counts
+            (heads, kv_heads, _), _ = fused_parts(style.style, 0)
+            localise_head_counts(modules[path.rpartition(".")[0]], heads, kv_heads, tp_mesh.size())
     return token_local
 
 

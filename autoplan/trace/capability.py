@@ -234,6 +234,11 @@ KNOWN_FAILURES = (
      "its forward reshapes to a size fixed in its code or read from the whole model (a head "
      "count or the full width, as in `reshape(batch, seq, dim)`), while this split leaves each "
      "rank a part of the heads or of the sequence; reshape with -1 (`reshape(batch, seq, -1)`)"),
+    ("not enough values to unpack",
+     "its forward cuts a fused projection's output into parts of a size fixed in its code or "
+     "read from the whole model (the full width, as in `split(hidden, dim=-1)`), while each rank "
+     "holds its share of every part; cut by the module's head counts (`num_heads * head_dim`, "
+     "which the runtime sets to the rank's) or into equal chunks (`chunk(3, dim=-1)`)"),
     ("mixed torch.Tensor and DTensor",
      "its forward combines a tensor-parallel output with a plain tensor outside a column/row "
      "pair (a residual added to one branch, or attention and MLP run in parallel from one norm)"),
