@@ -63,12 +63,21 @@ def rank_major_order(rows: int, parts: tuple[int, ...], tp: int) -> torch.Tensor
     return torch.tensor(order, dtype=torch.long)
 
 
+def qkv_head_counts(style: str) -> tuple[int, int] | None:
+    """(heads, kv_heads) of a "colwise_qkv:<heads>,<kv_heads>" style; None for other styles."""
+    name, _, args = style.partition(":")
+    if name != "colwise_qkv":
+        return None
+    heads, kv_heads = (int(x) for x in args.split(","))
+    return heads, kv_heads
+
+
 def fused_parts(style: str, rows: int) -> tuple[tuple[int, ...], int]:
     """(parts in their units, (q, k, v) heads or (gate, up) rows; number of q heads (0 for
-    gate/up)) of a fused style: "colwise_qkv:H,KV" or "colwise_gate_up"."""
-    name, _, args = style.partition(":")
-    if name == "colwise_qkv":
-        heads, kv_heads = (int(x) for x in args.split(","))
+    gate/up)) of a fused style over `rows` output rows: "colwise_qkv:H,KV" or "colwise_gate_up"."""
+    counts = qkv_head_counts(style)
+    if counts:
+        heads, kv_heads = counts
         return (heads, kv_heads, kv_heads), heads
     return (rows // 2, rows // 2), 0
 

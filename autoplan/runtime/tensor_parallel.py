@@ -1,7 +1,9 @@
 """Tensor + sequence parallelism from the plan's style table (styles per block class).
 
 Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, or with
-sequence parallelism one reduce-scatter + all-gather, per pair). Between blocks the residual
+sequence parallelism one reduce-scatter + all-gather, per pair). A fused [q | k | v] or
+[gate | up] column gives each rank its share of every part and its attention the rank's head
+counts (fused_projection.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -27,7 +29,7 @@ from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module appl
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
-from autoplan.runtime.fused_projection import FusedColwiseParallel, fused_parts, localise_head_counts
+from autoplan.runtime.fused_projection import FusedColwiseParallel, localise_head_counts, qkv_head_counts
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 from autoplan.runtime.tying import retie, tied_groups
@@ -213,10 +215,9 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         parallelize_module(model, tp_mesh, plan)
         retie(model, groups, "tensor parallelism")
     for path, style in plan.items():
-        if isinstance(style, FusedColwiseParallel) and style.style.startswith("colwise_qkv"):
-            # the module holding the projection splits its output by its head counts
-            (heads, kv_heads, _), _ = fused_parts(style.style, 0)
-            localise_head_counts(modules[path.rpartition(".")[0]], heads, kv_heads, tp_mesh.size())
+        counts = qkv_head_counts(style.style) if isinstance(style, FusedColwiseParallel) else None
+        if counts:  # the module holding the projection cuts its output by its head counts
+            localise_head_counts(modules[path.rpartition(".")[0]], *counts, tp_mesh.size())
     return token_local
 
 
