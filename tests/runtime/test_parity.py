@@ -158,6 +158,10 @@ CONFIGS = {
             traced_plan_dict, "hf_gptneox", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_dp2_tp2_zero3_traced": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        "hf_phi3_dp2_tp2_zero1_traced": ("hf_phi3", functools.partial(
+            traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
+        "hf_phi3_pp2_tp2_traced": ("hf_phi3", functools.partial(
+            traced_plan_dict, "hf_phi3", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_gptj_dp2_tp2_sp_traced": ("hf_gptj", functools.partial(
             traced_plan_dict, "hf_gptj", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
