@@ -39,3 +39,13 @@ def test_phi3_at_tp2_is_planned_and_its_collectives_are_the_cost_models(tmp_path
     assert {row["kind"] for row in rows} >= {"all_gather", "reduce_scatter"}  # sequence parallel
     for row in rows:
         assert row["bytes"] == row["model_bytes"], row
+
+
+def test_phi3_tp_that_splits_a_kv_head_is_refused_with_that_reason(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PHI3))
+    out = CliRunner().invoke(cli, ["plan", f"hf:{config}", "--gpus", "4", "--gpu", "cpu",
+                                   "--gpus-per-node", "4", "--global-batch", "8", "--seq-len", "32",
+                                   "--fix", "tp=4"])
+    assert out.exit_code != 0  # the command line's main() turns this UserError into exit 2
+    assert "tp=4 does not divide the 2 kv heads" in f"{out.output} {out.exception}"
