@@ -19,6 +19,10 @@ TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_
              "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up")
 
 
+# the styles as a plan writes them (error messages)
+TP_STYLE_FORMS = tuple("colwise_qkv:<heads>,<kv_heads>" if s == "colwise_qkv" else s for s in TP_STYLES)
+
+
 def tp_style_known(style: str) -> bool:
     """A style of TP_STYLES; a fused q/k/v projection's names its head counts,
     "colwise_qkv:<heads>,<kv_heads>" (the runtime splits each part by ranks)."""

@@ -57,3 +57,11 @@ def test_phi3_attention_reads_the_ranks_head_counts_from_its_own_config_copy():
     assert (attention.head_dim, attention.num_key_value_groups) == (16, 2)  # per head: unchanged
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)  # the model's own
     assert attention.config._attn_implementation == config._attn_implementation
+
+
+def test_a_plan_names_the_qkv_style_with_its_head_counts():
+    from autoplan.config import tp_style_known
+
+    assert tp_style_known("colwise_qkv:4,2") and tp_style_known("colwise_gate_up")
+    assert not tp_style_known("colwise_qkv") and not tp_style_known("colwise_qkv:4")
+    assert not tp_style_known("colwise_gate_up:2") and not tp_style_known("colwise:1")
