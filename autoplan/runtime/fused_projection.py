@@ -28,11 +28,13 @@ full-state gathers) goes through `in_model_layout`, and what comes back through
 The model's code reads head counts when it splits and reshapes (transformers 5's
 Phi3Attention: `self.config.num_attention_heads * self.head_dim` is where q ends,
 `self.num_key_value_heads * self.head_dim` the length of k). The module gets the rank's
-counts instead, as torchtitan's parallelize sets `attention.n_heads` / `n_kv_heads` to the
-local counts: its own head-count attributes, and a shallow copy of its `config` (shared by
-the whole model) with the rank's counts. The model's source is untouched; a count the
-runtime cannot see (a constant in the forward) makes the forward fail, and the capability
-probe refuses tp with that failure.
+counts instead, as torchtitan's parallelize_llama and PyTorch's fsdp_tp_example.py set
+`attention.n_heads = n_heads // tp_mesh.size()` (and n_kv_heads): its own head-count
+attributes, and a shallow copy of its `config` (shared by the whole model) with the rank's
+counts. The model's source is untouched. A count the runtime cannot see (a constant in the
+forward, an attribute not named for heads) makes the forward fail, or run other heads than
+the rank's, which the capability probe checks at each attention; either way tp is refused
+with that reason.
 """
 
 from __future__ import annotations
