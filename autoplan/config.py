@@ -16,7 +16,21 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 OFFLOAD = ("none", "optimizer", "params", "both")
 # tensor-parallel styles of a plan's tp_styles (autoplan.runtime.tensor_parallel applies them)
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
-             "vocab_head", "head_norm")
+             "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up")
+
+
+# the styles as a plan writes them (error messages)
+TP_STYLE_FORMS = tuple("colwise_qkv:<heads>,<kv_heads>" if s == "colwise_qkv" else s for s in TP_STYLES)
+
+
+def tp_style_known(style: str) -> bool:
+    """A style of TP_STYLES; a fused q/k/v projection's names its head counts,
+    "colwise_qkv:<heads>,<kv_heads>" (the runtime splits each part by ranks)."""
+    name, colon, args = str(style).partition(":")
+    if name == "colwise_qkv":
+        counts = args.split(",")
+        return len(counts) == 2 and all(c.isdigit() and int(c) > 0 for c in counts)
+    return name in TP_STYLES and not colon
 
 
 def schedule_label(pp: int, schedule: str, vpp: int = 1) -> str:

@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any
 
-from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, TP_STYLES
+from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, TP_STYLE_FORMS, tp_style_known
 from autoplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 
 MODEL_SOURCES = ("catalog", "config", "transformers", "file")
@@ -139,9 +139,9 @@ def _module_problems(data: dict[str, Any]) -> list[str]:
     if tables is None or not all(isinstance(table, dict) for table in tables):
         problems.append("tp_styles must map a block scope (or \"\") to {relative path: style}")
     else:
-        unknown = sorted({str(s) for table in tables for s in table.values() if s not in TP_STYLES})
+        unknown = sorted({str(s) for table in tables for s in table.values() if not tp_style_known(s)})
         if unknown:
-            problems.append(f"tp_styles names unknown styles {unknown[:5]}; known: {list(TP_STYLES)}")
+            problems.append(f"tp_styles names unknown styles {unknown[:5]}; known: {list(TP_STYLE_FORMS)}")
     return problems
 
 

@@ -45,6 +45,7 @@ from autoplan.errors import UserError
 from autoplan.files import write_file
 from autoplan.runtime.data_parallel import Zero1
 from autoplan.runtime.faults import causes, is_no_space
+from autoplan.runtime.fused_projection import fused_row_orders, in_model_layout, into_runtime_layout
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -119,6 +120,17 @@ def _state(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = froz
         optim.update(_zero1_state(part, opt) if _is_zero1(opt)
                      else get_optimizer_state_dict(part, opt, options=_OPTIONS))
     return {"model": model, "optim": optim}
+
+
+def _row_orders(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    return {fqn: order for part in parts for fqn, order in fused_row_orders(part).items()}
+
+
+def _in_model_layout(state: dict, parts: list[nn.Module]) -> dict:
+    """`_state` with each tensor-parallel fused projection's weight and optimizer states in
+    the model's own row order (fused_projection.py), so any plan loads the checkpoint."""
+    orders = _row_orders(parts)
+    return {section: in_model_layout(values, orders) for section, values in state.items()}
 
 
 def _fqns(part: nn.Module) -> dict[int, str]:
@@ -212,7 +224,7 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], op
             tmp.mkdir()  # new: every rank writes into a fresh folder, never through a link
 
     def write():
-        dcp.save(_state(parts, optimizers, skip), checkpoint_id=str(tmp))
+        dcp.save(_in_model_layout(_state(parts, optimizers, skip), parts), checkpoint_id=str(tmp))
         if rank_state is not None:
             write_file(tmp / _rank_file(rank), json.dumps(rank_state).encode())
         if rank == 0:
@@ -333,7 +345,11 @@ def load_rank_state(path: Path, rank: int, world: int) -> dict | None:
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list,
                     skip: frozenset[str] = frozenset()) -> dict:
     state = _state(parts, optimizers, skip)
-    dcp.load(state, checkpoint_id=str(path))
+    saved = _in_model_layout(state, parts)
+    dcp.load(saved, checkpoint_id=str(path))
+    orders = _row_orders(parts)
+    for section in state:
+        into_runtime_layout(saved[section], state[section], orders)
     for part, opt in zip(parts, optimizers):
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
         if not _is_zero1(opt):  # ZeRO-1 states were loaded in place by dcp.load

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autoplan.config import TP_STYLE_FORMS, tp_style_known
 from autoplan.errors import UserError
 from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
@@ -28,7 +29,7 @@ from autoplan.runtime.data import zigzag_positions
 from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stage_indices
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
-from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel, expand_tp_styles
+from autoplan.runtime.tensor_parallel import apply_tensor_parallel, expand_tp_styles
 
 
 @dataclass
@@ -65,9 +66,9 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
                         + "; ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
                         + "). Was the plan made for another model? Re-run `autoplan plan` "
                         "for this model.")
-    bad_styles = sorted({s for s in tp_styles.values() if s not in TP_STYLES})
+    bad_styles = sorted({s for s in tp_styles.values() if not tp_style_known(s)})
     if bad_styles:
-        raise UserError(f"unknown TP styles {bad_styles}; known: {', '.join(TP_STYLES)}.")
+        raise UserError(f"unknown TP styles {bad_styles}; known: {', '.join(TP_STYLE_FORMS)}.")
     if plan.schedule not in SCHEDULES:
         raise UserError(f"unknown pipeline schedule {plan.schedule!r}; use one of {SCHEDULES}.")
     if plan.pp > 1 and len(plan.stages) != plan.pp * plan.vpp:

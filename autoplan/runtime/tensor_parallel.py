@@ -1,7 +1,9 @@
 """Tensor + sequence parallelism from the plan's style table (styles per block class).
 
 Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, or with
-sequence parallelism one reduce-scatter + all-gather, per pair). Between blocks the residual
+sequence parallelism one reduce-scatter + all-gather, per pair). A fused [q | k | v] or
+[gate | up] column gives each rank its share of every part and its attention the rank's head
+counts (fused_projection.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -27,6 +29,7 @@ from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module appl
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
+from autoplan.runtime.fused_projection import FusedColwiseParallel, localise_head_counts, qkv_head_counts
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 from autoplan.runtime.tying import retie, tied_groups
@@ -141,6 +144,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     seq = Shard(1) if sequence_parallel else Replicate()
     if name == "colwise":
         return ColwiseParallel()
+    if name.partition(":")[0] in ("colwise_qkv", "colwise_gate_up"):
+        return FusedColwiseParallel(name)
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if name == "sequence_parallel":
@@ -209,6 +214,10 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         groups = tied_groups(model)
         parallelize_module(model, tp_mesh, plan)
         retie(model, groups, "tensor parallelism")
+    for path, style in plan.items():
+        counts = qkv_head_counts(style.style) if isinstance(style, FusedColwiseParallel) else None
+        if counts:  # the module holding the projection cuts its output by its head counts
+            localise_head_counts(modules[path.rpartition(".")[0]], *counts, tp_mesh.size())
     return token_local
 
 

@@ -135,7 +135,7 @@ def _balanced(routing: RoutingContext | None, plan: Plan):
 
 
 def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
-           routing: RoutingContext | None) -> None:
+           routing: RoutingContext | None, heads: frozenset = frozenset()) -> None:
     """apply_plan on the fake process group, then (if `run`) one forward and backward, on
     fake CPU tensors (meta tensors have no process-group backend for point-to-point ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -149,7 +149,8 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
             to_fake = lambda x: fake.from_tensor(torch.zeros_like(x, device="cpu")) \
                 if isinstance(x, torch.Tensor) else x  # noqa: E731
             with _balanced(routing, plan):  # routing on fake values: balanced, as traced
-                _step(part, plan, tuple(map(to_fake, args)), {k: to_fake(v) for k, v in kwargs.items()})
+                _step(part, plan, tuple(map(to_fake, args)), {k: to_fake(v) for k, v in kwargs.items()},
+                      heads)
 
 
 class LocalPositions(RuntimeError):
@@ -179,13 +180,48 @@ class _LocalPositionsGuard(TorchFunctionMode):
         return out
 
 
+class LocalHeads(RuntimeError):
+    """Attention run with other heads than a tensor-parallel rank's share of the model's."""
+
+
+class _LocalHeadsGuard(TorchFunctionMode):
+    """Under TP each rank's attention runs its share of the heads: a traced attention of H
+    heads of size d runs H/tp heads of size d. A forward that takes a head count or size
+    from the whole model where the runtime cannot give it the rank's (an attribute not named
+    for heads, `hidden_size // num_attention_heads` computed in forward) can still reshape
+    without an error, into other heads (H/tp heads of 2d...), and train wrong; the
+    runtime's own counts (fused_projection.localise_head_counts) are checked here too."""
+
+    def __init__(self, heads: frozenset, tp: int) -> None:
+        super().__init__()
+        self.heads, self.tp = heads, tp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        query = args[0] if args else (kwargs or {}).get("query")
+        if func is torch.nn.functional.scaled_dot_product_attention and isinstance(query, torch.Tensor) \
+                and not hasattr(query, "device_mesh") and query.dim() == 4 \
+                and (query.shape[1] * self.tp, query.shape[-1]) not in self.heads:
+            share = " or ".join(f"{h // self.tp} of size {d}" for h, d in sorted(self.heads))
+            raise LocalHeads(
+                f"its attention runs {query.shape[1]} heads of size {query.shape[-1]} per rank at "
+                f"tp={self.tp}, not {share}: its forward takes a head count or size from the whole "
+                "model that the runtime cannot set to the rank's, so it would train wrong silently")
+        return func(*args, **(kwargs or {}))
+
+
+def _heads_guard(plan: Plan, heads: frozenset):
+    if plan.tp == 1 or not heads:
+        return contextlib.nullcontext()
+    return _LocalHeadsGuard(heads, plan.tp)
+
+
 def _positions_guard(part: nn.Module, plan: Plan):
     if plan.cp == 1 or plan.cp_buffers or "position_ids" in model_call(part).accepted:
         return contextlib.nullcontext()
     return _LocalPositionsGuard(plan.seq_len // plan.cp, plan.seq_len)
 
 
-def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
+def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict, heads: frozenset = frozenset()) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
     if plan.cp > 1:  # this rank's share of the sequence (dim 1 of token ids)
@@ -197,7 +233,8 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> None:
         kwargs = dict(kwargs)
         args = (kwargs.pop("input_ids"),)
     vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
-    with loss_parallel() if vocab_sharded else contextlib.nullcontext(), _positions_guard(part, plan):
+    with loss_parallel() if vocab_sharded else contextlib.nullcontext(), _positions_guard(part, plan), \
+            _heads_guard(plan, heads):
         out = part(*args, **kwargs)
         if plan.pp > 1:  # stage 0: whatever it hands on that carries gradients
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
@@ -223,6 +260,15 @@ def _runtime_kwargs(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> d
     return model_call(part).kwargs(ids, positions, zigzag=plan.cp > 1)
 
 
+def _attention_heads(graph: ModelGraph) -> frozenset:
+    """(heads, head size) of each SDPA of the traced model, from its query (batch, heads,
+    seq, head size)."""
+    ops = (graph.graph.nodes[n]["op"] for n in graph.graph.nodes)
+    return frozenset((int(op.input_shapes[0][1]), int(op.input_shapes[0][-1])) for op in ops
+                     if op.kind == "attention" and op.target == "scaled_dot_product_attention"
+                     and op.input_shapes and len(op.input_shapes[0]) == 4)
+
+
 def _pop(running: list[str]) -> None:
     running.pop()  # a forward hook that returns something replaces the module's output
 
@@ -234,6 +280,11 @@ KNOWN_FAILURES = (
      "its forward reshapes to a size fixed in its code or read from the whole model (a head "
      "count or the full width, as in `reshape(batch, seq, dim)`), while this split leaves each "
      "rank a part of the heads or of the sequence; reshape with -1 (`reshape(batch, seq, -1)`)"),
+    ("not enough values to unpack",
+     "its forward cuts a fused projection's output into parts of a size fixed in its code or "
+     "read from the whole model (the full width, as in `split(hidden, dim=-1)`), while each rank "
+     "holds its share of every part; cut by the module's head counts (`num_heads * head_dim`, "
+     "which the runtime sets to the rank's) or into equal chunks (`chunk(3, dim=-1)`)"),
     ("mixed torch.Tensor and DTensor",
      "its forward combines a tensor-parallel output with a plain tensor outside a column/row "
      "pair (a residual added to one branch, or attention and MLP run in parallel from one norm)"),
@@ -258,7 +309,8 @@ def known_failure(message: str, kind: str) -> str | None:
 
 
 def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
-                       routing: RoutingContext | None, run: bool = True) -> str | None:
+                       routing: RoutingContext | None, run: bool = True,
+                       heads: frozenset = frozenset()) -> str | None:
     """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
     not, naming the innermost module that was running when it failed."""
     copy_ = copy.deepcopy(model)
@@ -269,7 +321,7 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     leave = nn.modules.module.register_module_forward_hook(lambda m, _args, _out: _pop(running))
     try:
         with fake_process_group(plan.world_size):
-            _apply(copy_, plan, args, kwargs, run, routing)
+            _apply(copy_, plan, args, kwargs, run, routing, heads)
     except UserError as exc:  # the runtime's own words; name the module it ran if they do not
         where = next((p for p in reversed(running) if p), "")
         return f"{where}: {exc}" if where and where not in str(exc) else str(exc)
@@ -311,7 +363,8 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         for axis, plan in plans.items():
             # an EP step moves tokens by exchanged counts, which balanced values cannot model
             run_axis = run and not (axis == "ep" and routing is not None)
-            reason = _run_on_fake_group(model, plan, args, kwargs, routing, run_axis)
+            reason = _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
+                                        _attention_heads(graph) if axis == "tp" else frozenset())
             _CACHE[key][axis] = reason and f"(probed at {axis}={getattr(plan, axis)}) {reason}"
     return dict(_CACHE[key])
 

@@ -13,11 +13,17 @@ row-parallel, when the split is legal:
 - linears inside routed experts are no pairs (expert parallelism shards experts);
 - nothing computed in the region, nor a column's output, is used outside the region.
 
+A fused projection (one Linear for q,k,v or gate,up) is split when its layout is known:
+laid out head by head (GPT-NeoX's query_key_value), a contiguous row slice holds whole heads
+("colwise"); cut along its last dim into [all q | all k | all v] of whole heads or into
+[gate | up] halves (Phi-3's qkv_proj and gate_up_proj), each rank holds its share of every
+part ("colwise_qkv:<heads>,<kv_heads>", "colwise_gate_up"; runtime/fused_projection.py), as
+Megatron/torchtitan re-order a fused weight per rank.
+
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
 model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
-fused projections (one Linear for q,k,v or gate,up: a ColwiseParallel row slice would mix
-q, k and v, where Megatron/torchtitan re-order the fused weight per rank; not a q,k,v
-projection laid out head by head, GPT-NeoX's, whose row slices are whole heads) and
+other fused layouts (timm's (..., 3, heads, head_dim) view, GPT-2's Conv1D split, a fused
+k/v beside a separate q: a ColwiseParallel row slice would mix the parts) and
 `nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
 """
 
@@ -34,8 +40,10 @@ from autoplan.trace.graph import ModelGraph, OpInfo
 _STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv", "moe_router", "loss"}
 _SPLITS = {"split", "chunk", "split_with_sizes", "unbind", "tensor_split"}
 _MHA_TARGETS = {"MultiheadAttention", "multi_head_attention_forward"}
-_FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up): sharding its "
-          "output columns would mix the parts on each rank; left unsplit")
+_FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up) in a layout "
+          "autoplan cannot split per rank (only [all q | all k | all v] or [gate | up] read by "
+          "slicing its last dimension, or q, k and v head by head): sharding its output columns "
+          "would mix the parts on each rank; left unsplit")
 _NORM_ACROSS_HEADS = ("normalises q or k over all heads at once (an OLMo2-style q_norm/k_norm over the "
                       "whole projection): a rank holding some heads would need every head's statistics; "
                       "left unsplit")
@@ -195,6 +203,51 @@ def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs
                for n in region)
 
 
+def _last_dim_parts(feeder: str, region: set[str], by_name: dict, inputs: dict,
+                    order: list[str]) -> list[int]:
+    """Widths of the parts a column's output is cut into along its last dim by the ops
+    reading it (slices `out[..., a:b]`, or one chunk/split into equal parts), in graph
+    order; [] when something else reads it (a reshape to (..., 3, heads, head_dim))."""
+    out = by_name[feeder].output_shape
+    readers = sorted((n for n in region if feeder in inputs.get(n, ())), key=order.index)
+    cuts = [by_name[n] for n in readers]
+    if not out or not cuts or any(tuple(op.output_shape[:-1]) != tuple(out[:-1]) for op in cuts
+                                  if op.output_shape):
+        return []
+    if len(cuts) == 1 and cuts[0].target in _SPLITS and cuts[0].output_shape \
+            and out[-1] % cuts[0].output_shape[-1] == 0:
+        return [cuts[0].output_shape[-1]] * (out[-1] // cuts[0].output_shape[-1])
+    if all(op.target == "getitem" and op.output_shape for op in cuts):
+        widths = [op.output_shape[-1] for op in cuts]
+        return widths if sum(widths) == out[-1] else []
+    return []
+
+
+def _fused_style(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict,
+                 order: list[str]) -> str | None:
+    """The runtime's style for a fused column it splits per rank (runtime/fused_projection.py):
+    "colwise_qkv:<heads>,<kv_heads>" for one projection cut into [all q | all k | all v]
+    whose q is the attention's heads and k, v whole heads each (Phi-3's qkv_proj, GQA
+    too); "colwise_gate_up" for an MLP projection cut into two equal halves (Phi-3's
+    gate_up_proj). None for other layouts (timm's (..., 3, heads, head_dim) view, GPT-2's
+    Conv1D, a fused k/v beside a separate q), which stay unsplit."""
+    if len(feeders) != 1:
+        return None
+    feeder = next(iter(feeders))
+    parts = _last_dim_parts(feeder, region, by_name, inputs, order)
+    if kind == "mlp":
+        return "colwise_gate_up" if len(parts) == 2 and parts[0] == parts[1] else None
+    sdpa = [by_name[n] for n in region if by_name[n].kind == "attention" and by_name[n].input_shapes
+            and len(by_name[n].input_shapes[0]) == 4]
+    if len(parts) != 3 or len(sdpa) != 1:
+        return None
+    heads, head_dim = int(sdpa[0].input_shapes[0][1]), int(sdpa[0].input_shapes[0][-1])
+    q, k, v = parts
+    if q != heads * head_dim or k != v or k % head_dim or heads % (k // head_dim):
+        return None
+    return f"colwise_qkv:{heads},{k // head_dim}"
+
+
 def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
     """Column/row linear pairs of one block's ops (full op names), each marked "fused" when
     a column computes several parts (a fused qkv / kv / gate_up projection)."""
@@ -230,9 +283,11 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
             continue
         if _illegal(op.name, feeders, region, by_name, inputs, users):
             continue
+        fused = _fused(kind, feeders, region, by_name, inputs)
+        style = _fused_style(kind, feeders, region, by_name, inputs, order) if fused else None
         pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
-                      "fused": _fused(kind, feeders, region, by_name, inputs), "attention": attention,
-                      "norm_across_heads": [],
+                      "fused": fused and style is None, "column_style": style or "colwise",
+                      "attention": attention, "norm_across_heads": [],
                       "head_norms": sorted(n for n in region if by_name[n].kind == "norm")})
     return pairs
 
@@ -275,13 +330,18 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
                 facts["heads"] = int(sdpa.input_shapes[0][1])
                 facts["tp_flops"] += sum(a.flops for a in pair["attention"])
             widths = [by_name[n].output_shape[-1] for n in pair["column"]]
-            if head_dim:
+            style = pair.get("column_style", "colwise")
+            if head_dim and style.startswith("colwise_qkv:"):  # [all q | all k | all v]
+                facts["kv_heads"] = int(style.partition(":")[2].split(",")[1])
+            elif head_dim:
                 # one column holds q, k and v head by head (_head_major): as many K/V heads as heads
                 facts["kv_heads"] = facts["heads"] if len(widths) == 1 else int(min(widths) // head_dim)
+            if head_dim:
                 tokens = _tokens(by_name[pair["row"]])
                 facts["kv_bytes"] = 2 * tokens * facts["kv_heads"] * head_dim * 2
-        else:
-            facts["ffn"] = max(facts["ffn"], max(by_name[n].output_shape[-1] for n in pair["column"]))
+        else:  # a [gate | up] column holds two ffn-wide halves
+            halves = 2 if pair.get("column_style") == "colwise_gate_up" else 1
+            facts["ffn"] = max(facts["ffn"], max(by_name[n].output_shape[-1] for n in pair["column"]) // halves)
         facts["pairs"].append(pair)
     return facts
 
@@ -327,7 +387,7 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
         columns = [module_of[n] for n in pair["column"]]
         row = module_of[pair["row"]]
         for column in columns:
-            styles[_relative(column, first)] = "colwise"
+            styles[_relative(column, first)] = pair.get("column_style", "colwise")
         styles[_relative(row, first)] = "rowwise"
         styles[_relative(_common_parent(columns + [row]), first)] = "prepare_input"
     head_norms = {n for pair in pairs for n in pair.get("head_norms", [])}

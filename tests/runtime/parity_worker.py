@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
+from autoplan.runtime.fused_projection import fused_row_orders, in_model_layout
 from runtime_models import SEED, STEPS, builder
 
 
@@ -29,7 +30,8 @@ def full_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], float]:
     options = StateDictOptions(full_state_dict=True)  # gathers FSDP / TP / EP shards
     local = {key: value.detach().cpu().clone()
              for part in trainer.par.parts if part.state_dict()  # a stage may hold nothing
-             for key, value in get_model_state_dict(part, options=options).items()
+             for key, value in in_model_layout(get_model_state_dict(part, options=options),
+                                               fused_row_orders(part)).items()
              if key not in trainer.unsaved}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)

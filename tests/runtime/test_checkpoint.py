@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from runtime_models import plan_dict, reference_run
+from runtime_models import plan_dict, reference_run, traced_plan_dict
 
 STEPS = 10
 
@@ -137,6 +137,28 @@ def test_fsdp_expert_checkpoint_resumes_as_itself_outside_fsdp_and_at_another_ep
                       [("zero1", _write(tmp_path, "ep2_zero1.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=1))),
                        ("ep4", _write(tmp_path, "ep4_zero3.json", plan_dict("mixtral", dp=4, ep=4, zero_stage=3)))],
                       kind="mixtral")
+
+
+@pytest.mark.slow
+def test_fused_projection_checkpoint_is_in_the_models_own_layout(torchrun, tmp_path):
+    """Phi-3 at tp=2 holds qkv_proj and gate_up_proj rows rank-major ([q, k, v heads of rank
+    0 | of rank 1], runtime/fused_projection.py); its checkpoint holds them, and their Adam
+    states, in the model's own order: it resumes without TP (dp=2) on the reference's losses,
+    and a checkpoint saved without TP resumes at tp=2 (ZeRO-3 on top)."""
+    tp2 = _write(tmp_path, "tp2.json", traced_plan_dict("hf_phi3", tp=2))
+    dp2 = _write(tmp_path, "dp2.json", plan_dict("hf_phi3", dp=2))
+    for folder in ("from_tp2", "from_dp2"):
+        (tmp_path / folder).mkdir()
+    _save_then_resume(torchrun, tmp_path / "from_tp2", 2, tp2, [("dp2", dp2)], kind="hf_phi3")
+    tp2_zero3 = _write(tmp_path, "tp2_zero3.json", traced_plan_dict("hf_phi3", dp=2, tp=2, zero_stage=3))
+    _save_then_resume(torchrun, tmp_path / "from_dp2", 2, dp2, [], kind="hf_phi3")
+    ref_losses, _ = reference_run("hf_phi3", steps=STEPS)
+    proc = torchrun("ckpt_worker.py", 4, tp2_zero3, tmp_path / "tp2_zero3_losses.json", "--steps", "10",
+                    "--seed", "1234", "--checkpoint-dir", tmp_path / "from_dp2" / "ckpt", "--resume",
+                    "--run-dir", tmp_path / "run4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = json.loads((tmp_path / "tp2_zero3_losses.json").read_text())
+    assert max(_rel(a, b) for a, b in zip(losses, ref_losses[5:])) <= 1e-5
 
 
 def _fake_checkpoint(root, step: int, payload: bytes):

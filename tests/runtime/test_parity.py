@@ -20,7 +20,9 @@ Mixtral model the old 5-step warm-up schedule's last grad norm is 0.9255949 in f
 step), 2.5e-5 apart, so a 1e-5 tolerance on grad norms was below the reference's own error.
 A wrong gradient fails clearly (checked by mutation): untying the tied embedding under TP
 gives weights 6.8e-1, grad norms 3.5e-1, losses 6.2e-3; halving the EP gradient average
-gives losses 1.2e-4. bf16/fp16 runs are compared with the same fp32 reference as a sanity
+gives losses 1.2e-4; splitting Phi-3's fused qkv_proj and gate_up_proj rows contiguously
+instead of each rank taking its share of every part gives weights 9.3e-1, grad norms 1.3e-1,
+losses 3.6e-3. bf16/fp16 runs are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
 """
@@ -81,6 +83,9 @@ CONFIGS = {
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
         "hf_mamba_zero3": ("hf_mamba", P("hf_mamba", dp=2, zero_stage=3)),
+        # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
+        "hf_phi3_tp2": ("hf_phi3", functools.partial(
+            traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
     },
     4: {
         "ddp": ("llama", P(dp=4)),
@@ -151,6 +156,12 @@ CONFIGS = {
         # one query_key_value laid out head by head: a contiguous row slice holds whole heads
         "hf_gptneox_dp2_tp2_sp_traced": ("hf_gptneox", functools.partial(
             traced_plan_dict, "hf_gptneox", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
+        "hf_phi3_dp2_tp2_zero3_traced": ("hf_phi3", functools.partial(
+            traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        "hf_phi3_dp2_tp2_zero1_traced": ("hf_phi3", functools.partial(
+            traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
+        "hf_phi3_pp2_tp2_traced": ("hf_phi3", functools.partial(
+            traced_plan_dict, "hf_phi3", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_gptj_dp2_tp2_sp_traced": ("hf_gptj", functools.partial(
             traced_plan_dict, "hf_gptj", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),

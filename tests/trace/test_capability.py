@@ -38,11 +38,22 @@ def test_tensor_parallelism_of_a_hard_coded_head_count_is_refused_naming_the_mod
     assert set(graph.refused) == {"tp"}  # cp and pp run
 
 
+def test_tensor_parallelism_splitting_each_head_instead_of_the_heads_is_refused():
+    # view(b, s, self.n, -1) runs on a column shard without an error, into all heads at half
+    # their size: the probe checks each rank's attention runs its share of the heads
+    graph = _graph("split_heads.py")
+    reason = graph.refused["tp"]
+    assert "layers.0.attn" in reason and "runs 4 heads of size 8 per rank at tp=2, not 2 of size 16" in reason
+    assert set(graph.refused) == {"tp"}
+
+
 def test_an_encoder_gets_context_parallelism_and_the_cause_of_its_tp_refusal():
     graph = _graph("encoder_full_width.py")
     assert graph.context_parallel == ["blocks.0.attn", "blocks.1.attn"]
     assert "cp" not in graph.refused  # ring attention without causality ran on the fake group
-    assert "blocks.0.attn" in graph.refused["tp"] and "reshape with -1" in graph.refused["tp"]
+    # its view(b, s, self.heads, -1) runs every head at half size on a rank before its
+    # reshape(b, s, d) would fail: the probe names the first
+    assert "blocks.0.attn" in graph.refused["tp"] and "runs 4 heads of size 8" in graph.refused["tp"]
 
 
 def test_reference_llama_passes_every_probe():

@@ -204,10 +204,33 @@ def test_multihead_attention_is_left_unsplit_with_its_reason():
     assert "in_proj_weight" in reasons[("layers", "attn")]
 
 
-def test_fused_gate_up_is_left_unsplit():
+def test_fused_gate_up_is_split_per_rank_and_counts_one_ffn_half():
     graph = _trace(FusedGateUpBlock)
+    assert graph.tp_unsplit == []
+    assert ("mlp", ("mlp.gate_up",), "mlp.down") in _pairs(graph)
+    assert graph.tp_styles["layers.*"]["mlp.gate_up"] == "colwise_gate_up"
+    assert graph.blocks[0].ffn == FFN  # what tp must divide: the width of gate (and of up)
+
+
+class HalvesByShapeGateUp(FusedGateUp):
+    """A gate/up projection cut into unequal slices: not two halves the runtime can split."""
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        gate, up = h[..., :FFN - 8], h[..., FFN - 8:]
+        return self.down(torch.cat([F.silu(gate) * up[..., :FFN - 8], up[..., FFN - 8:FFN]], -1))
+
+
+def test_fused_gate_up_cut_unevenly_is_left_unsplit():
+    graph = _trace(lambda: _with_mlp(FusedGateUpBlock(), HalvesByShapeGateUp()))
     assert graph.tensor_parallel == []
-    assert [u["module"] for u in graph.tp_unsplit] == ["mlp.gate_up"]
+    reasons = {u["module"]: u["reason"] for u in graph.tp_unsplit}
+    assert "fused projection" in reasons["mlp.gate_up"]
+
+
+def _with_mlp(block: nn.Module, mlp: nn.Module) -> nn.Module:
+    block.mlp = mlp
+    return block
 
 
 def test_moe_layer_of_a_block_class_runs_on_sequence_shards():
@@ -244,7 +267,10 @@ CORPUS_PAIRS = {
     # query_key_value viewed as (..., heads, 3 * head_dim): a row slice holds whole heads
     "gpt_neox": ({("attention", ("attention.query_key_value",), "attention.dense"),
                   ("mlp", ("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h")}, set()),
-    "phi3": (set(), {"self_attn.qkv_proj", "mlp.gate_up_proj", ""}),
+    # one qkv_proj cut into [all q | all k | all v] and one gate_up_proj into [gate | up]:
+    # each rank holds its share of every part (runtime/fused_projection.py)
+    "phi3": ({("attention", ("self_attn.qkv_proj",), "self_attn.o_proj"),
+              ("mlp", ("mlp.gate_up_proj",), "mlp.down_proj")}, set()),
     "vit_b16": (set(), {"attn.qkv"}),
     "swin_t": (set(), {"attn.qkv"}),
     "transformer_encoder": (set(), {"self_attn"}),

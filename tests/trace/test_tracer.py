@@ -152,11 +152,14 @@ class FusedStack(nn.Module):
         return x
 
 
-def test_fused_qkv_is_not_offered_for_tensor_parallelism():
+def test_fused_qkv_split_by_the_full_width_is_refused_with_its_reason():
+    # [all q | all k | all v] is a layout the runtime splits per rank, but this forward cuts
+    # the rank's share of it by the model's whole width h: the probe refuses tp, saying so
     with torch.device("meta"):
         model = FusedStack()
     graph = trace_model(model, (torch.empty(1, 8, 32, device="meta"),))
-    assert graph.tensor_parallel == []
+    assert graph.tp_styles["h.*"]["c_attn"] == "colwise_qkv:4,4"
+    assert "h.0" in graph.refused["tp"] and "split(hidden, dim=-1)" in graph.refused["tp"]
     assert graph.context_parallel == ["h.0", "h.1"]
 
 

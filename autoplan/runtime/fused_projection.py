@@ -1,0 +1,211 @@
+"""Tensor parallelism for a fused projection whose output is [all q | all k | all v] (Phi-3's
+qkv_proj) or [gate | up] (Phi-3's gate_up_proj).
+
+A contiguous row slice of such a weight would give rank 0 the q heads and rank 1 the k and
+v heads. Each rank must instead hold its share of every part: [its q heads | its k heads |
+its v heads], [its gate rows | its up rows] (Megatron-LM and torchtitan re-order a fused
+weight per rank the same way). The forward then splits the rank's output into its parts
+exactly as the model's code splits the whole one, once the module reads the rank's head
+counts.
+
+How the rank's rows are held: the weight's rows are permuted once, before ColwiseParallel,
+into rank-major order (rank 0's rows of every part, then rank 1's, ...), so the parameter
+is an ordinary Shard(0) DTensor of the permuted weight. FSDP2 composes with it as with any
+TP weight (its 2-D placement becomes (_StridedShard(0, sf=tp), Shard(0))), and norms,
+clipping and AdamW are blind to a row order. DTensor's own `_StridedShard(0, split_factor=
+parts)` placement on the tp mesh describes [gate_r | up_r] without a permutation, and a
+linear over it runs without communication (torch 2.13, measured), but it is not used here:
+(1) it splits every part into equal shares in one pattern, so it cannot describe GQA's
+q part being larger than k and v; (2) with FSDP2 on top (fully_shard on the dp mesh) the
+parameter becomes (_StridedShard(0, sf=2), _StridedShard(0, sf=2)) and its full_tensor()
+is not the original weight (measured on a 2x2 gloo mesh), so the checkpoint would be wrong.
+
+The price of the permutation is that torch's state-dict functions see the permuted weight.
+Everything that leaves the runtime (DCP checkpoints, the optimizer states saved with them,
+full-state gathers) goes through `in_model_layout`, and what comes back through
+`into_runtime_layout`, so a checkpoint holds the model's own layout and loads at any tp.
+
+The model's code reads head counts when it splits and reshapes (transformers 5's
+Phi3Attention: `self.config.num_attention_heads * self.head_dim` is where q ends,
+`self.num_key_value_heads * self.head_dim` the length of k). The module gets the rank's
+counts instead, as torchtitan's parallelize_llama and PyTorch's fsdp_tp_example.py set
+`attention.n_heads = n_heads // tp_mesh.size()` (and n_kv_heads): its own head-count
+attributes, and a shallow copy of its `config` (shared by the whole model) with the rank's
+counts. The model's source is untouched. A count the runtime cannot see (a constant in the
+forward, an attribute not named for heads) makes the forward fail, or run other heads than
+the rank's, which the capability probe checks at each attention; either way tp is refused
+with that reason.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from autoplan.errors import UserError
+
+# the attribute a parallelised fused projection keeps its row order in (rank-major order of
+# its output rows: runtime row i is the model's row order[i])
+ROW_ORDER = "_autoplan_fused_row_order"
+
+
+def rank_major_order(rows: int, parts: tuple[int, ...], tp: int) -> torch.Tensor:
+    """Row permutation taking a weight laid out [part 0 | part 1 | ...] (each part `parts[i]`
+    units of rows) to [rank 0's share of each part | rank 1's | ...]."""
+    unit = rows // sum(parts)
+    starts = [sum(parts[:i]) * unit for i in range(len(parts))]
+    order = [start + r * (count * unit // tp) + j
+             for r in range(tp) for start, count in zip(starts, parts)
+             for j in range(count * unit // tp)]
+    return torch.tensor(order, dtype=torch.long)
+
+
+def qkv_head_counts(style: str) -> tuple[int, int] | None:
+    """(heads, kv_heads) of a "colwise_qkv:<heads>,<kv_heads>" style; None for other styles."""
+    name, _, args = style.partition(":")
+    if name != "colwise_qkv":
+        return None
+    heads, kv_heads = (int(x) for x in args.split(","))
+    return heads, kv_heads
+
+
+def fused_parts(style: str, rows: int) -> tuple[tuple[int, ...], int]:
+    """(parts in their units, (q, k, v) heads or (gate, up) rows; number of q heads (0 for
+    gate/up)) of a fused style over `rows` output rows: "colwise_qkv:H,KV" or "colwise_gate_up"."""
+    counts = qkv_head_counts(style)
+    if counts:
+        heads, kv_heads = counts
+        return (heads, kv_heads, kv_heads), heads
+    return (rows // 2, rows // 2), 0
+
+
+def fused_split_problem(style: str, rows: int, tp: int) -> str | None:
+    """Why a fused projection of `rows` output rows cannot be split over `tp` ranks, or None."""
+    parts, heads = fused_parts(style, rows)
+    if rows % sum(parts):
+        return f"its {rows} output rows are not {' + '.join(map(str, parts))} parts of equal units"
+    if heads and parts[1] % tp:
+        return (f"tp={tp} does not divide its {parts[1]} key/value heads (each rank must hold "
+                "whole k and v heads of its own q heads)")
+    if any(count % tp for count in parts):  # whole heads, or rows of gate and up
+        return f"tp={tp} does not divide each of its parts {parts}"
+    return None
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """ColwiseParallel over a fused projection's rows in rank-major order (module docstring)."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise UserError(f"the fused style {self.style} applies to an nn.Linear, not "
+                            f"{type(module).__name__}")
+        rows, tp = module.out_features, device_mesh.size()
+        problem = fused_split_problem(self.style, rows, tp)
+        if problem:
+            raise UserError(f"tensor parallelism cannot split the fused projection: {problem}.")
+        parts, _ = fused_parts(self.style, rows)
+        order = rank_major_order(rows, parts, tp)
+        with torch.no_grad():  # every rank holds the same full weight before ColwiseParallel
+            for name, param in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(param[order.to(param.device)],
+                                                             requires_grad=param.requires_grad))
+        setattr(module, ROW_ORDER, order)
+        return ColwiseParallel()._apply(module, device_mesh)
+
+
+def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: int) -> None:
+    """Give `attention` (and a shallow copy of its `config`) the rank's head counts: every
+    integer attribute named for heads (not a head's size) that holds the model's q or k/v
+    head count is divided by tp (module docstring)."""
+    local = {heads: heads // tp, kv_heads: kv_heads // tp}
+
+    def localise(owner) -> None:
+        for name, value in list(vars(owner).items()):
+            if ("head" in name and not any(w in name for w in ("dim", "size")) and type(value) is int
+                    and value in local):
+                setattr(owner, name, local[value])
+
+    localise(attention)
+    config = getattr(attention, "config", None)
+    if config is not None and not isinstance(config, (nn.Module, torch.Tensor)):
+        config = copy.copy(config)
+        localise(config)
+        attention.config = config
+
+
+def fused_row_orders(part: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter FQN (as torch's state-dict functions name it: no DDP or checkpoint-wrapper
+    prefix) -> its rank-major row order, for each fused projection of this part."""
+    orders = {}
+    for path, module in part.named_modules():
+        order = getattr(module, ROW_ORDER, None)
+        if order is None:
+            continue
+        path = path.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+        for name, _ in module.named_parameters(recurse=False):
+            orders[f"{path}.{name}" if path else name] = order
+    return orders
+
+
+def _order_of(key: str, orders: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The row order of a state-dict key: a parameter FQN or a flattened optimizer state
+    ("state.<fqn>.exp_avg")."""
+    if key in orders:
+        return orders[key]
+    if key.startswith("state."):
+        return orders.get(key[len("state."):].rpartition(".")[0])
+    return None
+
+
+def _reorder(value: torch.Tensor, order: torch.Tensor, to_model: bool) -> torch.Tensor:
+    """`value` (runtime layout when `to_model`, else model layout) in the other layout; a
+    DTensor keeps its mesh and placements (its full rows are gathered to move them)."""
+    if isinstance(value, DTensor):
+        moved = _reorder(value.full_tensor(), order, to_model)
+        return distribute_tensor(moved, value.device_mesh, value.placements, src_data_rank=None)
+    order = order.to(value.device)
+    if not to_model:
+        return value[order]
+    out = torch.empty_like(value)
+    out[order] = value
+    return out
+
+
+def _is_row_state(value, order: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == order.numel()
+
+
+def in_model_layout(state: dict, orders: dict[str, torch.Tensor]) -> dict:
+    """`state` (a model or flattened optimizer state dict) with every fused projection's
+    tensors in the model's own row order: new tensors for those, the others as they are."""
+    out = dict(state)
+    for key, value in state.items():
+        order = _order_of(key, orders)
+        if order is not None and _is_row_state(value, order):
+            out[key] = _reorder(value, order, to_model=True)
+    return out
+
+
+def into_runtime_layout(loaded: dict, state: dict, orders: dict[str, torch.Tensor]) -> None:
+    """Copy the fused projections' tensors of `loaded` (model layout, as `in_model_layout`
+    gave them and DCP filled them) into the tensors of `state` (runtime layout), in place."""
+    for key, value in loaded.items():
+        order = _order_of(key, orders)
+        if order is None or value is state[key] or not _is_row_state(value, order):
+            continue
+        moved = _reorder(value, order, to_model=False)
+        target = state[key]
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                target.to_local().copy_(moved.to_local())
+            else:
+                target.copy_(moved)
