@@ -1,6 +1,7 @@
 """Apply a Plan to a model, in one fixed order:
 
-  1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules.
+  1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules;
+                  a parameter several stages use is one copy per stage (pipeline.StageTie).
   2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage.
   3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
                   experts sharded over the ep axis.
@@ -25,10 +26,12 @@ from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_m
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
 from autoplan.runtime.data import zigzag_positions
-from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stage_indices
+from autoplan.runtime.pipeline import (StageTie, pipeline_split_problem, split_stages, stage_indices,
+                                       stage_ties, tie_placement_problem)
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
 from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel, expand_tp_styles
+from autoplan.runtime.tying import tied_groups
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Parallelized:
 
     parts: list[nn.Module]  # one per pipeline stage held (one without PP)
     stage_ids: list[int]
+    stage_ties: list[StageTie] = field(default_factory=list)  # parameters stages share
     expert_modules: list[nn.Module] = field(default_factory=list)  # each MoE layer's experts
     # expert parameters the loop syncs itself (sync_expert_grads) and ZeRO-1 shards over their
     # replicas: below ZeRO-2 only; FSDP reduces them at ZeRO-2/3
@@ -78,6 +82,10 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
         if reason is not None:
             raise UserError(f"pipeline parallelism cannot split {type(model).__name__}: {reason}. "
                             "Use pp=1 for this model.")
+        reason = _tie_placement_problem(model, plan)
+        if reason is not None:
+            raise UserError(f"pipeline parallelism cannot place the stages of {type(model).__name__}: "
+                            f"{reason}.")
     if plan.cp_modules:  # checked whenever listed, so a 1-rank dry run catches it too
         modules = dict(model.named_modules())
         for path in plan.cp_modules:
@@ -92,6 +100,15 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
             raise UserError(f"ep={plan.ep} must divide dp_shard*cp = {plan.dp_shard * plan.cp}.")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage {plan.zero_stage} must be 0, 1, 2 or 3.")
+
+
+def _tie_placement_problem(model: nn.Module, plan: Plan) -> str | None:
+    """pipeline.tie_placement_problem of the plan's stages (split on the meta model; only
+    for a model that shares parameters)."""
+    if not tied_groups(model):
+        return None
+    parts = split_stages(model, plan.stages, torch.arange(1))
+    return tie_placement_problem(stage_ties(model, parts), plan.pp, plan.vpp, plan.schedule)
 
 
 def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
@@ -109,9 +126,10 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
                      else torch.arange(plan.seq_len))
         all_parts = split_stages(model, plan.stages, positions, zigzag=plan.cp > 1)
         parts: list[nn.Module] = [all_parts[i] for i in ids]
+        ties = stage_ties(model, all_parts)
     else:
-        ids, parts = [0], [model]
-    result = Parallelized(parts=parts, stage_ids=ids)
+        ids, parts, ties = [0], [model], []
+    result = Parallelized(parts=parts, stage_ids=ids, stage_ties=ties)
     for part in parts:
         # 2. Tensor (+ sequence) parallelism.
         if plan.tp > 1:

@@ -7,14 +7,24 @@ recompute wrappers and FSDP apply to it unchanged), and needs no example inputs.
 that cross a cut (the hidden state, RoPE tables, masks) become stage outputs/inputs and are
 passed through intermediate stages. Hugging Face causal LMs, which fx cannot trace, are split
 by `pipeline_hf` instead. Stages are driven by the torch.distributed.pipelining schedules.
+
+A parameter two stages use (a head tied to the embedding) is kept tied as Megatron-LM keeps
+its word embeddings (the "embedding group": `_allreduce_word_embedding_grads` in
+megatron/core/distributed/finalize_model_grads.py): each stage holds its own copy, the same
+initial value on every rank (materialised from one seed, or loaded from one checkpoint key),
+and after the backward the copies' gradients are summed over the pipeline ranks holding them
+(`StageTie`, `TiedCopy`, `sum_tied_grads`), so every copy takes the same optimizer step.
 """
 
 from __future__ import annotations
 
 import inspect
+import zlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
@@ -23,6 +33,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleZBVZeroBubble)
 
 from autoplan.errors import UserError
+from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.pipeline_hf import hf_block_paths, hf_split_problem, split_hf_stages
 from autoplan.runtime.tying import tied_groups
 
@@ -73,7 +84,7 @@ def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | N
         layers = hf_block_paths(model)
         if listed != layers:
             return f"its stages must list {layers[0]} ... {layers[-1]} once each, in order"
-        return _tie_across_stages(model, stages)
+        return None
     try:
         _trace(model, {path for paths in stages for path in paths})
     except UserError as exc:
@@ -81,17 +92,6 @@ def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | N
     except Exception as exc:  # any tracing failure means: no fx split for this model
         return (f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc)[:200]}); "
                 f"and the split without tracing does not apply: {hf_problem}")
-    return _tie_across_stages(model, stages)
-
-
-def _tie_across_stages(model: nn.Module, stages: list[list[str]]) -> str | None:
-    """The reason `split_stages` refuses a parameter shared across stages, else None."""
-    if not tied_groups(model):
-        return None
-    try:
-        split_stages(model, stages, torch.arange(1))
-    except UserError as exc:
-        return str(exc)
     return None
 
 
@@ -100,9 +100,7 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
     """One module per (virtual) stage; each holds only its own parameters. `positions`: the
     token positions this rank holds (zig-zag ones under CP), where the stages build their own."""
     if hf_split_problem(model) is None:
-        parts = split_hf_stages(model, stages, positions, zigzag)
-        _check_disjoint(parts)
-        return parts
+        return split_hf_stages(model, stages, positions, zigzag)
     graph, stage = _cut(model, stages)
     nodes = list(graph.nodes)
     parts = []
@@ -126,7 +124,6 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
             live = [env[v] for v in _live_across(nodes, stage, k)]
             sub.output(live[0] if len(live) == 1 else tuple(live))
         parts.append(fx.GraphModule(model, sub, class_name=f"Stage{k}"))
-    _check_disjoint(parts)
     return parts
 
 
@@ -172,20 +169,6 @@ def _live_across(nodes: list[fx.Node], stage: dict[fx.Node, int], cut: int) -> l
             and any(stage[u] > cut for u in n.users)]
 
 
-def _check_disjoint(parts: list[nn.Module]) -> None:
-    """A parameter two stages share (tied embedding and head) would be two parameters on
-    two ranks, each updated with its own stage's gradient only: refused."""
-    owner: dict[int, tuple[int, str]] = {}
-    for k, part in enumerate(parts):
-        for name, param in part.named_parameters():
-            first, first_name = owner.setdefault(id(param), (k, name))
-            if first != k:
-                raise UserError(f"pipeline stages {first} and {k} would both use the parameter "
-                                f"shared as {first_name} and {name} (tied weights), and the "
-                                "pipeline keeps no tie across stages; untie it or keep its "
-                                "users on one stage")
-
-
 def stage_indices(rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
     """Stages held by pipeline rank `rank`: loop placement, or V placement for ZB-V."""
     if schedule == "zero-bubble" and vpp == 2:
@@ -210,3 +193,151 @@ def make_stages(parts: list[nn.Module], indices: list[int], num_stages: int,
                 device: torch.device, group) -> list[PipelineStage]:
     return [PipelineStage(part, index, num_stages, device, group=group)
             for part, index in zip(parts, indices)]
+
+
+# -- parameters shared across stages ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageTie:
+    """A parameter several pipeline stages use: `name`, the model's own (the first of its
+    names, under which an unsplit model's optimizer state keeps it), and for each stage that
+    uses it, (stage index, the name it has in that stage), in stage order."""
+
+    name: str
+    users: tuple[tuple[int, str], ...]
+
+    @property
+    def stages(self) -> list[int]:
+        return [stage for stage, _ in self.users]
+
+
+def stage_ties(model: nn.Module, parts: list[nn.Module]) -> list[StageTie]:
+    """The parameters of `model` that more than one of its stage modules `parts` use."""
+    ties = []
+    for group in tied_groups(model):
+        users = []
+        for k, part in enumerate(parts):
+            held = {name for name, _ in part.named_parameters(remove_duplicate=False)}
+            names = [name for name in group if name in held]
+            if names:
+                users.append((k, names[0]))
+        if len(users) > 1:
+            ties.append(StageTie(group[0], tuple(users)))
+    return ties
+
+
+def stage_ranks(pp: int, vpp: int, schedule: str) -> dict[int, int]:
+    """Stage index -> the pipeline rank holding it."""
+    return {stage: rank for rank in range(pp) for stage in stage_indices(rank, pp, vpp, schedule)}
+
+
+def tie_placement_problem(ties: list[StageTie], pp: int, vpp: int, schedule: str) -> str | None:
+    """None when every stage using a shared parameter is on its own pipeline rank, else the
+    reason. Two users on one rank (the V placement of zero-bubble puts the first and the last
+    stage on rank 0) would be two stage modules on one rank sharing one parameter: each
+    stage's end-of-step gradient scaling would divide it again (PipelineStage.scale_grads),
+    and with FSDP two roots would shard it. The planner never proposes that placement (it
+    offers zero-bubble with one stage per rank, loop placements otherwise), so it is refused."""
+    rank_of = stage_ranks(pp, vpp, schedule)
+    for tie in ties:
+        ranks = [rank_of[stage] for stage in tie.stages]
+        shared = [(stage, name) for (stage, name), rank in zip(tie.users, ranks) if ranks.count(rank) > 1]
+        if shared:
+            return (f"stages {' and '.join(str(stage) for stage, _ in shared)} use the shared (tied) "
+                    f"parameter {' = '.join(name for _, name in shared)}, and the {schedule} "
+                    f"schedule with vpp={vpp} places them on one pipeline rank, where the "
+                    "pipeline keeps no tie; use a loop placement (1f1b, interleaved-1f1b) or vpp=1")
+    return None
+
+
+@dataclass
+class TiedCopy:
+    """This rank's copy of a shared parameter that other pipeline ranks hold copies of.
+    `group`: the pipeline ranks holding a copy at this rank's dp/tp/cp coordinates; `counted`:
+    this copy is the first stage's, the one the global gradient norm counts (the others hold
+    the same summed gradient, as Megatron-LM's norm skips the `shared` copies)."""
+
+    name: str
+    param: nn.Parameter
+    group: dist.ProcessGroup
+    counted: bool
+
+
+def tied_copies(ties: list[StageTie], parts: list[nn.Module], stage_ids: list[int],
+                rank_of: dict[int, int], world) -> list[TiedCopy]:
+    """This rank's copies of the `ties`. `parts`: this rank's stage modules (after every
+    wrapper), of stages `stage_ids`; `world`: the world DeviceMesh, pp its first axis. Every
+    rank must call it: it creates the groups of pipeline ranks holding copies where they are
+    not the whole pp axis."""
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    copies = []
+    for tie in ties:
+        ranks = tuple(sorted({rank_of[stage] for stage in tie.stages}))
+        if ranks not in groups:
+            groups[ranks] = _pipeline_subgroup(world, ranks)
+        for stage, name in tie.users:
+            if stage in stage_ids:
+                param = model_named_parameters(parts[stage_ids.index(stage)])[name]
+                copies.append(TiedCopy(tie.name, param, groups[ranks], stage == tie.stages[0]))
+    return copies
+
+
+def _pipeline_subgroup(world, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The group of pipeline ranks `ranks` at this rank's other coordinates: the pp axis's
+    group when they are all of it, else one new group per column of the other axes (created
+    on every rank in one order, as dist.new_group requires); None when this rank is in none."""
+    if len(ranks) == world.size(0):
+        return world["pp"].get_group()
+    columns = world.mesh.reshape(world.size(0), -1)[list(ranks)].T.tolist()
+    mine = None
+    for column in columns:
+        group = dist.new_group(column)
+        if dist.get_rank() in column:
+            mine = group
+    return mine
+
+
+def model_named_parameters(part: nn.Module) -> dict[str, nn.Parameter]:
+    """A stage module's parameters by their names in the model (wrappers' prefixes removed:
+    activation checkpointing's `_checkpoint_wrapped_module`)."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): param
+            for name, param in part.named_parameters(remove_duplicate=False)}
+
+
+def check_tied_layouts(copies: list[TiedCopy]) -> None:
+    """Refuse copies whose gradients are laid out differently on the ranks holding them (TP
+    styles that shard the embedding and the head differently): summing their local shards
+    would add unrelated rows. Two MAX all-reduces of (local size, placements) per copy, over
+    its group; every rank of the group sees the same values, so all of them raise."""
+    for copy in copies:
+        if copy.group is None or dist.get_world_size(copy.group) == 1:
+            continue
+        local = copy.param.to_local() if hasattr(copy.param, "to_local") else copy.param
+        placements = str(tuple(getattr(copy.param, "placements", ())))
+        mine = torch.tensor([local.numel(), zlib.crc32(placements.encode()), tuple(copy.param.shape)[0]],
+                            dtype=torch.float64, device=local.device)
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=copy.group)
+        highest, lowest = both[:3], -both[3:]
+        if not torch.equal(highest, lowest):
+            raise UserError(f"the shared (tied) parameter {copy.name} is sharded differently on "
+                            f"the pipeline stages using it (this rank: {placements or 'whole'}, "
+                            f"{local.numel()} elements), so their gradients cannot be summed; "
+                            "give the embedding and the head the same TP sharding "
+                            "(vocab_embedding with vocab_head) or leave both whole")
+
+
+def sum_tied_grads(copies: list[TiedCopy]) -> None:
+    """Sum each copy's gradient (the local shard of it under FSDP/TP, which has the same
+    layout on every rank of its group: check_tied_layouts) over the ranks holding copies;
+    one flat all-reduce per group. After the backward (and the data-parallel reduction), before
+    clipping and the optimizer step, as Megatron-LM's finalize_model_grads."""
+    by_group: dict[int, tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
+    for copy in copies:
+        if copy.group is None:
+            continue
+        if copy.param.grad is None:  # a stage whose use got no gradient still takes part
+            copy.param.grad = torch.zeros_like(copy.param)
+        by_group.setdefault(id(copy.group), (copy.group, []))[1].append(copy.param)
+    for group, params in by_group.values():
+        allreduce_grads(params, group, 1)

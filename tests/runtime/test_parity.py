@@ -20,7 +20,12 @@ Mixtral model the old 5-step warm-up schedule's last grad norm is 0.9255949 in f
 step), 2.5e-5 apart, so a 1e-5 tolerance on grad norms was below the reference's own error.
 A wrong gradient fails clearly (checked by mutation): untying the tied embedding under TP
 gives weights 6.8e-1, grad norms 3.5e-1, losses 6.2e-3; halving the EP gradient average
-gives losses 1.2e-4. bf16/fp16 runs are compared with the same fp32 reference as a sanity
+gives losses 1.2e-4. A tie across pipeline stages (a copy of the embedding on the first stage,
+of the head on the last): correct, losses 2.6e-7, grad norms 2.4e-6, weights 4.1e-4 (the
+GPT-2's, 1.6e-5 for the Llama); without the sum of the copies' gradients losses 6.2e-3,
+grad norms 5.6e-1, weights 6.8e-1 (tied_pp2_1f1b, tied_pp2_dp2_zero3, tied_pp4_gpipe;
+hf_gpt2_tied_pp2 2.6e-3, 5.7e-1, 7.4e-1); counting both copies in the grad norm, grad norms
+3.4e-1 and losses 2.0e-4. The copies must end bit-identical. bf16/fp16 runs are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
 """
@@ -33,7 +38,9 @@ import json
 import pytest
 import torch
 
-from runtime_models import OPTIMIZER, plan_dict, reference_training, traced_plan_dict, write_token_file
+from autoplan.runtime.tying import tied_groups
+from runtime_models import (OPTIMIZER, builder, plan_dict, reference_training, traced_plan_dict,
+                            write_token_file)
 
 # (losses, grad norms, weights): relative tolerances, set from measurement (docstring)
 FP32 = (1e-5, 1e-4, 2e-3)
@@ -70,6 +77,11 @@ CONFIGS = {
         "fp16_zero2": ("llama", P(dp=2, zero_stage=2, precision="fp16")),
         "token_file_zero3": ("llama", P(dp=2, zero_stage=3)),  # --data PATH (uint16 .bin)
         "tied_tp2": ("tied_llama", P("tied_llama", tp=2)),  # lm_head.weight is embed_tokens.weight
+        # the embedding on stage 0 and the head on stage 1: a copy each, gradients summed
+        "tied_pp2_1f1b": ("tied_llama", P("tied_llama", pp=2, schedule="1f1b", micro_batch=2)),
+        "tied_pp2_interleaved_1f1b": ("tied_llama", P("tied_llama", pp=2, vpp=2,
+                                                      schedule="interleaved-1f1b")),
+        "hf_gpt2_tied_pp2": ("hf_gpt2", P("hf_gpt2", pp=2, schedule="1f1b")),
         # the Hugging Face pipeline split of each family it is offered for (pipeline_hf.py)
         "hf_qwen3_pp2": ("hf_qwen3", P("hf_qwen3", pp=2, schedule="1f1b")),
         "hf_olmo2_pp2": ("hf_olmo2", P("hf_olmo2", pp=2, schedule="1f1b")),
@@ -92,6 +104,10 @@ CONFIGS = {
         "dp2_tp2_zero3": ("llama", P(dp=2, tp=2, zero_stage=3)),
         "pp2_tp2": ("llama", P(pp=2, tp=2, schedule="1f1b")),
         "pp2_dp2_zero3": ("llama", P(pp=2, dp=2, zero_stage=3, schedule="1f1b")),
+        # the tied copies' gradient shards, summed over the pipeline ranks at each dp rank
+        "tied_pp2_dp2_zero3": ("tied_llama", P("tied_llama", pp=2, dp=2, zero_stage=3, schedule="1f1b")),
+        # the embedding on pipeline rank 0, the head on rank 3: a group of the two alone
+        "tied_pp4_gpipe": ("tied_llama", P("tied_llama", pp=4, schedule="gpipe", micro_batch=2)),
         "pp2_dp2_ddp": ("llama", P(pp=2, dp=2, schedule="gpipe")),
         "pp2_dp2_zero1": ("llama", P(pp=2, dp=2, zero_stage=1, schedule="1f1b")),
         # ZeRO-1 steps the local shards of DTensor (TP, EP) parameters
@@ -228,6 +244,13 @@ def results(request, torchrun, tmp_path_factory, token_file):
     return get
 
 
+@functools.lru_cache(maxsize=None)
+def tied_names(kind: str) -> list[list[str]]:
+    """The names of each parameter `kind` shares between modules (tied embedding and head)."""
+    with torch.device("meta"):
+        return tied_groups(builder(kind)())
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -263,6 +286,7 @@ def test_loss_parity(results, token_file, world, name):
     worst_norm = max(_rel(a, b) for a, b in zip(norms, ref.grad_norms))
     differences = state_differences(torch.load(got[name]["state_path"]), ref.state)
     worst_param = max(differences, key=differences.get)
+    print(f"{name}: losses {worst_loss:.1e} grad norms {worst_norm:.1e} weights {differences[worst_param]:.1e}")
     assert got[name]["replica_spread"] == 0.0, f"{name}: replicas differ by {got[name]['replica_spread']}"
     assert worst_loss <= loss_rtol, f"{name}: losses {losses} vs reference {ref.losses}"
     assert worst_norm <= norm_rtol, \
@@ -270,3 +294,6 @@ def test_loss_parity(results, token_file, world, name):
     assert differences[worst_param] <= param_rtol, \
         f"{name}: {worst_param} after the last step differs by {differences[worst_param]:.2e} " \
         f"(relative norm); losses {worst_loss:.1e}, grad norms {worst_norm:.1e}"
+    state = torch.load(got[name]["state_path"])
+    for group in tied_names(kind):  # one tensor under every name (a copy per pipeline stage)
+        assert all(torch.equal(state[n], state[group[0]]) for n in group), f"{name}: {group} differ"

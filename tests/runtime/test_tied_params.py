@@ -1,4 +1,4 @@
-"""Shared (tied) parameters stay shared under every parallel axis, or the axis is refused.
+"""Shared (tied) parameters stay shared under every parallel axis, or the placement is refused.
 
 Models (tied_models.py): autoplan's Llama and a transformers LlamaForCausalLM with
 tie_word_embeddings, and a hand-written GPT whose head shares the embedding's weight but has
@@ -31,11 +31,18 @@ TRAINED = {
     "gpt_tp2": ("gpt", P("gpt", tp=2)),
     "llama_dp2_zero3": ("llama", P("llama", dp=2, zero_stage=3)),
     "gpt_dp2_zero3": ("gpt", P("gpt", dp=2, zero_stage=3)),
+    # a copy per pipeline stage, gradients summed over the stages (pipeline.StageTie): the
+    # embedding and the head, and in the GPT also a LayerNorm its two blocks share
+    "llama_pp2": ("llama", P("llama", pp=2)),
+    "hf_llama_pp2": ("hf_llama", P("hf_llama", pp=2)),
+    "gpt_pp2": ("gpt", P("gpt", pp=2)),
 }
-REFUSED = {  # a tie across pipeline stages: refused before any collective, with the names
-    "llama_pp2": ("llama", P("llama", pp=2), "embed_tokens.weight and lm_head.weight"),
-    "hf_llama_pp2": ("hf_llama", P("hf_llama", pp=2), "model.embed_tokens.weight and lm_head.weight"),
-    "gpt_pp2": ("gpt", P("gpt", pp=2), "blocks.0.ln_2.weight and blocks.1.ln_2.weight"),
+# the V placement puts the first and the last stage on pipeline rank 0, where no tie is kept:
+# refused before any collective, with the names
+REFUSED = {
+    "llama_pp2_v": ("llama", P("llama", pp=2, vpp=2, schedule="zero-bubble",
+                               stages=[["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]),
+                    "stages 0 and 3 use the shared (tied) parameter embed_tokens.weight = lm_head.weight"),
 }
 
 
@@ -68,12 +75,11 @@ def test_tied_parameters_train_as_one_parameter(results, references, name):
     for param_name, ref in ref_params.items():
         drift = float((got["params"][param_name] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert drift <= PARAM_RTOL, f"{name}: {param_name} is off by {drift:.2e} of its norm"
-    with torch.device("meta"):
-        assert got["distinct"] == len(list(build(kind).parameters()))
+    with torch.device("meta"):  # a pipeline rank holds its own stage's copy of a shared one
+        assert got["distinct"] == len(list(build(kind).parameters())) or TRAINED[name][1].get("pp", 1) > 1
 
 
 @pytest.mark.parametrize("name", REFUSED)
-def test_a_tie_across_pipeline_stages_is_refused_with_the_names(results, name):
+def test_a_tie_on_one_pipeline_rank_is_refused_with_the_names(results, name):
     error = results[name].get("error", "")
-    assert "tied weights" in error and REFUSED[name][2] in error, error
-    assert "Use pp=1" in error
+    assert REFUSED[name][2] in error and "one pipeline rank" in error, error
