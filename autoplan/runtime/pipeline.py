@@ -226,6 +226,14 @@ def stage_ties(model: nn.Module, parts: list[nn.Module]) -> list[StageTie]:
     return ties
 
 
+def stage_aliases(ties: list[StageTie], stage_ids: list[int]) -> list[dict[str, str]]:
+    """Per stage of `stage_ids`: the names its copies of shared parameters have there -> the
+    model's own name of each (where they differ), under which checkpoints keep their
+    optimizer state."""
+    return [{name: tie.name for tie in ties for stage, name in tie.users
+             if stage == stage_id and name != tie.name} for stage_id in stage_ids]
+
+
 def stage_ranks(pp: int, vpp: int, schedule: str) -> dict[int, int]:
     """Stage index -> the pipeline rank holding it."""
     return {stage: rank for rank in range(pp) for stage in stage_indices(rank, pp, vpp, schedule)}
