@@ -26,7 +26,9 @@ on each stage, named there as the model names it in that stage (`embed_tokens.we
 holds both. Its optimizer state is saved under the model's own name of the parameter, the
 first (`aliases` rename the other copies' keys), as the unsplit model's optimizer state dict
 keeps it: the copies' states are identical, and DCP's planner writes a key that several ranks
-save once (dedup_save_plans); on load every copy reads that key back.
+save once (dedup_save_plans); on load every copy reads that key back (two copies on one rank,
+under the V placement, share the key: the value DCP loaded is copied into the other's own
+tensors, `_copy_loaded`, so no two optimizers step one tensor).
 """
 
 from __future__ import annotations
@@ -123,14 +125,38 @@ def _state(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = froz
            aliases: list[dict[str, str]] | None = None) -> dict:
     """Model and optimizer state of this rank's parts by FQN; `aliases`: per part, the names
     of its copies of shared parameters -> the model's own name, for the optimizer's keys."""
-    model, optim = {}, {}
+    return _merged(_part_states(parts, optimizers, skip, aliases))
+
+
+def _part_states(parts: list[nn.Module], optimizers: list, skip: frozenset[str],
+                 aliases: list[dict[str, str]] | None) -> list[dict]:
+    """`_state` of each part on its own (two parts holding copies of one shared parameter
+    both have its optimizer key)."""
+    shares = []
     for index, (part, opt) in enumerate(zip(parts, optimizers)):
-        model.update({key: value for key, value in get_model_state_dict(part, options=_OPTIONS).items()
-                      if key not in skip})
+        model = {key: value for key, value in get_model_state_dict(part, options=_OPTIONS).items()
+                 if key not in skip}
         states = (_zero1_state(part, opt) if _is_zero1(opt)
                   else get_optimizer_state_dict(part, opt, options=_OPTIONS))
-        optim.update(renamed_optimizer_keys(states, aliases[index] if aliases else {}))
-    return {"model": model, "optim": optim}
+        shares.append({"model": model,
+                       "optim": renamed_optimizer_keys(states, aliases[index] if aliases else {})})
+    return shares
+
+
+def _merged(shares: list[dict]) -> dict:
+    return {section: {key: value for share in shares for key, value in share[section].items()}
+            for section in ("model", "optim")}
+
+
+def _copy_loaded(shares: list[dict], loaded: dict) -> None:
+    """Where two parts of this rank hold one key (copies of a shared parameter), DCP loaded
+    one part's tensor: copy it into the other's, so each part gets its own values."""
+    for share in shares:
+        for section, values in share.items():
+            for key, value in values.items():
+                source = loaded[section][key]
+                if isinstance(value, torch.Tensor) and value is not source:
+                    value.copy_(source)
 
 
 def renamed_optimizer_keys(states: dict, names: dict[str, str]) -> dict:
@@ -362,12 +388,14 @@ def load_rank_state(path: Path, rank: int, world: int) -> dict | None:
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list,
                     skip: frozenset[str] = frozenset(),
                     aliases: list[dict[str, str]] | None = None) -> dict:
-    state = _state(parts, optimizers, skip, aliases)
+    shares = _part_states(parts, optimizers, skip, aliases)
+    state = _merged(shares)
     dcp.load(state, checkpoint_id=str(path))
-    for index, (part, opt) in enumerate(zip(parts, optimizers)):
-        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+    _copy_loaded(shares, state)
+    for index, (part, opt, share) in enumerate(zip(parts, optimizers, shares)):
+        set_model_state_dict(part, share["model"], options=StateDictOptions(strict=False))
         if not _is_zero1(opt):  # ZeRO-1 states were loaded in place by dcp.load
             own = {new: old for old, new in (aliases[index] if aliases else {}).items()}
-            set_optimizer_state_dict(part, opt, renamed_optimizer_keys(state["optim"], own),
+            set_optimizer_state_dict(part, opt, renamed_optimizer_keys(share["optim"], own),
                                      options=_OPTIONS)
     return json.loads((path / "trainer.json").read_text())

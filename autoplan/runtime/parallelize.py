@@ -1,7 +1,8 @@
 """Apply a Plan to a model, in one fixed order:
 
   1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules;
-                  a parameter several stages use is one copy per stage (pipeline.StageTie).
+                  a parameter several stages use is a copy per stage (pipeline.StageTie),
+                  also where two of them are on this rank (untie_on_one_rank).
   2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage.
   3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
                   experts sharded over the ep axis.
@@ -27,11 +28,10 @@ from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_mod
 from autoplan.runtime.mesh import ParallelMesh
 from autoplan.runtime.data import zigzag_positions
 from autoplan.runtime.pipeline import (StageTie, pipeline_split_problem, split_stages, stage_indices,
-                                       stage_ties, tie_placement_problem)
+                                       stage_ties, untie_on_one_rank)
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
 from autoplan.runtime.tensor_parallel import TP_STYLES, apply_tensor_parallel, expand_tp_styles
-from autoplan.runtime.tying import tied_groups
 
 
 @dataclass
@@ -82,10 +82,6 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
         if reason is not None:
             raise UserError(f"pipeline parallelism cannot split {type(model).__name__}: {reason}. "
                             "Use pp=1 for this model.")
-        reason = _tie_placement_problem(model, plan)
-        if reason is not None:
-            raise UserError(f"pipeline parallelism cannot place the stages of {type(model).__name__}: "
-                            f"{reason}.")
     if plan.cp_modules:  # checked whenever listed, so a 1-rank dry run catches it too
         modules = dict(model.named_modules())
         for path in plan.cp_modules:
@@ -100,15 +96,6 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
             raise UserError(f"ep={plan.ep} must divide dp_shard*cp = {plan.dp_shard * plan.cp}.")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage {plan.zero_stage} must be 0, 1, 2 or 3.")
-
-
-def _tie_placement_problem(model: nn.Module, plan: Plan) -> str | None:
-    """pipeline.tie_placement_problem of the plan's stages (split on the meta model; only
-    for a model that shares parameters)."""
-    if not tied_groups(model):
-        return None
-    parts = split_stages(model, plan.stages, torch.arange(1))
-    return tie_placement_problem(stage_ties(model, parts), plan.pp, plan.vpp, plan.schedule)
 
 
 def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
@@ -127,6 +114,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
         all_parts = split_stages(model, plan.stages, positions, zigzag=plan.cp > 1)
         parts: list[nn.Module] = [all_parts[i] for i in ids]
         ties = stage_ties(model, all_parts)
+        untie_on_one_rank(ties, parts, ids)
     else:
         ids, parts, ties = [0], [model], []
     result = Parallelized(parts=parts, stage_ids=ids, stage_ties=ties)

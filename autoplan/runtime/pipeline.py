@@ -18,6 +18,7 @@ and after the backward the copies' gradients are summed over the pipeline ranks 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import zlib
 from dataclasses import dataclass
@@ -240,23 +241,29 @@ def stage_ranks(pp: int, vpp: int, schedule: str) -> dict[int, int]:
     return {stage: rank for rank in range(pp) for stage in stage_indices(rank, pp, vpp, schedule)}
 
 
-def tie_placement_problem(ties: list[StageTie], pp: int, vpp: int, schedule: str) -> str | None:
-    """None when every stage using a shared parameter is on its own pipeline rank, else the
-    reason. Two users on one rank (the V placement of zero-bubble puts the first and the last
-    stage on rank 0) would be two stage modules on one rank sharing one parameter: each
-    stage's end-of-step gradient scaling would divide it again (PipelineStage.scale_grads),
-    and with FSDP two roots would shard it. The planner never proposes that placement (it
-    offers zero-bubble with one stage per rank, loop placements otherwise), so it is refused."""
-    rank_of = stage_ranks(pp, vpp, schedule)
+def untie_on_one_rank(ties: list[StageTie], parts: list[nn.Module], stage_ids: list[int]) -> None:
+    """Give each of this rank's stages its own copy of a parameter it shares with another of
+    them (the V placement of zero-bubble puts the first and the last stage on one pipeline
+    rank): a stage's parameters must be its own, as each stage divides its gradients by the
+    micro-batch count at the end of the step (PipelineStage.scale_grads) and FSDP shards each
+    stage's root on its own. The copy is a clone of the first stage's value, owned by a
+    shallow copy of the module holding it (so a module both stages run, such as a shared
+    norm, keeps the first stage's parameter there)."""
     for tie in ties:
-        ranks = [rank_of[stage] for stage in tie.stages]
-        shared = [(stage, name) for (stage, name), rank in zip(tie.users, ranks) if ranks.count(rank) > 1]
-        if shared:
-            return (f"stages {' and '.join(str(stage) for stage, _ in shared)} use the shared (tied) "
-                    f"parameter {' = '.join(name for _, name in shared)}, and the {schedule} "
-                    f"schedule with vpp={vpp} places them on one pipeline rank, where the "
-                    "pipeline keeps no tie; use a loop placement (1f1b, interleaved-1f1b) or vpp=1")
-    return None
+        held = [(stage, name) for stage, name in tie.users if stage in stage_ids]
+        for stage, name in held[1:]:
+            part = parts[stage_ids.index(stage)]
+            path, _, attr = name.rpartition(".")
+            parent_path, _, child = path.rpartition(".")
+            parent = part.get_submodule(parent_path) if path else None
+            owner = copy.copy(part.get_submodule(path))
+            owner._parameters = dict(owner._parameters)
+            source = owner._parameters[attr]
+            owner._parameters[attr] = nn.Parameter(source.detach().clone(), source.requires_grad)
+            if parent is None:  # a parameter of the stage module itself
+                part._parameters = owner._parameters
+            else:
+                setattr(parent, child, owner)
 
 
 @dataclass
@@ -294,7 +301,10 @@ def tied_copies(ties: list[StageTie], parts: list[nn.Module], stage_ids: list[in
 def _pipeline_subgroup(world, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
     """The group of pipeline ranks `ranks` at this rank's other coordinates: the pp axis's
     group when they are all of it, else one new group per column of the other axes (created
-    on every rank in one order, as dist.new_group requires); None when this rank is in none."""
+    on every rank in one order, as dist.new_group requires); None when this rank is in none,
+    or is the only one."""
+    if len(ranks) == 1:
+        return None
     if len(ranks) == world.size(0):
         return world["pp"].get_group()
     columns = world.mesh.reshape(world.size(0), -1)[list(ranks)].T.tolist()
@@ -314,41 +324,70 @@ def model_named_parameters(part: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def check_tied_layouts(copies: list[TiedCopy]) -> None:
-    """Refuse copies whose gradients are laid out differently on the ranks holding them (TP
+    """Refuse copies of a shared parameter whose gradients are laid out differently (TP
     styles that shard the embedding and the head differently): summing their local shards
-    would add unrelated rows. Two MAX all-reduces of (local size, placements) per copy, over
-    its group; every rank of the group sees the same values, so all of them raise."""
-    for copy in copies:
-        if copy.group is None or dist.get_world_size(copy.group) == 1:
-            continue
-        local = copy.param.to_local() if hasattr(copy.param, "to_local") else copy.param
-        if is_fake(local):  # a dry run: one process stands for every rank, nothing to compare
-            continue
-        placements = str(tuple(getattr(copy.param, "placements", ())))
-        mine = torch.tensor([local.numel(), zlib.crc32(placements.encode()), tuple(copy.param.shape)[0]],
-                            dtype=torch.float64, device=local.device)
-        both = torch.cat([mine, -mine])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=copy.group)
-        highest, lowest = both[:3], -both[3:]
-        if not torch.equal(highest, lowest):
-            raise UserError(f"the shared (tied) parameter {copy.name} is sharded differently on "
-                            f"the pipeline stages using it (this rank: {placements or 'whole'}, "
-                            f"{local.numel()} elements), so their gradients cannot be summed; "
-                            "give the embedding and the head the same TP sharding "
-                            "(vocab_embedding with vocab_head) or leave both whole")
+    would add unrelated rows. This rank's copies are compared here; with the other ranks'
+    through two MAX all-reduces of the layout, (x, -x), per shared parameter over its group:
+    every rank of the group sees the same values, so all of them raise."""
+    by_tie: dict[str, list[TiedCopy]] = {}
+    for copy_ in copies:
+        by_tie.setdefault(copy_.name, []).append(copy_)
+    for name, mine in by_tie.items():
+        layouts = {_layout(c.param) for c in mine}
+        group = mine[0].group
+        if len(layouts) == 1 and group is not None and not is_fake(_local(mine[0].param)):
+            # (a dry run's fake tensors hold no values: one process stands for every rank)
+            local = _local(mine[0].param)
+            code = torch.tensor(_layout(mine[0].param), dtype=torch.float64, device=local.device)
+            both = torch.cat([code, -code])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            if not torch.equal(both[:len(code)], -both[len(code):]):
+                layouts.add((-1,))  # another rank's copy differs
+        if len(layouts) > 1:
+            described = ", ".join(f"{c.param.__class__.__name__} {_placements(c.param)} "
+                                  f"{tuple(_local(c.param).shape)}" for c in mine)
+            raise UserError(f"the shared (tied) parameter {name} is sharded differently on the "
+                            f"pipeline stages using it (this rank's copies: {described}; "
+                            f"{'another rank' if (-1,) in layouts else 'this rank'} holds a copy laid "
+                            "out otherwise), so their gradients cannot be summed; give the "
+                            "embedding and the head the same TP sharding (vocab_embedding with "
+                            "vocab_head) or leave both whole")
+
+
+def _placements(param) -> str:
+    return str(tuple(map(str, getattr(param, "placements", ())))) if hasattr(param, "placements") else "whole"
+
+
+def _layout(param) -> tuple[int, ...]:
+    """The local shard's size and first dimension and a checksum of the placements."""
+    local = _local(param)
+    return (local.numel(), local.shape[0] if local.dim() else 1, zlib.crc32(_placements(param).encode()))
 
 
 def sum_tied_grads(copies: list[TiedCopy]) -> None:
-    """Sum each copy's gradient (the local shard of it under FSDP/TP, which has the same
-    layout on every rank of its group: check_tied_layouts) over the ranks holding copies;
-    one flat all-reduce per group. After the backward (and the data-parallel reduction), before
+    """Sum the gradients of each shared parameter's copies: this rank's copies first, then
+    over the ranks holding copies (one flat all-reduce per group of the local shards under
+    FSDP/TP, which have the same layout on every rank of the group: check_tied_layouts), and
+    every copy takes the sum. After the backward (and the data-parallel reduction), before
     clipping and the optimizer step, as Megatron-LM's finalize_model_grads."""
+    by_tie: dict[str, list[TiedCopy]] = {}
+    for copy_ in copies:
+        if copy_.param.grad is None:  # a stage whose use got no gradient still takes part
+            copy_.param.grad = torch.zeros_like(copy_.param)
+        by_tie.setdefault(copy_.name, []).append(copy_)
     by_group: dict[int, tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
-    for copy in copies:
-        if copy.group is None:
-            continue
-        if copy.param.grad is None:  # a stage whose use got no gradient still takes part
-            copy.param.grad = torch.zeros_like(copy.param)
-        by_group.setdefault(id(copy.group), (copy.group, []))[1].append(copy.param)
+    for mine in by_tie.values():
+        first = _local(mine[0].param.grad)
+        for other in mine[1:]:
+            first.add_(_local(other.param.grad))
+        if mine[0].group is not None:
+            by_group.setdefault(id(mine[0].group), (mine[0].group, []))[1].append(mine[0].param)
     for group, params in by_group.values():
         allreduce_grads(params, group, 1)
+    for mine in by_tie.values():
+        for other in mine[1:]:
+            _local(other.param.grad).copy_(_local(mine[0].param.grad))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

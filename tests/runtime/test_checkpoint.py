@@ -151,7 +151,8 @@ def test_pipelined_tied_checkpoint_keeps_the_models_names_and_resumes(torchrun, 
     holds the weights under the model's names (both, as the unsplit model's state dict) and
     the optimizer state once, under the model's own name (embed_tokens.weight), as the
     unsplit model's optimizer keeps it. So it resumes under the same plan and without a
-    pipeline (FSDP), and a checkpoint of either loads into the other."""
+    pipeline (FSDP), and a checkpoint of either loads into the other; so does one of the V
+    placement, whose pipeline rank 0 holds both copies."""
     pipelined = _write(tmp_path, "tied_pp2.json", plan_dict("tied_llama", pp=2, schedule="1f1b"))
     unsplit = _write(tmp_path, "tied_zero3.json", plan_dict("tied_llama", dp=2, zero_stage=3))
     (tmp_path / "pp").mkdir()
@@ -164,6 +165,11 @@ def test_pipelined_tied_checkpoint_keeps_the_models_names_and_resumes(torchrun, 
     assert not [k for k in keys if k.startswith(("optim.state.lm_head", "optim.param_groups.lm_head"))]
     _save_then_resume(torchrun, tmp_path / "zero3", 2, unsplit, [("pp", pipelined)], kind="tied_llama")
     assert _saved_keys(tmp_path / "zero3" / "ckpt" / "step_000005") == keys
+    # the V placement: both copies on pipeline rank 0, one key; each copy loads it back
+    v_shape = _write(tmp_path, "tied_v.json", plan_dict("tied_llama", pp=2, vpp=2, schedule="zero-bubble"))
+    (tmp_path / "v").mkdir()
+    _save_then_resume(torchrun, tmp_path / "v", 2, v_shape, [("pp", pipelined)], kind="tied_llama")
+    assert _saved_keys(tmp_path / "v" / "ckpt" / "step_000005") == keys
 
 
 def _fake_checkpoint(root, step: int, payload: bytes):

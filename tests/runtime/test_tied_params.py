@@ -1,4 +1,4 @@
-"""Shared (tied) parameters stay shared under every parallel axis, or the placement is refused.
+"""Shared (tied) parameters stay shared under every parallel axis.
 
 Models (tied_models.py): autoplan's Llama and a transformers LlamaForCausalLM with
 tie_word_embeddings, and a hand-written GPT whose head shares the embedding's weight but has
@@ -20,6 +20,7 @@ import json
 import pytest
 import torch
 
+from runtime_models import llama_tp_styles
 from tied_models import build, plan_dict as P, reference_run
 
 LOSS_RTOL = 1e-5
@@ -36,20 +37,23 @@ TRAINED = {
     "llama_pp2": ("llama", P("llama", pp=2)),
     "hf_llama_pp2": ("hf_llama", P("hf_llama", pp=2)),
     "gpt_pp2": ("gpt", P("gpt", pp=2)),
-}
-# the V placement puts the first and the last stage on pipeline rank 0, where no tie is kept:
-# refused before any collective, with the names
-REFUSED = {
+    # the V placement puts the first and the last stage on pipeline rank 0: a copy each there
     "llama_pp2_v": ("llama", P("llama", pp=2, vpp=2, schedule="zero-bubble",
-                               stages=[["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]),
-                    "stages 0 and 3 use the shared (tied) parameter embed_tokens.weight = lm_head.weight"),
+                               stages=[["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]])),
+}
+
+# copies the stages' TP styles shard differently (a vocabulary-parallel embedding, a whole
+# head): their local gradients are not alike, summing them is refused on every rank
+REFUSED = {
+    "llama_pp2_tp2_head_whole": ("llama", P("llama", pp=2, tp=2, tp_styles={
+        k: v for k, v in llama_tp_styles().items() if k != "lm_head"}), "sharded differently"),
 }
 
 
 @pytest.fixture(scope="module")
 def results(torchrun, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tied")
-    cases = {**{n: c[:2] for n, c in TRAINED.items()}, **{n: c[:2] for n, c in REFUSED.items()}}
+    cases = {n: c[:2] for n, c in TRAINED.items()}
     configs = [{"name": name, "kind": kind, "plan": plan} for name, (kind, plan) in cases.items()]
     (tmp / "configs.json").write_text(json.dumps(configs))
     (tmp / "out").mkdir()
@@ -79,7 +83,18 @@ def test_tied_parameters_train_as_one_parameter(results, references, name):
         assert got["distinct"] == len(list(build(kind).parameters())) or TRAINED[name][1].get("pp", 1) > 1
 
 
+@pytest.fixture(scope="module")
+def refusals(torchrun, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tied_refused")
+    configs = [{"name": name, "kind": kind, "plan": plan} for name, (kind, plan, _) in REFUSED.items()]
+    (tmp / "configs.json").write_text(json.dumps(configs))
+    (tmp / "out").mkdir()
+    proc = torchrun("tied_worker.py", 4, tmp / "configs.json", tmp / "out", tmp / "run", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {name: torch.load(tmp / "out" / f"{name}.pt") for name in REFUSED}
+
+
 @pytest.mark.parametrize("name", REFUSED)
-def test_a_tie_on_one_pipeline_rank_is_refused_with_the_names(results, name):
-    error = results[name].get("error", "")
-    assert REFUSED[name][2] in error and "one pipeline rank" in error, error
+def test_copies_sharded_differently_are_refused_naming_the_parameter(refusals, name):
+    error = refusals[name].get("error", "")
+    assert REFUSED[name][2] in error and "embed_tokens.weight" in error, error

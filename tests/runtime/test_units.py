@@ -14,7 +14,7 @@ from autoplan.runtime.checkpoint import latest_checkpoint
 from autoplan.runtime.data import TokenFile, local_microbatches, zigzag_positions
 import hf_models
 from autoplan.runtime.pipeline import (StageTie, pipeline_split_problem, split_stages, stage_indices,
-                                       stage_ties, tie_placement_problem)
+                                       stage_ties, untie_on_one_rank)
 from runtime_models import builder
 
 
@@ -129,13 +129,28 @@ def test_a_tied_head_is_a_tie_between_the_first_and_last_stage():
     stages = [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
     ties = stage_ties(model, split_stages(model, stages, torch.arange(4)))
     assert ties == [StageTie("embed_tokens.weight", ((0, "embed_tokens.weight"), (3, "lm_head.weight")))]
-    assert tie_placement_problem(ties, 2, 2, "interleaved-1f1b") is None  # ranks 0 and 1
-    assert tie_placement_problem(ties, 4, 1, "gpipe") is None
-    reason = tie_placement_problem(ties, 2, 2, "zero-bubble")  # V: stages 0 and 3 on rank 0
-    assert "stages 0 and 3" in reason and "embed_tokens.weight = lm_head.weight" in reason
     with torch.device("meta"):
         untied = builder("llama")()
     assert stage_ties(untied, split_stages(untied, stages, torch.arange(4))) == []
+
+
+@pytest.mark.parametrize("kind", ["tied_llama", "hf_gpt2"])
+def test_two_stages_on_one_rank_get_a_copy_each_of_what_they_share(kind):
+    # the V placement puts stages 0 and 3 on pipeline rank 0: the last stage's head becomes
+    # its own parameter, of the same value; the first stage keeps the model's
+    torch.manual_seed(0)
+    model = builder(kind)()
+    blocks = hf_models.blocks(kind) if kind.startswith("hf_") else [f"layers.{i}" for i in range(4)]
+    stages = [[block] for block in blocks]  # 4 stages of the Llama, 2 of the GPT-2
+    parts = split_stages(model, stages, torch.arange(8))
+    ties = stage_ties(model, parts)
+    first, last = 0, len(stages) - 1
+    (embed_name, head_name) = [name for _, name in ties[0].users]
+    shared = model.get_parameter(embed_name)
+    untie_on_one_rank(ties, [parts[first], parts[last]], [first, last])
+    head = parts[last].get_parameter(head_name)
+    assert head is not shared and torch.equal(head, shared)
+    assert parts[first].get_parameter(embed_name) is shared
 
 
 def test_stage_placement_loop_and_v():
