@@ -293,7 +293,9 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], op
 def state_bytes(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = frozenset(),
                 pp_group=None, aliases: list[dict[str, str]] | None = None) -> int:
     """What one checkpoint of this state needs on disk: the tensors' global sizes (pipeline
-    stages hold disjoint parameters, so their sums add up over the pp group)."""
+    stages hold disjoint parameters, so their sums add up over the pp group; the optimizer
+    state of a tied parameter's copies, one key written once, is counted on each rank holding
+    a copy: a small overestimate)."""
     total = 0
     for section in _state(parts, optimizers, skip, aliases).values():
         for value in section.values():

@@ -268,14 +268,15 @@ def untie_on_one_rank(ties: list[StageTie], parts: list[nn.Module], stage_ids: l
 
 @dataclass
 class TiedCopy:
-    """This rank's copy of a shared parameter that other pipeline ranks hold copies of.
-    `group`: the pipeline ranks holding a copy at this rank's dp/tp/cp coordinates; `counted`:
-    this copy is the first stage's, the one the global gradient norm counts (the others hold
-    the same summed gradient, as Megatron-LM's norm skips the `shared` copies)."""
+    """This rank's copy of a shared parameter other stages hold copies of. `name`: the
+    model's name of it; `group`: the pipeline ranks holding a copy at this rank's dp/tp/cp
+    coordinates (None when this rank holds them all); `counted`: this copy is the first
+    stage's, the one the global gradient norm counts (the others hold the same summed
+    gradient, as Megatron-LM's grad norm skips the `shared` copy of its embedding)."""
 
     name: str
     param: nn.Parameter
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
     counted: bool
 
 
@@ -335,7 +336,7 @@ def check_tied_layouts(copies: list[TiedCopy]) -> None:
     for name, mine in by_tie.items():
         layouts = {_layout(c.param) for c in mine}
         group = mine[0].group
-        if len(layouts) == 1 and group is not None and not is_fake(_local(mine[0].param)):
+        if group is not None and not is_fake(_local(mine[0].param)):
             # (a dry run's fake tensors hold no values: one process stands for every rank)
             local = _local(mine[0].param)
             code = torch.tensor(_layout(mine[0].param), dtype=torch.float64, device=local.device)
