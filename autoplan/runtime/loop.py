@@ -45,7 +45,7 @@ from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_ste
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
 from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
-from autoplan.runtime.pipeline import (build_schedule, check_tied_layouts, make_stages, stage_aliases,
+from autoplan.runtime.pipeline import (build_schedule, check_tied_copies, make_stages, stage_aliases,
                                        stage_ranks, sum_tied_grads, tied_copies)
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
 from autoplan.runtime.rundir import (METRICS_NAME, DirectoryLock, check_unlocked, drop_metrics_from,
@@ -150,7 +150,7 @@ class Trainer:
         self.params = [p for part in self.par.parts for p in part.parameters()]
         self.tied = tied_copies(self.par.stage_ties, self.par.parts, self.par.stage_ids,
                                 stage_ranks(plan.pp, plan.vpp, plan.schedule), self.mesh.world)
-        check_tied_layouts(self.tied)
+        check_tied_copies(self.tied)
         self.aliases = stage_aliases(self.par.stage_ties, self.par.stage_ids)  # checkpoint keys
         uncounted = {id(c.param) for c in self.tied if not c.counted}
         self.norm_params = [p for p in self.params if id(p) not in uncounted]  # each tie once

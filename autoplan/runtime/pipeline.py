@@ -11,9 +11,10 @@ by `pipeline_hf` instead. Stages are driven by the torch.distributed.pipelining 
 A parameter two stages use (a head tied to the embedding) is kept tied as Megatron-LM keeps
 its word embeddings (the "embedding group": `_allreduce_word_embedding_grads` in
 megatron/core/distributed/finalize_model_grads.py): each stage holds its own copy, the same
-initial value on every rank (materialised from one seed, or loaded from one checkpoint key),
-and after the backward the copies' gradients are summed over the pipeline ranks holding them
-(`StageTie`, `TiedCopy`, `sum_tied_grads`), so every copy takes the same optimizer step.
+initial value on every rank (materialised from one seed, or loaded from one checkpoint key;
+checked at the start, `check_tied_copies`), and after the backward the copies' gradients are
+summed over the pipeline ranks holding them (`StageTie`, `TiedCopy`, `sum_tied_grads`), so
+every copy takes the same optimizer step.
 """
 
 from __future__ import annotations
@@ -324,51 +325,64 @@ def model_named_parameters(part: nn.Module) -> dict[str, nn.Parameter]:
             for name, param in part.named_parameters(remove_duplicate=False)}
 
 
-def check_tied_layouts(copies: list[TiedCopy]) -> None:
-    """Refuse copies of a shared parameter whose gradients are laid out differently (TP
-    styles that shard the embedding and the head differently): summing their local shards
-    would add unrelated rows. This rank's copies are compared here; with the other ranks'
-    through two MAX all-reduces of the layout, (x, -x), per shared parameter over its group:
-    every rank of the group sees the same values, so all of them raise."""
+def check_tied_copies(copies: list[TiedCopy]) -> None:
+    """Refuse copies of a shared parameter that differ in layout or in value. Laid out
+    differently (TP styles that shard the embedding and the head differently), summing their
+    local gradients would add unrelated rows; with different values (a model whose
+    initialisation is not the same on every rank), they would never become one parameter.
+    This rank's copies are compared here; with the other ranks' through one MAX all-reduce of
+    (x, -x), x: the layout and two checksums of the values, per shared parameter over its
+    group: every rank of the group sees the same result, so all of them raise."""
     by_tie: dict[str, list[TiedCopy]] = {}
     for copy_ in copies:
         by_tie.setdefault(copy_.name, []).append(copy_)
     for name, mine in by_tie.items():
-        layouts = {_layout(c.param) for c in mine}
-        group = mine[0].group
-        if group is not None and not is_fake(_local(mine[0].param)):
-            # (a dry run's fake tensors hold no values: one process stands for every rank)
-            local = _local(mine[0].param)
-            code = torch.tensor(_layout(mine[0].param), dtype=torch.float64, device=local.device)
+        if is_fake(_local(mine[0].param)):  # a dry run: one process stands for every rank
+            continue
+        signatures = [_signature(c.param) for c in mine]
+        layouts_differ = len({sig[:3] for sig in signatures}) > 1
+        values_differ = len(set(signatures)) > 1 and not layouts_differ
+        if mine[0].group is not None:
+            code = torch.tensor(signatures[0], dtype=torch.float64, device=_local(mine[0].param).device)
             both = torch.cat([code, -code])
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-            if not torch.equal(both[:len(code)], -both[len(code):]):
-                layouts.add((-1,))  # another rank's copy differs
-        if len(layouts) > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mine[0].group)
+            highest, lowest = both[:len(code)], -both[len(code):]
+            layouts_differ |= not torch.equal(highest[:3], lowest[:3])
+            values_differ |= not layouts_differ and not torch.equal(highest, lowest)
+        if layouts_differ:
             described = ", ".join(f"{c.param.__class__.__name__} {_placements(c.param)} "
                                   f"{tuple(_local(c.param).shape)}" for c in mine)
             raise UserError(f"the shared (tied) parameter {name} is sharded differently on the "
-                            f"pipeline stages using it (this rank's copies: {described}; "
-                            f"{'another rank' if (-1,) in layouts else 'this rank'} holds a copy laid "
-                            "out otherwise), so their gradients cannot be summed; give the "
-                            "embedding and the head the same TP sharding (vocab_embedding with "
+                            f"pipeline stages using it (this rank's copies: {described}; another "
+                            "copy is laid out otherwise), so their gradients cannot be summed; give "
+                            "the embedding and the head the same TP sharding (vocab_embedding with "
                             "vocab_head) or leave both whole")
+        if values_differ:
+            raise UserError(f"the copies of the shared (tied) parameter {name} on the pipeline "
+                            "stages using it start with different values: the model is not "
+                            "initialised alike on every rank. Initialise it from torch's default "
+                            "generator (the runtime seeds it the same on every rank), not from the "
+                            "rank or another source")
 
 
 def _placements(param) -> str:
-    return str(tuple(map(str, getattr(param, "placements", ())))) if hasattr(param, "placements") else "whole"
+    return str(tuple(map(str, param.placements))) if hasattr(param, "placements") else "whole"
 
 
-def _layout(param) -> tuple[int, ...]:
-    """The local shard's size and first dimension and a checksum of the placements."""
-    local = _local(param)
-    return (local.numel(), local.shape[0] if local.dim() else 1, zlib.crc32(_placements(param).encode()))
+def _signature(param) -> tuple[float, ...]:
+    """The local shard's size and first dimension, a checksum of the placements, and the sum
+    and the sum of squares of its values (float64: equal copies give equal sums)."""
+    local = _local(param).detach()
+    values = local.double()
+    return (float(local.numel()), float(local.shape[0] if local.dim() else 1),
+            float(zlib.crc32(_placements(param).encode())), float(values.sum()),
+            float(values.square().sum()))
 
 
 def sum_tied_grads(copies: list[TiedCopy]) -> None:
     """Sum the gradients of each shared parameter's copies: this rank's copies first, then
     over the ranks holding copies (one flat all-reduce per group of the local shards under
-    FSDP/TP, which have the same layout on every rank of the group: check_tied_layouts), and
+    FSDP/TP, which have the same layout on every rank of the group: check_tied_copies), and
     every copy takes the sum. After the backward (and the data-parallel reduction), before
     clipping and the optimizer step, as Megatron-LM's finalize_model_grads."""
     by_tie: dict[str, list[TiedCopy]] = {}
