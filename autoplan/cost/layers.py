@@ -631,15 +631,9 @@ def block_params(block: BlockInfo, graph: ModelGraph, config: ParallelConfig) ->
     if block.kind in ("pre", "post"):
         vocab = graph.vocab_parameters(block)
         params = vocab / config.tp + (block.parameters - vocab)
-        if block.kind == "post" and config.pp > 1 and _tied(graph):
+        if block.kind == "post" and config.pp > 1 and volume.tied_head(graph):
             params += graph.embedding_parameters / config.tp
         return memory.BlockParams(params, 0.0)
     return memory.block_params_per_rank(block, config.tp, config.ep)
-
-
-def _tied(graph: ModelGraph) -> bool:
-    """The output head shares the embedding matrix (post holds fewer than vocab x hidden)."""
-    post = graph.post
-    return graph.vocab > 0 and post.parameters < graph.vocab * max(post.hidden, 1)
 
 

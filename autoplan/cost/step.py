@@ -9,6 +9,9 @@
   hide, and at least the last bucket (one block), is exposed (PyTorch DDP, Li et al. 2020
   §3.2.3; Megatron --overlap-grad-reduce). ZeRO-3 syncs per micro-batch, ZeRO-2 reduce-
   scatters per micro-batch and gathers the weights here (layers.py).
+- Tied embedding under a pipeline: the first and the last stage sum their copies' gradients
+  with one all-reduce over the two pipeline ranks after the backward, exposed (Megatron-LM's
+  embedding group; runtime/pipeline.py sum_tied_grads).
 - Optimizer: Adam is memory-bound; it reads and writes the fp32 master weight, momentum
   and variance (8 B each way), reads the 16-bit gradient and writes the 16-bit weight. With
   optimizer offload it runs on the CPU after the gradients' copy to the host (offload.py).
@@ -22,9 +25,9 @@ from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from autoplan.config import ParallelConfig
-from autoplan.cost import comm, hw, memory, offload, pipeline
+from autoplan.cost import comm, hw, memory, offload, pipeline, volume
 from autoplan.cost.layers import DEFAULT_RUNTIME, Runtime, expert_state_layout, fsdp_pipeline_unsharded
-from autoplan.cost.stages import StageCost
+from autoplan.cost.stages import StageCost, num_virtual_stages
 from autoplan.trace.graph import ModelGraph
 
 ADAM_UPDATE_BYTES_MIXED = 3 * 4 * 2 + 2 + 2  # fp32 master/m/v read+write, grad read, weight write
@@ -101,6 +104,19 @@ def dp_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster,
     return comm.contended_exposed_s(total, max(total - window, last_bucket))
 
 
+def tied_sync_s(stages: Sequence[StageCost], config: ParallelConfig, cluster, graph: ModelGraph) -> float:
+    """The all-reduce of a tied embedding's gradient on a rank holding the first or the last
+    stage (volume.tied_grad_traffic): over 2 ranks, pp - 1 pipeline ranks apart (Megatron rank
+    order tp, cp, dp, pp), after the backward, so nothing hides it."""
+    last = num_virtual_stages(config) - 1
+    if config.pp <= 1 or not volume.tied_head(graph) \
+            or not any(s.stage_index in (0, last) for s in stages):
+        return 0.0
+    fabric = hw.fabric(cluster)
+    span = comm.group_span(2, (config.pp - 1) * config.tp * config.cp * config.dp, fabric.scaleup_domain)
+    return comm.allreduce_time_s(volume.tied_grad_bytes(graph, config), span, fabric)
+
+
 def adam_update_bytes_per_param(precision: str, optimizer_kernels: str = "fused") -> int:
     """HBM bytes one AdamW update moves per parameter: one fused pass over the states, or
     a pass per tensor op (Runtime.optimizer_kernels)."""
@@ -142,8 +158,9 @@ def step_time_s(stage_costs: Sequence[StageCost], config: ParallelConfig, cluste
     tails = []
     for r in range(config.pp):
         mine = [s for s in stage_costs if s.physical_stage == r]
-        tails.append((dp_sync_s(mine, config, cluster, runtime), optimizer_s(mine, config, cluster, runtime)))
-    dp_exposed, opt = max(tails, key=lambda t: t[0] + t[1])
+        tails.append((dp_sync_s(mine, config, cluster, runtime), tied_sync_s(mine, config, cluster, graph),
+                      optimizer_s(mine, config, cluster, runtime)))
+    dp_exposed, tied, opt = max(tails, key=sum)
     mine = [s for s in stage_costs if s.physical_stage == bottleneck]
     fwd_bwd = sum(s.fwd_s + s.bwd_s for s in mine)
     recompute = sum(s.recompute_s for s in mine)
@@ -153,8 +170,10 @@ def step_time_s(stage_costs: Sequence[StageCost], config: ParallelConfig, cluste
             kinds[k] = kinds.get(k, 0.0) + m * v
     if dp_exposed:
         kinds["dp"] = kinds.get("dp", 0.0) + dp_exposed
+    if tied:
+        kinds["tied"] = tied
     exposed = sum(kinds.values())
-    step = m * t_max + bubble + dp_exposed + opt
+    step = m * t_max + bubble + dp_exposed + tied + opt
     return StepTime(
         step_s=step, compute_s=m * fwd_bwd + opt, recompute_s=m * recompute,
         exposed_comm_s=exposed, bubble_s=bubble,

@@ -441,6 +441,31 @@ def pp_traffic(graph: ModelGraph, config: ParallelConfig, stage_index: int, stag
     return out
 
 
+def tied_head(graph: ModelGraph) -> bool:
+    """The output head shares the embedding matrix (post holds fewer than vocab x hidden)."""
+    post = graph.post
+    return graph.vocab > 0 and post.parameters < graph.vocab * max(post.hidden, 1)
+
+
+def tied_grad_bytes(graph: ModelGraph, config: ParallelConfig) -> float:
+    """This rank's shard of the tied embedding's gradient in fp32 (the vocabulary x hidden
+    matrix; / tp as the vocabulary-parallel embedding and head shard it, and at ZeRO-2/3 /
+    the dp_shard x cp ranks FSDP shards it over)."""
+    shards = config.tp * (config.dp_shard * config.cp if config.zero_stage >= 2 else 1)
+    return graph.vocab * graph.post.hidden / shards * memory.grad_reduce_bytes_per_param(config.precision)
+
+
+def tied_grad_traffic(graph: ModelGraph, config: ParallelConfig, stage_index: int, stages: int) -> list[Traffic]:
+    """Under a pipeline the first stage holds the embedding and the last a copy of it as the
+    tied head; once a step, after the backward, each sums the copies' gradients with the other
+    (runtime/pipeline.py sum_tied_grads; Megatron-LM's embedding group,
+    _allreduce_word_embedding_grads): one all-reduce over the two pipeline ranks."""
+    if config.pp <= 1 or not tied_head(graph) or stage_index not in (0, stages - 1):
+        return []
+    return [Traffic("all_reduce", dtype_name(memory.grad_reduce_bytes_per_param(config.precision),
+                                             config.precision), tied_grad_bytes(graph, config), END)]
+
+
 # -- one rank ------------------------------------------------------------------------------
 
 def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[list[tuple[BlockInfo, str]]],
@@ -478,6 +503,7 @@ def rank_traffic(graph: ModelGraph, config: ParallelConfig, stages_layers: list[
             out += zero2_traffic(params, config, per_microbatch_scatter)
         cuts = (ends[index - 1] if index else None, ends[index]) if runtime.pp_hands_on_side_values else (None, None)
         out += pp_traffic(graph, config, index, len(stages_layers), runtime.fp32_module_weights, *cuts)
+        out += tied_grad_traffic(graph, config, index, len(stages_layers))
     out += dp_sync_traffic(memory.BlockParams(dense, expert), config,
                            config.zero_stage == 2 and per_microbatch_scatter, runtime.fp32_module_weights)
     return out

@@ -422,14 +422,15 @@ def distinct_elements(parts: list[nn.Module]) -> int:
 
 
 def _model_parameters(meta: nn.Module, plan: Plan, pp_rank: int) -> int:
-    """Elements of the model's distinct parameters in the stages pipeline rank `pp_rank` holds
-    (the whole model without a pipeline), read off the meta model before any parallelism."""
+    """Elements of the model's distinct parameters in each stage pipeline rank `pp_rank` holds
+    (the whole model without a pipeline), read off the meta model before any parallelism: a
+    parameter two of its stages share is a copy in each (runtime/pipeline.py untie_on_one_rank)."""
     from autoplan.runtime.pipeline import split_stages, stage_indices
 
     if plan.pp == 1:
         return distinct_elements([meta])
     parts = split_stages(meta, plan.stages, torch.arange(plan.seq_len))
-    return distinct_elements([parts[i] for i in stage_indices(pp_rank, plan.pp, plan.vpp, plan.schedule)])
+    return sum(distinct_elements([parts[i]]) for i in stage_indices(pp_rank, plan.pp, plan.vpp, plan.schedule))
 
 
 def _microbatch_windows(tracker: StepMemoryTracker, stage_ids: list[int],

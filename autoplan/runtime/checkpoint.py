@@ -19,6 +19,16 @@ Keys are the model's own parameter FQNs (wrappers are stripped by
 torch.distributed.checkpoint.state_dict; pipeline stages keep the original names), and
 the optimizer state is flattened per FQN, so a checkpoint saved by one plan loads into
 another (different world size, DP/TP/PP/EP split).
+
+A parameter pipeline stages share (a head tied to the embedding, pipeline.StageTie) is a copy
+on each stage, named there as the model names it in that stage (`embed_tokens.weight`,
+`lm_head.weight`): the weights are saved under those names, as the unsplit model's state dict
+holds both. Its optimizer state is saved under the model's own name of the parameter, the
+first (`aliases` rename the other copies' keys), as the unsplit model's optimizer state dict
+keeps it: the copies' states are identical, and DCP's planner writes a key that several ranks
+save once (dedup_save_plans); on load every copy reads that key back (two copies on one rank,
+under the V placement, share the key: the value DCP loaded is copied into the other's own
+tensors, `_copy_loaded`, so no two optimizers step one tensor).
 """
 
 from __future__ import annotations
@@ -112,14 +122,58 @@ def _is_zero1(opt) -> bool:
     return isinstance(opt, Zero1)
 
 
-def _state(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = frozenset()) -> dict:
-    model, optim = {}, {}
-    for part, opt in zip(parts, optimizers):
-        model.update({key: value for key, value in get_model_state_dict(part, options=_OPTIONS).items()
-                      if key not in skip})
-        optim.update(_zero1_state(part, opt) if _is_zero1(opt)
-                     else get_optimizer_state_dict(part, opt, options=_OPTIONS))
-    return {"model": model, "optim": optim}
+def _state(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = frozenset(),
+           aliases: list[dict[str, str]] | None = None) -> dict:
+    """Model and optimizer state of this rank's parts by FQN; `aliases`: per part, the names
+    of its copies of shared parameters -> the model's own name, for the optimizer's keys."""
+    return _merged(_part_states(parts, optimizers, skip, aliases))
+
+
+def _part_states(parts: list[nn.Module], optimizers: list, skip: frozenset[str],
+                 aliases: list[dict[str, str]] | None) -> list[dict]:
+    """`_state` of each part on its own (two parts holding copies of one shared parameter
+    both have its optimizer key)."""
+    shares = []
+    for index, (part, opt) in enumerate(zip(parts, optimizers)):
+        model = {key: value for key, value in get_model_state_dict(part, options=_OPTIONS).items()
+                 if key not in skip}
+        states = (_zero1_state(part, opt) if _is_zero1(opt)
+                  else get_optimizer_state_dict(part, opt, options=_OPTIONS))
+        shares.append({"model": model,
+                       "optim": renamed_optimizer_keys(states, aliases[index] if aliases else {})})
+    return shares
+
+
+def _merged(shares: list[dict]) -> dict:
+    return {section: {key: value for share in shares for key, value in share[section].items()}
+            for section in ("model", "optim")}
+
+
+def _copy_loaded(shares: list[dict], loaded: dict) -> None:
+    """Where two parts of this rank hold one key (copies of a shared parameter), DCP loaded
+    one part's tensor: copy it into the other's, so each part gets its own values."""
+    for share in shares:
+        for section, values in share.items():
+            for key, value in values.items():
+                source = loaded[section][key]
+                if isinstance(value, torch.Tensor) and value is not source:
+                    value.copy_(source)
+
+
+def renamed_optimizer_keys(states: dict, names: dict[str, str]) -> dict:
+    """A flattened optimizer state dict ("state.<fqn>.<key>", "param_groups.<fqn>.<key>") with
+    each FQN of `names` replaced by its value."""
+    if not names:
+        return states
+    out = {}
+    for key, value in states.items():
+        section, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{section}.{new}.{rest[len(old) + 1:]}"
+                break
+        out[key] = value
+    return out
 
 
 def _row_orders(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -207,7 +261,8 @@ def _agree(error: BaseException | None, tmp: Path, step: int) -> None:
 
 def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], optimizers: list,
                     trainer_state: dict, skip: frozenset[str] = frozenset(),
-                    rank_state: dict | None = None) -> Path:
+                    rank_state: dict | None = None,
+                    aliases: list[dict[str, str]] | None = None) -> Path:
     """Write <directory>/step_NNNNNN atomically. `trainer_state` goes into trainer.json (rank
     0's); `rank_state`, different on every rank (its random streams), into rank_<rank>.json.
     A write error on any rank (a full disk) raises CheckpointWriteError on every rank, with the
@@ -224,7 +279,8 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], op
             tmp.mkdir()  # new: every rank writes into a fresh folder, never through a link
 
     def write():
-        dcp.save(_in_model_layout(_state(parts, optimizers, skip), parts), checkpoint_id=str(tmp))
+        dcp.save(_in_model_layout(_state(parts, optimizers, skip, aliases), parts),
+                 checkpoint_id=str(tmp))
         if rank_state is not None:
             write_file(tmp / _rank_file(rank), json.dumps(rank_state).encode())
         if rank == 0:
@@ -248,11 +304,13 @@ def save_checkpoint(directory: str | Path, step: int, parts: list[nn.Module], op
 
 
 def state_bytes(parts: list[nn.Module], optimizers: list, skip: frozenset[str] = frozenset(),
-                pp_group=None) -> int:
+                pp_group=None, aliases: list[dict[str, str]] | None = None) -> int:
     """What one checkpoint of this state needs on disk: the tensors' global sizes (pipeline
-    stages hold disjoint parameters, so their sums add up over the pp group)."""
+    stages hold disjoint parameters, so their sums add up over the pp group; the optimizer
+    state of a tied parameter's copies, one key written once, is counted on each rank holding
+    a copy: a small overestimate)."""
     total = 0
-    for section in _state(parts, optimizers, skip).values():
+    for section in _state(parts, optimizers, skip, aliases).values():
         for value in section.values():
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()  # DTensor: the global numel
@@ -343,15 +401,20 @@ def load_rank_state(path: Path, rank: int, world: int) -> dict | None:
 
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list,
-                    skip: frozenset[str] = frozenset()) -> dict:
-    state = _state(parts, optimizers, skip)
+                    skip: frozenset[str] = frozenset(),
+                    aliases: list[dict[str, str]] | None = None) -> dict:
+    shares = _part_states(parts, optimizers, skip, aliases)
+    state = _merged(shares)
     saved = _in_model_layout(state, parts)
     dcp.load(saved, checkpoint_id=str(path))
     orders = _row_orders(parts)
     for section in state:
         into_runtime_layout(saved[section], state[section], orders)
-    for part, opt in zip(parts, optimizers):
-        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+    _copy_loaded(shares, state)
+    for index, (part, opt, share) in enumerate(zip(parts, optimizers, shares)):
+        set_model_state_dict(part, share["model"], options=StateDictOptions(strict=False))
         if not _is_zero1(opt):  # ZeRO-1 states were loaded in place by dcp.load
-            set_optimizer_state_dict(part, opt, state["optim"], options=_OPTIONS)
+            own = {new: old for old, new in (aliases[index] if aliases else {}).items()}
+            set_optimizer_state_dict(part, opt, renamed_optimizer_keys(share["optim"], own),
+                                     options=_OPTIONS)
     return json.loads((path / "trainer.json").read_text())

@@ -45,7 +45,8 @@ from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_ste
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
 from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
 from autoplan.runtime.parallelize import apply_plan, validate_plan
-from autoplan.runtime.pipeline import build_schedule, make_stages
+from autoplan.runtime.pipeline import (build_schedule, check_tied_copies, make_stages, stage_aliases,
+                                       stage_ranks, sum_tied_grads, tied_copies)
 from autoplan.runtime.precision import DynamicLossScaler, autocast, clip_grads
 from autoplan.runtime.rundir import (METRICS_NAME, DirectoryLock, check_unlocked, drop_metrics_from,
                                       job_directories, lock_job, refuse_linked_run_files)
@@ -147,6 +148,12 @@ class Trainer:
         self.num_params = sum(p.numel() for p in model.parameters())
         self.par = apply_plan(model, plan, self.mesh, ddp=ddp)
         self.params = [p for part in self.par.parts for p in part.parameters()]
+        self.tied = tied_copies(self.par.stage_ties, self.par.parts, self.par.stage_ids,
+                                stage_ranks(plan.pp, plan.vpp, plan.schedule), self.mesh.world)
+        check_tied_copies(self.tied)
+        self.aliases = stage_aliases(self.par.stage_ties, self.par.stage_ids)  # checkpoint keys
+        uncounted = {id(c.param) for c in self.tied if not c.counted}
+        self.norm_params = [p for p in self.params if id(p) not in uncounted]  # each tie once
         self.optimizers = [self._optimizer(part) for part in self.par.parts]
         self.scaler = DynamicLossScaler(plan.precision == "fp16")
         self.loss_parallel = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
@@ -261,7 +268,8 @@ class Trainer:
         self._finish_grads()
         skip = self.scaler.unscale_and_check(self.params)
         self.last_grad_norm = clip_grads(self.params, float(plan.optimizer.get("grad_clip", 0.0) or 0.0),
-                                         self.mesh.group("pp") if plan.pp > 1 else None)
+                                         self.mesh.group("pp") if plan.pp > 1 else None,
+                                         counted=self.norm_params)
         verdict = agree_on_step(loss, self.last_grad_norm, skip, self.device)
         self.stop_requested = verdict.stop
         if verdict.bad:
@@ -298,6 +306,7 @@ class Trainer:
             allreduce_grads(params, self.mesh.group("tp"), 1)
         if plan.tp > 1:
             reduce_partial_grads(self.params)
+        sum_tied_grads(self.tied)  # the pipeline stages' copies of a shared parameter
 
     def _global_loss(self, loss: torch.Tensor | None) -> float:
         """Mean loss of the global batch, the same on every rank."""
@@ -317,7 +326,7 @@ class Trainer:
             self.data_record = data_record(self.args.data)
         save_checkpoint(self.args.checkpoint_path, step, self.par.parts, self.optimizers,
                         {"loss_scaler": self.scaler.state_dict(), "data": self.data_record},
-                        skip=self.unsaved, rank_state={"rng": rng.capture()})
+                        skip=self.unsaved, rank_state={"rng": rng.capture()}, aliases=self.aliases)
 
     def maybe_resume(self) -> None:
         """With --resume, or after torchrun restarted the workers: continue from the newest
@@ -334,7 +343,8 @@ class Trainer:
             say(f"autoplan: no complete checkpoint in {self.args.checkpoint_path}: starting from step 0")
             return
         check_resume_data(path, self.args, say)
-        state = load_checkpoint(path, self.par.parts, self.optimizers, skip=self.unsaved)
+        state = load_checkpoint(path, self.par.parts, self.optimizers, skip=self.unsaved,
+                                aliases=self.aliases)
         self.scaler.load_state_dict(state["loss_scaler"])
         self.start_step = int(state["step"])
         self._restore_rng(path, say)
@@ -383,7 +393,7 @@ class Trainer:
             self.save(step)
         except CheckpointWriteError as exc:
             pp = self.mesh.group("pp") if self.plan.pp > 1 else None
-            needed = state_bytes(self.par.parts, self.optimizers, self.unsaved, pp)
+            needed = state_bytes(self.par.parts, self.optimizers, self.unsaved, pp, self.aliases)
             raise checkpoint_write_stop(step, str(exc.directory), exc.failures, exc.no_space,
                                         needed) from None
 

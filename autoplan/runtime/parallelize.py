@@ -1,6 +1,8 @@
 """Apply a Plan to a model, in one fixed order:
 
-  1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules.
+  1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules;
+                  a parameter several stages use is a copy per stage (pipeline.StageTie),
+                  also where two of them are on this rank (untie_on_one_rank).
   2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage.
   3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
                   experts sharded over the ep axis.
@@ -26,7 +28,8 @@ from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_m
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
 from autoplan.runtime.data import zigzag_positions
-from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stage_indices
+from autoplan.runtime.pipeline import (StageTie, pipeline_split_problem, split_stages, stage_indices,
+                                       stage_ties, untie_on_one_rank)
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
 from autoplan.runtime.tensor_parallel import apply_tensor_parallel, expand_tp_styles
@@ -38,6 +41,7 @@ class Parallelized:
 
     parts: list[nn.Module]  # one per pipeline stage held (one without PP)
     stage_ids: list[int]
+    stage_ties: list[StageTie] = field(default_factory=list)  # parameters stages share
     expert_modules: list[nn.Module] = field(default_factory=list)  # each MoE layer's experts
     # expert parameters the loop syncs itself (sync_expert_grads) and ZeRO-1 shards over their
     # replicas: below ZeRO-2 only; FSDP reduces them at ZeRO-2/3
@@ -110,9 +114,11 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
                      else torch.arange(plan.seq_len))
         all_parts = split_stages(model, plan.stages, positions, zigzag=plan.cp > 1)
         parts: list[nn.Module] = [all_parts[i] for i in ids]
+        ties = stage_ties(model, all_parts)
+        untie_on_one_rank(ties, parts, ids)
     else:
-        ids, parts = [0], [model]
-    result = Parallelized(parts=parts, stage_ids=ids)
+        ids, parts, ties = [0], [model], []
+    result = Parallelized(parts=parts, stage_ids=ids, stage_ties=ties)
     for part in parts:
         # 2. Tensor (+ sequence) parallelism.
         if plan.tp > 1:

@@ -34,8 +34,9 @@ def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | No
 
     DTensor grads are grouped by (mesh, placements); each group's norm is reduced by
     DTensor (`full_tensor`), which counts replicated shards once. Plain grads are either
-    replicated (DDP) or already whole. Pipeline stages hold disjoint parameters, so their
-    squared norms are summed over the pp group.
+    replicated (DDP) or already whole. Pipeline stages hold disjoint parameters (a shared
+    one's copies on later stages are left out of `params` by the caller), so their squared
+    norms are summed over the pp group.
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
@@ -58,8 +59,13 @@ def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | No
 
 
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float,
-               pp_group: dist.ProcessGroup | None) -> float:
-    norm = float(grad_norm(params, pp_group))
+               pp_group: dist.ProcessGroup | None,
+               counted: list[torch.nn.Parameter] | None = None) -> float:
+    """Scale every gradient of `params` so their global norm is at most `max_norm`; the norm
+    is that of `counted` (default `params`): a parameter pipeline stages share is counted
+    once, by its first stage's copy, as Megatron-LM's get_grad_norm_fp32 skips the `shared`
+    embedding copy, while every copy is scaled."""
+    norm = float(grad_norm(params if counted is None else counted, pp_group))
     if max_norm and max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:

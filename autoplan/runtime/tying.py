@@ -9,7 +9,13 @@ which names share one parameter, and how each parallelism keeps them one paramet
         sharing a parameter with a module outside it is not a unit of its own
         (`shares_outside`), so the enclosing unit (the stage root) holds it, as torchtitan
         puts tied embedding and output in one unit.
-  PP    a tie across pipeline stages is refused (pipeline.py `_check_disjoint`).
+  PP    each stage using a shared parameter holds its own copy (same initial value: one
+        seed, one checkpoint key); after the backward the copies' gradients are summed over
+        the pipeline ranks holding them and the norm counts the first stage's copy only, so
+        every copy takes the same step (pipeline.py `StageTie`, `sum_tied_grads`: Megatron's
+        embedding group). Two stages on one pipeline rank (zero-bubble's V placement puts
+        the first and the last on rank 0) hold a copy each too, summed on the rank first
+        (`untie_on_one_rank`).
   EP    experts are sharded per MoE layer; a parameter an expert shares with a module
         outside its layer is refused (expert_parallel.py `check_ep_modules`).
 """

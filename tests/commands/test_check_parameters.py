@@ -22,8 +22,8 @@ from runtime_models import llama_tp_styles  # noqa: E402
 from tied_models import TIED_LLAMA  # noqa: E402
 
 
-def _tied_tp_plan(tmp_path: Path) -> str:
-    """The tiny job's plan on a Llama with tied embeddings, over tp=2 x dp=2."""
+def _tied_tp_plan(tmp_path: Path, **changes) -> str:
+    """The tiny job's plan on a Llama with tied embeddings, over tp=2 x dp=2 (or `changes`)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TIED_LLAMA))
     from autoplan.models import build_model
@@ -38,6 +38,7 @@ def _tied_tp_plan(tmp_path: Path) -> str:
                 dp=2, tp=2,
                 sequence_parallel=True, tp_styles=llama_tp_styles(len(blocks)), format_version=1,
                 stages=[blocks], recompute={})
+    data.update(changes)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     return str(path)
@@ -51,6 +52,37 @@ def test_a_tied_model_under_tp_holds_the_models_parameters(tmp_path):
         expected = sum(p.numel() for p in build_model(TIED_LLAMA).parameters())
     assert report["ranks"][0]["parameters"] == {"runtime": expected, "model": expected}
     assert report["parameters_match"]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_tied_model_under_pp_holds_a_copy_per_stage_and_sums_their_gradients(tmp_path, zero_stage):
+    # the embedding on stage 0, the head tied to it on stage 1: a copy on each pipeline rank
+    # (the model's parameters of that stage), whose gradients the two ranks all-reduce once a
+    # step in fp32 (at ZeRO-3 their FSDP shards): the cost model counts the same bytes
+    from autoplan.models import build_model
+
+    plan = _tied_tp_plan(tmp_path, tp=1, pp=2, dp=2, zero_stage=zero_stage, sequence_parallel=False,
+                         tp_styles={}, stages=[["layers.0", "layers.1"], ["layers.2", "layers.3"]])
+    report = check_plan(plan, workers=2)
+    assert report["parameters_match"]
+    embedding = TIED_LLAMA["vocab_size"] * TIED_LLAMA["hidden_size"]
+    with torch.device("meta"):
+        total = sum(p.numel() for p in build_model(TIED_LLAMA).parameters())
+    assert sum(r["parameters"]["runtime"] for r in report["ranks"]) == total + embedding
+    for rank in report["ranks"]:
+        for row in rank["collectives"]:
+            # (a pipelined ZeRO-3 stage's all-gathers are not the cost model's, tied or not:
+            # another matter than the tie's all-reduce)
+            if zero_stage == 0 or row["kind"] != "all_gather":
+                assert row["bytes"] == row["model_bytes"], (rank["rank"], row)
+    tied_bytes = 4 * embedding // (2 if zero_stage == 3 else 1)
+    ranks = {rank["pipeline_rank"]: rank for rank in report["ranks"]}
+    reduced = [sum(r["bytes"] for r in ranks[pp]["collectives"] if (r["kind"], r["dtype"]) == ("all_reduce", "float32"))
+               for pp in (0, 1)]
+    if zero_stage == 3:  # FSDP reduce-scatters: the tie's is the only fp32 all-reduce
+        assert reduced == [tied_bytes, tied_bytes]
+    else:  # beside the data-parallel all-reduce of every gradient of the stage
+        assert all(r > tied_bytes for r in reduced)
 
 
 def test_check_fails_when_the_runtime_holds_another_parameter_count(monkeypatch, capsys):

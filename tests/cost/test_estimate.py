@@ -145,3 +145,26 @@ def test_cli_bad_input_exits_2(args, words):
     out = _cli("estimate", "tiny-gpt", *args, "--global-batch", "16")
     assert out.returncode == 2
     assert words in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_tied_embedding_under_a_pipeline_adds_its_gradients_all_reduce_to_the_step(make_gpt_graph, h100_cluster):
+    # the textbook graph's head is tied: the first and the last stage all-reduce their copies'
+    # gradients after the backward (exposed, once a step); an untied head adds nothing
+    from dataclasses import replace
+
+    from autoplan.cost import comm, hw
+    from autoplan.cost.volume import tied_grad_bytes
+
+    graph = make_gpt_graph(layers=8, seq=1024)
+    untied = replace(graph, segments=[graph.pre, *graph.blocks,
+                                      replace(graph.post, parameters=graph.post.parameters + graph.vocab * 1024)])
+    cluster = h100_cluster(16)
+    config = _config(dp=2, tp=2, pp=4)
+    tied_est, untied_est = estimate(graph, config, cluster), estimate(untied, config, cluster)
+    # pp ranks 0 and 3: 3 x tp x dp = 12 ranks apart, across the 8-GPU NVLink domain
+    span = comm.group_span(2, 12, 8)
+    expected = comm.allreduce_time_s(tied_grad_bytes(graph, config), span, hw.fabric(cluster))
+    assert tied_grad_bytes(graph, config) == graph.vocab * 1024 * 4 / 2
+    assert tied_est.comm_breakdown_s["tied"] == pytest.approx(expected) and expected > 0
+    assert "tied" not in untied_est.comm_breakdown_s
+    assert "tied" not in estimate(graph, _config(dp=8, tp=2, pp=1), cluster).comm_breakdown_s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from autoplan.config import ParallelConfig
@@ -39,8 +41,11 @@ def test_in_flight_microbatches():
 def test_estimate_bubble_matches_1f1b_formula(make_gpt_graph, h100_cluster):
     # dp = 1: no gradient sync, so the only idle time is the pipeline bubble; the optimizer
     # step (memory-bound; a fused AdamW's single pass, < 1% of the step here) is the only
-    # other term, hence rel 2%.
-    graph = make_gpt_graph(layers=8, hidden=1024, heads=16, seq=1024)
+    # other term, hence rel 2%. The head is untied (a tied one adds the all-reduce of its
+    # gradient between the first and last stage, test_estimate.py)
+    tied = make_gpt_graph(layers=8, hidden=1024, heads=16, seq=1024)
+    head = replace(tied.post, parameters=tied.post.parameters + tied.vocab * 1024)
+    graph = replace(tied, segments=[tied.pre, *tied.blocks, head])
     p, m = 4, 12
     config = ParallelConfig(global_batch=m, seq_len=1024, dp=1, pp=p, tp=2, micro_batch=1)
     est = estimate(graph, config, h100_cluster(8), runtime=Runtime(optimizer_kernels="fused"))

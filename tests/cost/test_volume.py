@@ -112,3 +112,19 @@ def test_pipeline_stages_hand_the_side_values_on_in_the_dtype_they_took_them_in(
     sent = by_kind(rank_traffic(graph, cp, partition(graph, cp), 0, DEFAULT_RUNTIME), 1)
     without = by_kind(rank_traffic(graph, cp, partition(graph, cp), 0, Runtime(pp_hands_on_side_values=False)), 1)
     assert sent[("send", "float32")] - without[("send", "float32")] == fp32 / 2
+
+
+def test_the_first_and_last_stage_sum_a_tied_embeddings_gradient_once_a_step(make_gpt_graph):
+    # the textbook graph's head is tied (post holds its norm alone): under pp 4 the first and
+    # the last pipeline rank each all-reduce their fp32 copy's gradient, / tp, and at ZeRO-3
+    # their FSDP shard of it, / dp; the ranks between them and an untied head issue none
+    tied = make_gpt_graph(vocab=32000, hidden=1024)
+    post = replace(tied.post, parameters=tied.post.parameters + 32000 * 1024)
+    untied = replace(tied, segments=[tied.pre, *tied.blocks, post])
+    for zero, shards in ((0, 2), (3, 4)):
+        config = ParallelConfig(global_batch=8, seq_len=1024, dp=2, tp=2, pp=4, micro_batch=1, zero_stage=zero)
+        def tie(graph, rank):
+            return [t for t in rank_traffic(graph, config, partition(graph, config), rank)
+                    if (t.kind, t.when, t.bytes) == ("all_reduce", END, 32000 * 1024 * 4 / shards)]
+        assert [len(tie(tied, rank)) for rank in range(4)] == [1, 0, 0, 1], zero
+        assert [len(tie(untied, rank)) for rank in range(4)] == [0, 0, 0, 0], zero

@@ -42,7 +42,7 @@ CONFIGS = {
                   "expand": 2, "conv_kernel": 4, "time_step_rank": 8, "use_cache": False,
                   "tie_word_embeddings": False, "attn_implementation": "eager"}),
     # learned positions and an embedding dropout before the first block (pipeline_hf's
-    # first_stage_only), untied: a tied head is refused under PP
+    # first_stage_only), untied (hf_gpt2 is the tied one)
     "hf_gpt2_untied": ("GPT2Config", "GPT2LMHeadModel",
                        {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
                         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,

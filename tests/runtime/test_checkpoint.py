@@ -161,6 +161,39 @@ def test_fused_projection_checkpoint_is_in_the_models_own_layout(torchrun, tmp_p
     assert max(_rel(a, b) for a, b in zip(losses, ref_losses[5:])) <= 1e-5
 
 
+def _saved_keys(folder) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.slow
+def test_pipelined_tied_checkpoint_keeps_the_models_names_and_resumes(torchrun, tmp_path):
+    """A head tied to the embedding is a copy on each of 2 pipeline stages; the checkpoint
+    holds the weights under the model's names (both, as the unsplit model's state dict) and
+    the optimizer state once, under the model's own name (embed_tokens.weight), as the
+    unsplit model's optimizer keeps it. So it resumes under the same plan and without a
+    pipeline (FSDP), and a checkpoint of either loads into the other; so does one of the V
+    placement, whose pipeline rank 0 holds both copies."""
+    pipelined = _write(tmp_path, "tied_pp2.json", plan_dict("tied_llama", pp=2, schedule="1f1b"))
+    unsplit = _write(tmp_path, "tied_zero3.json", plan_dict("tied_llama", dp=2, zero_stage=3))
+    (tmp_path / "pp").mkdir()
+    (tmp_path / "zero3").mkdir()
+    _save_then_resume(torchrun, tmp_path / "pp", 2, pipelined, [("zero3", unsplit)], kind="tied_llama")
+    keys = _saved_keys(tmp_path / "pp" / "ckpt" / "step_000005")
+    assert {"model.embed_tokens.weight", "model.lm_head.weight"} <= keys
+    assert {"optim.state.embed_tokens.weight.exp_avg", "optim.state.embed_tokens.weight.exp_avg_sq",
+            "optim.param_groups.embed_tokens.weight.lr"} <= keys
+    assert not [k for k in keys if k.startswith(("optim.state.lm_head", "optim.param_groups.lm_head"))]
+    _save_then_resume(torchrun, tmp_path / "zero3", 2, unsplit, [("pp", pipelined)], kind="tied_llama")
+    assert _saved_keys(tmp_path / "zero3" / "ckpt" / "step_000005") == keys
+    # the V placement: both copies on pipeline rank 0, one key; each copy loads it back
+    v_shape = _write(tmp_path, "tied_v.json", plan_dict("tied_llama", pp=2, vpp=2, schedule="zero-bubble"))
+    (tmp_path / "v").mkdir()
+    _save_then_resume(torchrun, tmp_path / "v", 2, v_shape, [("pp", pipelined)], kind="tied_llama")
+    assert _saved_keys(tmp_path / "v" / "ckpt" / "step_000005") == keys
+
+
 def _fake_checkpoint(root, step: int, payload: bytes):
     """A complete checkpoint folder with a manifest, as save_checkpoint leaves it."""
     from autoplan.runtime.checkpoint import MANIFEST, sha256_file

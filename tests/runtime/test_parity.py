@@ -22,7 +22,14 @@ A wrong gradient fails clearly (checked by mutation): untying the tied embedding
 gives weights 6.8e-1, grad norms 3.5e-1, losses 6.2e-3; halving the EP gradient average
 gives losses 1.2e-4; splitting Phi-3's fused qkv_proj and gate_up_proj rows contiguously
 instead of each rank taking its share of every part gives weights 9.3e-1, grad norms 1.3e-1,
-losses 3.6e-3. bf16/fp16 runs are compared with the same fp32 reference as a sanity
+losses 3.6e-3. A tie across pipeline stages (a copy of the embedding on the first stage,
+of the head on the last): correct, losses 2.6e-7, grad norms 2.4e-6, weights 4.1e-4 (the
+GPT-2's, 1.6e-5 for the Llama); without the sum of the copies' gradients losses 6.2e-3,
+grad norms 5.6e-1, weights 6.8e-1 (tied_pp2_1f1b, tied_pp2_dp2_zero3, tied_pp4_gpipe;
+hf_gpt2_tied_pp2 2.6e-3, 5.7e-1, 7.4e-1); counting both copies in the grad norm, grad norms
+3.4e-1 and losses 2.0e-4; under the V placement (both copies on pipeline rank 0) without their
+sum on the rank, 5.8e-3, 6.2e-1, 7.0e-1. The copies must end bit-identical. bf16/fp16 runs
+are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
 """
@@ -35,7 +42,9 @@ import json
 import pytest
 import torch
 
-from runtime_models import OPTIMIZER, plan_dict, reference_training, traced_plan_dict, write_token_file
+from autoplan.runtime.tying import tied_groups
+from runtime_models import (OPTIMIZER, builder, plan_dict, reference_training, traced_plan_dict,
+                            write_token_file)
 
 # (losses, grad norms, weights): relative tolerances, set from measurement (docstring)
 FP32 = (1e-5, 1e-4, 2e-3)
@@ -72,6 +81,13 @@ CONFIGS = {
         "fp16_zero2": ("llama", P(dp=2, zero_stage=2, precision="fp16")),
         "token_file_zero3": ("llama", P(dp=2, zero_stage=3)),  # --data PATH (uint16 .bin)
         "tied_tp2": ("tied_llama", P("tied_llama", tp=2)),  # lm_head.weight is embed_tokens.weight
+        # the embedding on stage 0 and the head on stage 1: a copy each, gradients summed
+        "tied_pp2_1f1b": ("tied_llama", P("tied_llama", pp=2, schedule="1f1b", micro_batch=2)),
+        "tied_pp2_interleaved_1f1b": ("tied_llama", P("tied_llama", pp=2, vpp=2,
+                                                      schedule="interleaved-1f1b")),
+        # V placement: stages 0 and 3 on pipeline rank 0, a copy each, summed on the rank
+        "tied_pp2_zero_bubble_v": ("tied_llama", P("tied_llama", pp=2, vpp=2, schedule="zero-bubble")),
+        "hf_gpt2_tied_pp2": ("hf_gpt2", P("hf_gpt2", pp=2, schedule="1f1b")),
         # the Hugging Face pipeline split of each family it is offered for (pipeline_hf.py)
         "hf_qwen3_pp2": ("hf_qwen3", P("hf_qwen3", pp=2, schedule="1f1b")),
         "hf_olmo2_pp2": ("hf_olmo2", P("hf_olmo2", pp=2, schedule="1f1b")),
@@ -97,6 +113,10 @@ CONFIGS = {
         "dp2_tp2_zero3": ("llama", P(dp=2, tp=2, zero_stage=3)),
         "pp2_tp2": ("llama", P(pp=2, tp=2, schedule="1f1b")),
         "pp2_dp2_zero3": ("llama", P(pp=2, dp=2, zero_stage=3, schedule="1f1b")),
+        # the tied copies' gradient shards, summed over the pipeline ranks at each dp rank
+        "tied_pp2_dp2_zero3": ("tied_llama", P("tied_llama", pp=2, dp=2, zero_stage=3, schedule="1f1b")),
+        # the embedding on pipeline rank 0, the head on rank 3: a group of the two alone
+        "tied_pp4_gpipe": ("tied_llama", P("tied_llama", pp=4, schedule="gpipe", micro_batch=2)),
         "pp2_dp2_ddp": ("llama", P(pp=2, dp=2, schedule="gpipe")),
         "pp2_dp2_zero1": ("llama", P(pp=2, dp=2, zero_stage=1, schedule="1f1b")),
         # ZeRO-1 steps the local shards of DTensor (TP, EP) parameters
@@ -239,6 +259,13 @@ def results(request, torchrun, tmp_path_factory, token_file):
     return get
 
 
+@functools.lru_cache(maxsize=None)
+def tied_names(kind: str) -> list[list[str]]:
+    """The names of each parameter `kind` shares between modules (tied embedding and head)."""
+    with torch.device("meta"):
+        return tied_groups(builder(kind)())
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -274,6 +301,7 @@ def test_loss_parity(results, token_file, world, name):
     worst_norm = max(_rel(a, b) for a, b in zip(norms, ref.grad_norms))
     differences = state_differences(torch.load(got[name]["state_path"]), ref.state)
     worst_param = max(differences, key=differences.get)
+    print(f"{name}: losses {worst_loss:.1e} grad norms {worst_norm:.1e} weights {differences[worst_param]:.1e}")
     assert got[name]["replica_spread"] == 0.0, f"{name}: replicas differ by {got[name]['replica_spread']}"
     assert worst_loss <= loss_rtol, f"{name}: losses {losses} vs reference {ref.losses}"
     assert worst_norm <= norm_rtol, \
@@ -281,3 +309,6 @@ def test_loss_parity(results, token_file, world, name):
     assert differences[worst_param] <= param_rtol, \
         f"{name}: {worst_param} after the last step differs by {differences[worst_param]:.2e} " \
         f"(relative norm); losses {worst_loss:.1e}, grad norms {worst_norm:.1e}"
+    state = torch.load(got[name]["state_path"])
+    for group in tied_names(kind):  # one tensor under every name (a copy per pipeline stage)
+        assert all(torch.equal(state[n], state[group[0]]) for n in group), f"{name}: {group} differ"

@@ -13,7 +13,8 @@ from autoplan.runtime import lr_at, parse_args
 from autoplan.runtime.checkpoint import latest_checkpoint
 from autoplan.runtime.data import TokenFile, local_microbatches, zigzag_positions
 import hf_models
-from autoplan.runtime.pipeline import pipeline_split_problem, split_stages, stage_indices
+from autoplan.runtime.pipeline import (StageTie, pipeline_split_problem, split_stages, stage_indices,
+                                       stage_ties, untie_on_one_rank)
 from runtime_models import builder
 
 
@@ -114,13 +115,42 @@ def test_pipeline_split_refuses_untraceable_models_with_a_reason():
     blocks = hf_models.blocks("hf_gptj")
     reason = pipeline_split_problem(model, [blocks[:1], blocks[1:]])
     assert reason is not None and "torch.fx cannot trace" in reason and "'gptj'" in reason
-    gpt2 = builder("hf_gpt2")()  # split by the shells, but its head is its embedding
+    gpt2 = builder("hf_gpt2")()  # split by the shells; its head, its embedding, a copy per stage
     gpt2_blocks = hf_models.blocks("hf_gpt2")
-    reason = pipeline_split_problem(gpt2, [gpt2_blocks[:1], gpt2_blocks[1:]])
-    assert "transformer.wte.weight and lm_head.weight (tied weights)" in reason
+    assert pipeline_split_problem(gpt2, [gpt2_blocks[:1], gpt2_blocks[1:]]) is None
     llama = builder("hf_llama")()
     llama_blocks = hf_models.blocks("hf_llama")
     assert "once each, in order" in pipeline_split_problem(llama, [llama_blocks[1:], llama_blocks[:1]])
+
+
+def test_a_tied_head_is_a_tie_between_the_first_and_last_stage():
+    with torch.device("meta"):
+        model = builder("tied_llama")()
+    stages = [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
+    ties = stage_ties(model, split_stages(model, stages, torch.arange(4)))
+    assert ties == [StageTie("embed_tokens.weight", ((0, "embed_tokens.weight"), (3, "lm_head.weight")))]
+    with torch.device("meta"):
+        untied = builder("llama")()
+    assert stage_ties(untied, split_stages(untied, stages, torch.arange(4))) == []
+
+
+@pytest.mark.parametrize("kind", ["tied_llama", "hf_gpt2"])
+def test_two_stages_on_one_rank_get_a_copy_each_of_what_they_share(kind):
+    # the V placement puts stages 0 and 3 on pipeline rank 0: the last stage's head becomes
+    # its own parameter, of the same value; the first stage keeps the model's
+    torch.manual_seed(0)
+    model = builder(kind)()
+    blocks = hf_models.blocks(kind) if kind.startswith("hf_") else [f"layers.{i}" for i in range(4)]
+    stages = [[block] for block in blocks]  # 4 stages of the Llama, 2 of the GPT-2
+    parts = split_stages(model, stages, torch.arange(8))
+    ties = stage_ties(model, parts)
+    first, last = 0, len(stages) - 1
+    (embed_name, head_name) = [name for _, name in ties[0].users]
+    shared = model.get_parameter(embed_name)
+    untie_on_one_rank(ties, [parts[first], parts[last]], [first, last])
+    head = parts[last].get_parameter(head_name)
+    assert head is not shared and torch.equal(head, shared)
+    assert parts[first].get_parameter(embed_name) is shared
 
 
 def test_stage_placement_loop_and_v():

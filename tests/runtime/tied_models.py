@@ -8,6 +8,7 @@ million steps: flat to 1e-9 over the run), so an untied copy drifts visibly with
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -54,6 +55,11 @@ def build(kind: str) -> nn.Module:
         return hf_models.build("hf_llama", tie_word_embeddings=True)
     if kind == "gpt":
         return TiedBiasGPT()
+    if kind == "gpt_by_rank":  # initialised differently on every rank (a wrong user model)
+        model = TiedBiasGPT()
+        with torch.no_grad():
+            model.tok.weight.add_(int(os.environ.get("RANK", "0")))
+        return model
     raise ValueError(kind)
 
 
@@ -74,6 +80,7 @@ def materialised(kind: str, seed: int = SEED) -> nn.Module:
 def plan_dict(kind: str, **over) -> dict:
     world = over.get("dp", 1) * over.get("tp", 1) * over.get("pp", 1)
     blocks = {"llama": [f"layers.{i}" for i in range(4)], "gpt": ["blocks.0", "blocks.1"],
+              "gpt_by_rank": ["blocks.0", "blocks.1"],
               "hf_llama": hf_models.blocks("hf_llama")}[kind]
     pp = over.get("pp", 1)
     plan = {"model": {"source": "catalog", "name": f"tied-{kind}"}, "gpu": "cpu",

@@ -3,7 +3,8 @@
 usage: torchrun --nproc-per-node N tied_worker.py CONFIGS.json RESULTS_DIR RUN_DIR
 CONFIGS.json: [{"name": ..., "kind": ..., "plan": {...}}, ...]
 Rank 0 writes RESULTS_DIR/<name>.pt: {"losses", "params" (full values by name, tied names
-included), "distinct": how many distinct parameter objects the parts hold}, or
+included, every pipeline stage's), "distinct": how many distinct parameter objects rank 0's
+parts hold}, or
 {"error": text} when the runtime refused the plan.
 """
 
@@ -49,7 +50,9 @@ def main() -> None:
                 torch.save({"error": str(exc)}, results / f"{config['name']}.pt")
             continue
         losses = trainer.run()
-        params = full_params(trainer)
+        stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(full_params(trainer), stages, dst=0)
+        params = {name: value for share in stages or [] for name, value in share.items()}
         distinct = len({id(p) for part in trainer.par.parts for p in part.parameters()})
         if dist.get_rank() == 0:
             torch.save({"losses": losses, "params": params, "distinct": distinct},

@@ -185,3 +185,21 @@ def test_pipeline_probe_of_keyword_token_ids_calls_the_stage_positionally():
     by_keyword = trace_model(model, {"input_ids": ids})
     assert "pp" not in by_keyword.refused, by_keyword.refused["pp"]
     assert "pp" not in trace_model(model, (ids,)).refused
+
+
+def test_a_head_tied_to_the_embedding_is_offered_a_pipeline(tmp_path, run_cli):
+    # a copy of the embedding on the first stage, of the head on the last, their gradients
+    # summed (runtime/pipeline.py StageTie): the probe runs the pipeline and the search plans it
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                  max_position_embeddings=256, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = build_model(config)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert "pp" not in graph.refused, graph.refused["pp"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = run_cli("plan", str(path), *PLAN, "--fix", "pp=2")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["pp"] == 2
