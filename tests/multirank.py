@@ -18,7 +18,9 @@ import pytest
 def run_killable(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
                  cwd: str | Path | None = None, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run `cmd` in a new session; on timeout kill the whole process group and fail."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: a rank that dies by a signal (SIGSEGV/SIGABRT inside torch or
+    # gloo) prints its Python stack, so a rare native crash leaves evidence behind.
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     for name in unset:
         full_env.pop(name, None)
     full_env.update(env or {})
