@@ -56,6 +56,7 @@ from autoplan.files import write_file
 from autoplan.runtime.data_parallel import Zero1
 from autoplan.runtime.faults import causes, is_no_space
 from autoplan.runtime.fused_projection import fused_row_orders, in_model_layout, into_runtime_layout
+from autoplan.runtime.tying import model_fqn
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -189,12 +190,7 @@ def _in_model_layout(state: dict, parts: list[nn.Module]) -> dict:
 
 def _fqns(part: nn.Module) -> dict[int, str]:
     """Parameter id -> its FQN in the unwrapped model (no DDP / checkpoint-wrapper prefixes)."""
-    names = {}
-    for name, param in part.named_parameters():
-        if name.startswith("module."):
-            name = name[len("module."):]
-        names[id(param)] = name.replace("_checkpoint_wrapped_module.", "")
-    return names
+    return {id(param): model_fqn(name) for name, param in part.named_parameters()}
 
 
 def _zero1_state(part: nn.Module, opt) -> dict:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from autoplan.runtime.expert_parallel import expert_fsdp_placement
-from autoplan.runtime.mesh import ParallelMesh
+from autoplan.runtime.mesh import ParallelMesh, local_part
 from autoplan.runtime.tying import shares_outside, tied_groups
 
 
@@ -94,8 +94,7 @@ def apply_ddp(module: nn.Module, mesh: ParallelMesh, ignored: set[nn.Parameter])
 def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, divisor: int) -> None:
     """Sum (local shards of) gradients over `group`, then divide by `divisor`
     (the group size to average: DDP for DTensor-parallel modules)."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-             for p in params if p.grad is not None]
+    grads = [local_part(p.grad) for p in params if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

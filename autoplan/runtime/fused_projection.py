@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autoplan.errors import UserError
+from autoplan.runtime.tying import model_fqn
 
 # the attribute a parallelised fused projection keeps its row order in (rank-major order of
 # its output rows: runtime row i is the model's row order[i])
@@ -150,7 +151,7 @@ def fused_row_orders(part: nn.Module) -> dict[str, torch.Tensor]:
         order = getattr(module, ROW_ORDER, None)
         if order is None:
             continue
-        path = path.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+        path = model_fqn(path)
         for name, _ in module.named_parameters(recurse=False):
             orders[f"{path}.{name}" if path else name] = order
     return orders

@@ -16,8 +16,14 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from autoplan.plan import Plan
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class MeshAxis(str, Enum):

@@ -37,8 +37,9 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
+from autoplan.runtime.mesh import local_part
 from autoplan.runtime.pipeline_hf import hf_block_paths, hf_split_problem, split_hf_stages
-from autoplan.runtime.tying import tied_groups
+from autoplan.runtime.tying import model_fqn, tied_groups
 
 
 class _BlockTracer(fx.Tracer):
@@ -319,9 +320,8 @@ def _pipeline_subgroup(world, ranks: tuple[int, ...]) -> dist.ProcessGroup | Non
 
 
 def model_named_parameters(part: nn.Module) -> dict[str, nn.Parameter]:
-    """A stage module's parameters by their names in the model (wrappers' prefixes removed:
-    activation checkpointing's `_checkpoint_wrapped_module`)."""
-    return {name.replace("_checkpoint_wrapped_module.", ""): param
+    """A stage module's parameters by their names in the model (wrappers' levels removed)."""
+    return {model_fqn(name): param
             for name, param in part.named_parameters(remove_duplicate=False)}
 
 
@@ -333,17 +333,14 @@ def check_tied_copies(copies: list[TiedCopy]) -> None:
     This rank's copies are compared here; with the other ranks' through one MAX all-reduce of
     (x, -x), x: the layout and two checksums of the values, per shared parameter over its
     group: every rank of the group sees the same result, so all of them raise."""
-    by_tie: dict[str, list[TiedCopy]] = {}
-    for copy_ in copies:
-        by_tie.setdefault(copy_.name, []).append(copy_)
-    for name, mine in by_tie.items():
-        if is_fake(_local(mine[0].param)):  # a dry run: one process stands for every rank
+    for name, mine in _by_tie(copies).items():
+        if is_fake(local_part(mine[0].param)):  # a dry run: one process stands for every rank
             continue
         signatures = [_signature(c.param) for c in mine]
         layouts_differ = len({sig[:3] for sig in signatures}) > 1
         values_differ = len(set(signatures)) > 1 and not layouts_differ
         if mine[0].group is not None:
-            code = torch.tensor(signatures[0], dtype=torch.float64, device=_local(mine[0].param).device)
+            code = torch.tensor(signatures[0], dtype=torch.float64, device=local_part(mine[0].param).device)
             both = torch.cat([code, -code])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mine[0].group)
             highest, lowest = both[:len(code)], -both[len(code):]
@@ -351,7 +348,7 @@ def check_tied_copies(copies: list[TiedCopy]) -> None:
             values_differ |= not layouts_differ and not torch.equal(highest, lowest)
         if layouts_differ:
             described = ", ".join(f"{c.param.__class__.__name__} {_placements(c.param)} "
-                                  f"{tuple(_local(c.param).shape)}" for c in mine)
+                                  f"{tuple(local_part(c.param).shape)}" for c in mine)
             raise UserError(f"the shared (tied) parameter {name} is sharded differently on the "
                             f"pipeline stages using it (this rank's copies: {described}; another "
                             "copy is laid out otherwise), so their gradients cannot be summed; give "
@@ -365,6 +362,14 @@ def check_tied_copies(copies: list[TiedCopy]) -> None:
                             "rank or another source")
 
 
+def _by_tie(copies: list[TiedCopy]) -> dict[str, list[TiedCopy]]:
+    """This rank's copies grouped by the shared parameter's name."""
+    by_tie: dict[str, list[TiedCopy]] = {}
+    for copy_ in copies:
+        by_tie.setdefault(copy_.name, []).append(copy_)
+    return by_tie
+
+
 def _placements(param) -> str:
     return str(tuple(map(str, param.placements))) if hasattr(param, "placements") else "whole"
 
@@ -372,7 +377,7 @@ def _placements(param) -> str:
 def _signature(param) -> tuple[float, ...]:
     """The local shard's size and first dimension, a checksum of the placements, and the sum
     and the sum of squares of its values (float64: equal copies give equal sums)."""
-    local = _local(param).detach()
+    local = local_part(param).detach()
     values = local.double()
     return (float(local.numel()), float(local.shape[0] if local.dim() else 1),
             float(zlib.crc32(_placements(param).encode())), float(values.sum()),
@@ -385,24 +390,19 @@ def sum_tied_grads(copies: list[TiedCopy]) -> None:
     FSDP/TP, which have the same layout on every rank of the group: check_tied_copies), and
     every copy takes the sum. After the backward (and the data-parallel reduction), before
     clipping and the optimizer step, as Megatron-LM's finalize_model_grads."""
-    by_tie: dict[str, list[TiedCopy]] = {}
     for copy_ in copies:
         if copy_.param.grad is None:  # a stage whose use got no gradient still takes part
             copy_.param.grad = torch.zeros_like(copy_.param)
-        by_tie.setdefault(copy_.name, []).append(copy_)
+    by_tie = _by_tie(copies)
     by_group: dict[int, tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
     for mine in by_tie.values():
-        first = _local(mine[0].param.grad)
+        first = local_part(mine[0].param.grad)
         for other in mine[1:]:
-            first.add_(_local(other.param.grad))
+            first.add_(local_part(other.param.grad))
         if mine[0].group is not None:
             by_group.setdefault(id(mine[0].group), (mine[0].group, []))[1].append(mine[0].param)
     for group, params in by_group.values():
         allreduce_grads(params, group, 1)
     for mine in by_tie.values():
         for other in mine[1:]:
-            _local(other.param.grad).copy_(_local(mine[0].param.grad))
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local_part(other.param.grad).copy_(local_part(mine[0].param.grad))

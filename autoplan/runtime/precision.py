@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autoplan.runtime.mesh import local_part
+
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}  # fp8 matmuls need torchao + H100; it runs as bf16 here
 
@@ -23,10 +25,6 @@ def autocast(device_type: str, precision: str, fsdp_casts: bool):
     if dtype is None or (fsdp_casts and precision != "fp16"):
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -71,7 +69,7 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float,
         if coef < 1.0:
             for p in params:
                 if p.grad is not None:
-                    _local(p.grad).mul_(coef)
+                    local_part(p.grad).mul_(coef)
     return norm
 
 
@@ -93,7 +91,7 @@ class DynamicLossScaler:
         bad = torch.zeros(())
         for p in params:
             if p.grad is not None:
-                g = _local(p.grad)
+                g = local_part(p.grad)
                 g.mul_(1.0 / self.scale)
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float().cpu())
         if dist.is_initialized():
@@ -118,5 +116,5 @@ class DynamicLossScaler:
 
 def _any_device(params) -> torch.device:
     for p in params:
-        return _local(p).device
+        return local_part(p).device
     return torch.device("cpu")

@@ -30,6 +30,7 @@ from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.fused_projection import FusedColwiseParallel, localise_head_counts, qkv_head_counts
+from autoplan.runtime.mesh import local_part
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 from autoplan.runtime.tying import retie, tied_groups
@@ -105,7 +106,7 @@ def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor, mesh: Device
     """This rank's share of the embedding of (replicated) token `ids`, reduced over the
     tp group into `output_layout`; a plain tensor, as RowwiseParallel's use_local_output."""
     weight = module.weight  # FSDP's gathered parameter inside a fully_shard unit
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    local = local_part(weight)
     vocab = weight.shape[0]
     # Shard(0) splits as torch.chunk: every rank but the last ceil(vocab / tp) rows
     start = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
@@ -132,11 +133,6 @@ def _on_first_input(transform):
         return args, {**kwargs, name: transform(kwargs[name])}
 
     return hook
-
-
-def _to_local(first):
-    """A sequence-sharded DTensor from a SequenceParallel norm -> this rank's plain shard."""
-    return first.to_local() if isinstance(first, DTensor) else first
 
 
 def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
@@ -204,7 +200,7 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
             continue
         if name == "prepare_input" and is_moe_layer(modules[path]):
             if sequence_parallel:
-                modules[path].register_forward_pre_hook(_on_first_input(_to_local), with_kwargs=True)
+                modules[path].register_forward_pre_hook(_on_first_input(local_part), with_kwargs=True)
                 token_local.append(modules[path])
             continue
         style = style_for(name, sequence_parallel)

@@ -35,6 +35,13 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
+def model_fqn(name: str) -> str:
+    """A parameter's or module's name in the user's model, as torch's state-dict functions
+    write it: without DDP's `module.` prefix or activation checkpointing's
+    `_checkpoint_wrapped_module.` level."""
+    return name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+
+
 def inside(name: str, path: str) -> bool:
     return path == "" or name == path or name.startswith(path + ".")
 
