@@ -70,6 +70,10 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
     vpp: int = 1
     sequence_parallel: bool = True
+    # each repeated block under torch.compile (torchtitan's apply_compile: "Apply torch.compile to
+    # each TransformerBlock"), so Inductor fuses its memory-bound ops (cost.compute); the embedding,
+    # final norm, head and loss stay eager
+    compile: bool = False
     recompute: str = "none"
     stage_layers: tuple[int, ...] | None = None
     stage_recompute: tuple[tuple[int, int], ...] | None = field(default=None)

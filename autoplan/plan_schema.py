@@ -112,8 +112,9 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
     for name, allowed in (("offload", OFFLOAD), ("precision", PRECISIONS), ("schedule", SCHEDULES)):
         if data.get(name, allowed[0]) not in allowed:
             problems.append(f"{name} must be one of {list(allowed)}, got {_shown(data.get(name))}")
-    if not isinstance(data.get("sequence_parallel", True), bool):
-        problems.append(f"sequence_parallel must be true or false, got {_shown(data.get('sequence_parallel'))}")
+    for flag, default in (("sequence_parallel", True), ("compile", False)):
+        if not isinstance(data.get(flag, default), bool):
+            problems.append(f"{flag} must be true or false, got {_shown(data.get(flag))}")
     stages = data.get("stages", [])
     if not isinstance(stages, list) or not all(_is_str_list(stage) for stage in stages):
         problems.append("stages must be a list of lists of block module paths")

@@ -46,8 +46,9 @@ def test_version_2_file_reads_with_its_per_path_recompute_and_writes_runs():
     assert written["recompute"] == {"layers.0-4": "full", "layers.5-17": "selective", "layers.18": "none",
                                     "layers.19-43": "selective", "layers.44-79": "none"}
     assert written["format_version"] == 3
-    # every other key is the version-2 file's, in its order
-    assert list(written) == list(data)
+    # every other key is the version-2 file's, in its order, and `compile` (newer than the
+    # file) with its default
+    assert written.pop("compile") is False and list(written) == list(data)
     assert {k: v for k, v in written.items() if k not in ("recompute", "format_version")} == \
         {k: v for k, v in data.items() if k not in ("recompute", "format_version")}
     assert Plan.from_dict(written) == plan

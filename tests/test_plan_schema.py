@@ -53,7 +53,7 @@ BAD_FIELDS = [
     ("dp", 0), ("tp", 0), ("pp", 0), ("cp", -1), ("ep", 0), ("vpp", 0), ("micro_batch", 0),
     ("dp", 1.5), ("tp", "2"), ("tp", True), ("global_batch", NAN),
     ("zero_stage", 4), ("precision", "int8"), ("schedule", "1f2b"), ("offload", "disk"),
-    ("sequence_parallel", "yes"), ("memory_headroom_gib", NAN), ("inter_node_bandwidth_gb_per_s", 0),
+    ("sequence_parallel", "yes"), ("compile", "yes"), ("compile", 1), ("memory_headroom_gib", NAN), ("inter_node_bandwidth_gb_per_s", 0),
     ("inter_node_bandwidth_gb_per_s", INF), ("gpu", 7), ("gpu", ""),
     ("model.source", "web"), ("model.source", "file"), ("model.source", "config"),
     ("model.path", "evil.py"), ("model.name", ""), ("model.fingerprint", "xyz"),

@@ -7,7 +7,7 @@ enable_sequence_parallel, pipeline_parallel_degree, pipeline_parallel_schedule,
 module_fqns_per_model_part, pipeline_parallel_microbatch_size, context_parallel_degree,
 expert_parallel_degree; [training] local_batch_size, global_batch_size, seq_len,
 mixed_precision_param, enable_cpu_offload, max_norm, steps; [activation_checkpoint] mode,
-selective_ac_option; [model] name, flavor, converters.
+selective_ac_option; [model] name, flavor, converters; [compile] enable, components.
 
 torchtitan up to 0.2 reads the file itself (`--job.config_file torchtitan.toml`); 0.3 takes the
 same keys as command-line overrides (`--parallelism.tensor_parallel_degree 2`) on top of a
@@ -81,6 +81,10 @@ def torchtitan_config(plan: Plan, version: str = CURRENT_VERSION) -> dict[str, d
             config["model"]["converters"] = ["float8"]
     config["training"] = training
     config["parallelism"] = _parallelism(plan, version)
+    # said either way: some config_registry functions (DeepSeek-V3's) compile by default
+    config["compile"] = {"enable": plan.compile}
+    if plan.compile:  # the model's blocks, as autoplan's runtime compiles them (not the loss)
+        config["compile"]["components"] = ["model"]
     config["activation_checkpoint"] = _activation_checkpoint(plan)
     config["optimizer"] = {"name": "AdamW", "lr": float(opt.get("lr", 3e-4)),
                            "beta1": float(opt.get("betas", [0.9, 0.95])[0]),
@@ -205,19 +209,20 @@ def torchtitan_overrides(config: dict[str, dict[str, Any]]) -> list[str]:
     """The configuration as torchtitan 0.3 command-line overrides (tyro: --section.key value).
 
     Booleans are tyro flags (--section.key / --section.no-key); a list of lists is one word per
-    inner list, comma-joined (torchtitan's list[str] rule). The recomputation mode is tyro's
+    inner list, comma-joined (torchtitan's list[str] rule), a list of words one word each. The recomputation mode is tyro's
     subcommand of the activation_checkpoint union, last (`activation-checkpoint:full`). [model],
     [optimizer] and [lr_scheduler] are left out: torchtitan 0.3 chooses the model with
     --module/--config and those components in its config_registry."""
     args: list[str] = []
     for section, values in config.items():
-        if section not in ("training", "parallelism"):
+        if section not in ("training", "parallelism", "compile"):
             continue
         for key, value in values.items():
             if isinstance(value, bool):
                 args.append(f"--{section}.{key}" if value else f"--{section}.no-{key}")
             elif isinstance(value, list):
-                args += [f"--{section}.{key}", *(",".join(part) for part in value)]
+                args += [f"--{section}.{key}",
+                         *(",".join(part) if isinstance(part, list) else part for part in value)]
             else:
                 args += [f"--{section}.{key}", str(value)]
     return args + [f"activation-checkpoint:{ac_kind(config['activation_checkpoint'])}"]
@@ -243,7 +248,7 @@ def torchtitan_toml(plan: Plan, version: str = CURRENT_VERSION) -> str:
         header.append("run: torchrun ... -m torchtitan.train --job.config_file torchtitan.toml")
     else:
         header.append(f"run: torchrun ... -m torchtitan.train {module} followed by the overrides of "
-                      "[training], [parallelism] and [activation_checkpoint] below:")
+                      "[training], [parallelism], [compile] and [activation_checkpoint] below:")
         header.append(shlex.join(torchtitan_overrides(config)))
     if _needs_cuda_graphs_off(plan, version):
         header.append("changed from torchtitan's defaults for this plan: [training] disable_cuda_graphs = true "

@@ -18,7 +18,7 @@ from autoplan.trace.load import load_graph
 def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep: int, zero: int,
                         offload: str, micro_batch: int, global_batch: int, seq_len: int,
                         recompute: str, schedule: str | None, vpp: int, precision: str,
-                        sequence_parallel: bool) -> ParallelConfig:
+                        sequence_parallel: bool, compile_blocks: bool = False) -> ParallelConfig:
     """ParallelConfig from the command line; dp defaults to N / (tp x pp x cp) when it divides."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--vpp", vpp),
                         ("--micro-batch", micro_batch), ("--global-batch", global_batch)):
@@ -35,7 +35,7 @@ def config_from_options(gpus: int, dp: int | None, tp: int, pp: int, cp: int, ep
     return ParallelConfig(global_batch=global_batch, seq_len=seq_len, dp=dp, tp=tp, pp=pp, cp=cp,
                           ep=ep, zero_stage=zero, offload=offload, micro_batch=micro_batch,
                           recompute=recompute, schedule=schedule, vpp=vpp, precision=precision,
-                          sequence_parallel=sequence_parallel and tp > 1)
+                          sequence_parallel=sequence_parallel and tp > 1, compile=compile_blocks)
 
 
 def estimate_plan_file(path: str, gpu: str | None = None, model: str | None = None,
@@ -120,6 +120,7 @@ def render(est, console) -> None:
               help="Training precision of this configuration.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
               help="Megatron sequence parallelism with TP.")
+@o.compile_option
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
               help="Estimate a plan.json (its config, stages and per-block recomputation) for MODEL, "
                    "or for the model the plan names when MODEL is left out.")
@@ -129,7 +130,7 @@ def render(est, console) -> None:
 @o.load_timeout_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, dp, tp, pp, cp, ep,
             zero, offload, micro_batch, global_batch, seq_len, recompute, schedule, vpp, precision,
-            sequence_parallel, plan_path, trust_plan_model, from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
+            sequence_parallel, compile_blocks, plan_path, trust_plan_model, from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
     """Predict step time, tokens/s, MFU and memory per GPU of MODEL under one configuration
     (given by the options, a plan.json, or your DeepSpeed / Megatron-LM / torchtitan config)."""
     from autoplan.cost import estimate
@@ -138,9 +139,10 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
     imported = None
     if chosen:
         if plan_path or dp or tp != 1 or pp != 1 or cp != 1 or ep != 1 or zero or vpp != 1 \
-                or recompute != "none":
+                or recompute != "none" or compile_blocks:
             raise UserError("--from-deepspeed/--from-megatron/--from-torchtitan gives the configuration; "
-                            "drop --plan and the --dp/--tp/--pp/--cp/--ep/--zero/--vpp/--recompute options")
+                            "drop --plan and the --dp/--tp/--pp/--cp/--ep/--zero/--vpp/--recompute/--compile "
+                            "options")
         if not model or gpus is None:
             raise UserError("give MODEL and --gpus N with an imported configuration")
         from autoplan.importers.compare import estimate_imported_model
@@ -152,6 +154,9 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         if memory_headroom or inter_node_bandwidth is not None:
             raise UserError("--plan takes the plan's own cluster (--memory-headroom, --inter-node-bandwidth); "
                             "drop them, or plan again")
+        if compile_blocks:
+            raise UserError("--plan takes the plan's own torch.compile choice (its \"compile\" key); drop "
+                            "--compile, or plan again with it")
         est, _ = estimate_plan_file(plan_path, model=model, trust_plan_model=trust_plan_model)
     else:
         if not model:
@@ -164,7 +169,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         graph, _, seq = load_graph(model, seq_len)
         config = config_from_options(gpus, dp, tp, pp, cp, ep, zero, offload, micro_batch,
                                      global_batch, seq, recompute, schedule, vpp, precision,
-                                     sequence_parallel)
+                                     sequence_parallel, compile_blocks)
         est = estimate(graph, config, cluster)
     _output(est, imported, as_json)
     if not est.feasible:  # "nothing fits" is exit status 1, as for `autoplan plan`

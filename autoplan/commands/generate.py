@@ -17,7 +17,8 @@ from autoplan.hardware import load_gpu, load_prices
 from autoplan.planfile import does_not_fit, load_checked_plan, read_plan
 
 # Options that choose a plan; with --plan the plan is already chosen.
-_CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective", "fix", "precision", "time_limit")
+_CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective", "fix", "precision", "compile_blocks",
+              "time_limit")
 
 
 @click.command("generate")
@@ -36,8 +37,8 @@ _CHOOSING = ("hardware", "inter_node_bandwidth", "memory_headroom", "objective",
 @click.pass_context
 @o.load_timeout_option
 def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-            global_batch, seq_len, image_size, objective, fix, precision, time_limit, output, force, launchers,
-            stack_versions):
+            global_batch, seq_len, image_size, objective, fix, precision, compile_blocks, time_limit, output, force,
+            launchers, stack_versions):
     """Write train.py, launch.sh, slurm.sbatch, plan.json, README.md and the plan for torchtitan
     (torchtitan.toml), Megatron-LM (megatron.args) and DeepSpeed (ds_config.json) for MODEL.
 
@@ -53,7 +54,8 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
         given = [name for name in _CHOOSING
                  if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
         if given:
-            flags = " ".join("--" + name.replace("_", "-") for name in given)
+            opts = {param.name: param.opts[-1] for param in ctx.command.params}
+            flags = " ".join(opts[name] for name in given)
             raise UserError(f"--plan takes the plan as it is, so {flags} would be ignored; drop them, "
                             "or plan again without --plan")
         given_plan = read_plan(plan_file)
@@ -71,7 +73,7 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
                             "--global-batch B, as for `autoplan plan`), or a plan file with --plan FILE")
         job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
                        global_batch, seq_len, objective, fix, precision, top=1, quiet=True,
-                       time_limit=time_limit, image_size=image_size)
+                       time_limit=time_limit, image_size=image_size, compile_blocks=compile_blocks)
         if job.plan is None:
             from autoplan.solve.explain import infeasible_report
 
@@ -149,6 +151,9 @@ def _command_line(ctx: click.Context, model: str, plan_file: str | None) -> str:
         if ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
             continue
         value = ctx.params[param.name]
+        if getattr(param, "is_flag", False):
+            parts += [param.opts[-1]] if value else []
+            continue
         for item in value if isinstance(value, tuple) else (value,):
             parts += [param.opts[-1] if param.opts[-1].startswith("--") else param.opts[0], str(item)]
     return " ".join(shlex.quote(part) for part in parts)

@@ -64,6 +64,10 @@ memory_headroom_option = click.option(
          "fill the GPU to the estimate).")
 precision_option = click.option("--precision", type=click.Choice(PRECISION_CHOICES), default="bf16",
                                 show_default=True, help="Training precision; auto lets the solver pick bf16 or fp8.")
+compile_option = click.option(
+    "--compile", "compile_blocks", is_flag=True,
+    help="Run each repeated block under torch.compile in the job (torchtitan's per-block compile); the "
+         "cost model then counts its fused kernels. Compiling takes minutes at start-up on a large model.")
 fix_option = click.option("--fix", multiple=True, metavar="KEY=VALUE",
                           help="Fix a choice (repeatable): " + ", ".join(FIX_KEYS) + ".")
 

@@ -24,14 +24,15 @@ def plan_options(func):
         o.image_size_option,
         click.option("--objective", type=click.Choice(["time", "cost"]), default="time", show_default=True,
                      help="Minimise step time, or cost per step."),
-        o.fix_option, o.precision_option, o.time_limit_option(),
+        o.fix_option, o.precision_option, o.compile_option, o.time_limit_option(),
     ]):
         func = option(func)
     return func
 
 
 def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
-             global_batch, seq_len, objective, fix, precision, top, quiet, time_limit=None, image_size=None):
+             global_batch, seq_len, objective, fix, precision, top, quiet, time_limit=None, image_size=None,
+             compile_blocks=False):
     from autoplan.solve.api import plan_job, resolve_cluster
     from autoplan.trace.load import load_graph, require_blocks
     from autoplan.solve.space import parse_fix
@@ -41,6 +42,7 @@ def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, me
     graph, ref, seq = load_graph(model, seq_len, image_size)
     require_blocks(graph, model)
     limit = {} if time_limit is None else {"time_limit_s": _positive_time_limit(time_limit)}
+    limit["compile_blocks"] = compile_blocks
     if quiet:
         return plan_job(graph, ref, cluster, global_batch=global_batch, seq_len=seq, fixed=fixed,
                         precision=precision, objective=objective, top=top, **limit)
@@ -75,8 +77,8 @@ def _positive_time_limit(seconds: float) -> float:
 @compare_with_option
 @o.load_timeout_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
-            seq_len, image_size, objective, fix, precision, time_limit, top, as_json, output_format, stack_versions,
-            output, force, compare_with):
+            seq_len, image_size, objective, fix, precision, compile_blocks, time_limit, top, as_json, output_format,
+            stack_versions, output, force, compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
     from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
 
@@ -89,7 +91,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         raise UserError(f"{output} exists; pass --force to overwrite it or choose another -o path")
     job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
                    global_batch, seq_len, objective, fix, precision, top, quiet=as_json or export is not None,
-                   time_limit=time_limit, image_size=image_size)
+                   time_limit=time_limit, image_size=image_size, compile_blocks=compile_blocks)
     if job.plan is None:
         report = infeasible_report(job)
         if as_json:

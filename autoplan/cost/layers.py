@@ -68,10 +68,6 @@ class Runtime:
     the step keeps the 16-bit logits through the loss backward (autoplan's loop and torchtitan
     free them first; a pipeline schedule keeps them regardless); Megatron's in-place fused
     vocab-parallel cross entropy.
-    compiled_blocks: each repeated block runs under torch.compile (torchtitan apply_compile:
-    "Apply torch.compile to each TransformerBlock"), so Inductor fuses its memory-bound ops
-    (compute.block_memory_bytes); the embedding, final norm, head and loss stay eager.
-    autoplan's runtime does not compile.
     rmsnorm_kernel: how an eager RMSNorm runs: "fused", one kernel (torch's F.rms_norm in
     autoplan's runtime, Apex/TE, torchtitan's fused_rmsnorm), or "decomposed", op by op in
     fp32 (torchtitan's norm_type "rmsnorm"; compute.decomposed_rmsnorm_bytes_per_element).
@@ -109,7 +105,6 @@ class Runtime:
     experts_replicated_over_tp: bool = True
     fsdp_root_regathered: bool = False
     cp_grad_ring: str = "fp32"
-    compiled_blocks: bool = False
     rmsnorm_kernel: str = "fused"
     checkpoint_early_stop: bool = True
     pp_hands_on_side_values: bool = True
@@ -332,7 +327,7 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
     c = config  # every field _layer_cost reads; not the schedule, virtual stages or partition
     key = ("layer_cost", id(graph), block.name, c.global_batch, c.seq_len, c.dp, c.tp, c.pp, c.cp, c.ep,
            c.zero_stage, c.offload, c.micro_batch, c.precision, c.sequence_parallel, c.dp_replicate,
-           id(cluster), recompute, flash_attention, runtime)
+           c.compile, id(cluster), recompute, flash_attention, runtime)
     return cache.get(key, lambda: _layer_cost(block, graph, config, cluster, recompute,
                                               flash_attention=flash_attention, runtime=runtime, cache=cache),
                      graph, cluster)
@@ -449,7 +444,7 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     fabric, groups = fabric_and_groups(config, cluster, cache)
     profile = cached_block_profile(graph, block, cache)
     times = compute_times(block, graph, config, gpu, flash_attention, runtime.flash_kernel,
-                          runtime.compiled_blocks, runtime.rmsnorm_kernel, cache)
+                          config.compile, runtime.rmsnorm_kernel, cache)
     rc = recompute if block.kind not in ("pre", "post") else "none"
     policy = _memory_policy(runtime)
     op_sac = runtime.selective_policy == sac.OP_SAC and rc == "selective"

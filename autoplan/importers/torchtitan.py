@@ -94,12 +94,22 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
         global_batch=gb, seq_len=finish_seq_len(seq, notes), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
         offload=offload, micro_batch=micro, recompute=recompute if every is None else "full", schedule=schedule,
         vpp=vpp, precision=precision, sequence_parallel=tp > 1 and bool(par.get("enable_sequence_parallel", True)),
-        dp_replicate=replicate if shard > 1 else 1, stage_layers=stage_layers)
+        dp_replicate=replicate if shard > 1 else 1, stage_layers=stage_layers,
+        compile=_compiles_model(data, training))
     if every is not None:
         notes.append(f"selective_ac_option {every}: every {every}-th block fully recomputed (placed per stage "
                      "once the model's block count is known; until then every block)")
     return ImportedConfig(config=config, unsupported=unsupported, notes=notes, source=source, seq_len=seq,
                           layers_per_virtual_stage=per_stage, recompute_every=every)
+
+
+def _compiles_model(data: dict[str, Any], training: dict[str, Any]) -> bool:
+    """[compile] enable with "model" among its components (torchtitan's default components are
+    model and loss), or the older [training] compile flag."""
+    section = data.get("compile", {})
+    if isinstance(section, dict) and section.get("enable"):
+        return "model" in section.get("components", ["model", "loss"])
+    return training.get("compile") is True
 
 
 def _section(data: dict[str, Any], name: str, source: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@
   3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
                   experts sharded over the ep axis.
   4. recompute  - checkpoint wrappers per block (after TP so the wrapped code is the TP code).
+     compile    - torch.compile per block when the plan says so (compiling.py).
   5. DP         - FSDP2 (ZeRO-2/3, HSDP) or DDP (ZeRO-0/1) last, on the parallelised blocks,
                   as FSDP2 + DTensor composition requires; at ZeRO-2/3 each layer's experts
                   are an FSDP unit on the expert-replica mesh, below it outside DDP.
@@ -24,6 +25,7 @@ from autoplan.config import TP_STYLE_FORMS, tp_style_known
 from autoplan.errors import UserError
 from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
+from autoplan.runtime.compiling import apply_compile
 from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
@@ -95,6 +97,9 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
         check_ep_modules(model, plan.ep_modules, plan.ep)
         if (plan.dp_shard * plan.cp) % plan.ep:
             raise UserError(f"ep={plan.ep} must divide dp_shard*cp = {plan.dp_shard * plan.cp}.")
+    if plan.compile and not plan.blocks:
+        raise UserError("the plan asks for torch.compile per block but names no blocks (its "
+                        "recompute lists them); re-run `autoplan plan --compile` for this model.")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage {plan.zero_stage} must be 0, 1, 2 or 3.")
 
@@ -130,8 +135,10 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
                                    plan.seq_len)
         if plan.ep > 1:
             result.expert_modules += apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)
-        # 4. Activation recomputation.
+        # 4. Activation recomputation, then compilation of the checkpointed blocks.
         apply_recompute(part, plan.recompute)
+        if plan.compile:
+            apply_compile(part, list(plan.blocks))
     # 5. Data parallelism (also over cp: CP ranks average gradients like DP ranks).
     if not data_parallel:
         return result

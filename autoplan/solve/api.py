@@ -12,7 +12,7 @@ from autoplan.hardware import resolve_cluster  # noqa: F401  (re-exported for co
 from autoplan.trace.graph import ModelGraph, sequence_loop_notes
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve import preference
-from autoplan.solve.search import SearchResult, search
+from autoplan.solve.search import Candidate, SearchResult, estimate_candidate, search
 from autoplan.solve.space import Request, check_fixed
 from autoplan.solve.plan_build import to_plan
 
@@ -36,13 +36,28 @@ def precisions_for(precision: str, cluster) -> tuple[str, ...]:
     return (precision,)
 
 
+def compile_gain_notes(graph: ModelGraph, best: Candidate, cluster, cache: CostCache) -> list[str]:
+    """What `--compile` would gain on the best plan, by the cost model, when it is 1% or more:
+    the same configuration with its blocks' kernels fused (cost.compute, torchtitan's
+    apply_compile rows)."""
+    compiled = estimate_candidate(graph, best.config.with_(compile=True), cluster, cache)
+    gain = 1.0 - compiled.step_time_s / best.step_time_s
+    if gain < 0.01:
+        return []
+    return [f"torch.compile per block (--compile) would take this plan's step from "
+            f"{best.step_time_s:.3g} s to {compiled.step_time_s:.3g} s ({gain:.0%} faster) by the cost "
+            "model; the job then compiles each block class once at start-up (minutes on a large model)"]
+
+
 def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, seq_len: int,
              fixed: dict | None = None, precision: str = "bf16", objective: str = "time",
              top: int = 3, progress: Callable[[int, int], None] | None = None,
              time_limit_s: float = 60.0, equivalence_band: float | None = None,
-             cache: CostCache | None = None) -> PlanJob:
+             cache: CostCache | None = None, compile_blocks: bool = False) -> PlanJob:
     """Search the plan space of `graph` on `cluster`; the best as a Plan plus the ranked result.
-    `cache`: costs to reuse (search), one per graph when planning it on many clusters."""
+    `cache`: costs to reuse (search), one per graph when planning it on many clusters.
+    `compile_blocks`: every plan runs its blocks under torch.compile; without it, a note says
+    what compiling would gain on the best plan."""
     if global_batch is None or global_batch < 1:
         raise UserError(f"--global-batch must be a positive number of sequences, got {global_batch}")
     request = Request(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
@@ -51,7 +66,7 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
                       else (fixed["precision"],),
                       fixed=dict(fixed or {}), objective=objective,
                       equivalence_band=preference.equivalence_band() if equivalence_band is None
-                      else equivalence_band)
+                      else equivalence_band, compile=compile_blocks)
     check_fixed(graph, request)
     cache = CostCache() if cache is None else cache
     result = search(graph, cluster, request, top=top, progress=progress, time_limit_s=time_limit_s,
@@ -64,6 +79,8 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
             + "; use a global batch that is a multiple of the data-parallel degree you want, or drop a --fix")
     fused = FUSED_SCAN_CLASSES if cluster.gpu.fused_library_kernels else ()
     result.notes.extend(sequence_loop_notes(graph.sequence_loops, graph.seq_len, fused))
+    if result.best and not compile_blocks:
+        result.notes.extend(compile_gain_notes(graph, result.best, cluster, cache))
     plan = to_plan(result.best, graph, model, cluster) if result.best else None
     return PlanJob(plan=plan, result=result, graph=graph, model=model, cluster=cluster, request=request,
                    cache=cache)

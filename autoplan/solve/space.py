@@ -45,6 +45,7 @@ class Request:
     # relative step-time difference within which the simpler plan is preferred (preference.py);
     # 0: the fastest plan
     equivalence_band: float = 0.0
+    compile: bool = False  # every configuration runs its blocks under torch.compile
 
 
 def divisors(n: int) -> list[int]:
@@ -184,7 +185,7 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
                                 dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                 offload=offload, micro_batch=mb, schedule=schedule, vpp=vpp,
                                 precision=precision, sequence_parallel=tp > 1,
-                                recompute=fixed.get("recompute", "none"),
+                                compile=request.compile, recompute=fixed.get("recompute", "none"),
                             )
 
 

@@ -295,10 +295,9 @@ def zero3_flat_gather(run: dict[str, Any]) -> bool:
 
 
 def stack_settings(run: dict[str, Any]) -> dict[str, Any]:
-    """Runtime fields for how the run's stack executed its blocks, from the row's `runtime`
-    object (each value sourced in the row): `torch_compile` (torch.compile of each block;
-    Runtime.compiled_blocks) and `rmsnorm` (how an eager RMSNorm ran, "fused" or
-    "decomposed"; Runtime.rmsnorm_kernel). A row without it ran eagerly with fused norms
+    """How the run's stack executed its blocks, from the row's `runtime` object (each value
+    sourced in the row): `torch_compile` (torch.compile of each block; ParallelConfig.compile)
+    and `rmsnorm` (how an eager RMSNorm ran, "fused" or "decomposed"; Runtime.rmsnorm_kernel). A row without it ran eagerly with fused norms
     (Megatron's Apex / Transformer Engine kernels). UserError on a value not understood."""
     stack = run.get("runtime") or {}
     compiled = stack.get("torch_compile", False) if isinstance(stack, dict) else None
@@ -306,7 +305,7 @@ def stack_settings(run: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(compiled, bool) or norm not in RMSNORM_KERNELS:
         raise UserError(f"runtime {json.dumps(stack)[:80]} must be an object with torch_compile "
                         f"true/false and rmsnorm one of {list(RMSNORM_KERNELS)}")
-    return {"compiled_blocks": compiled, "rmsnorm_kernel": norm}
+    return {"compile": compiled, "rmsnorm_kernel": norm}
 
 
 def _partial_recompute(graph, config: ParallelConfig, cluster, flash: bool, runtime, est,
@@ -360,8 +359,10 @@ def validate_run(run: dict[str, Any]) -> RunResult:
         flat = zero3_flat_gather(run)
         kernel = flash_kernel(run)
         stack = stack_settings(run)
+        compiled = stack.pop("compile")
         best = None
         for config, assumed in candidates:
+            config = config.with_(compile=compiled)
             if layer_sac(run):
                 config = _every_second_block_full(graph, config)
                 assumed = {**assumed, "recompute": "full on every second block (layer SAC)"}

@@ -44,7 +44,8 @@ HERE = Path(__file__).resolve().parent
 
 # The plan, exactly as in plan.json. The runtime applies it: parallel degrees, ZeRO stage and
 # offload, micro-batching, pipeline stages (module paths), tensor-parallel styles per block class,
-# recomputation per block, precision and the optimizer. "estimate" holds the predictions.
+# recomputation per block, torch.compile per block, precision and the optimizer. "estimate"
+# holds the predictions.
 PLAN = {
     'model': {
         'source': 'catalog', 'name': 'llama3.1-8b', 'path': None,
@@ -68,6 +69,7 @@ PLAN = {
     'schedule': 'interleaved-1f1b',
     'vpp': 4,
     'sequence_parallel': False,
+    'compile': False,
     'memory_headroom_gib': 8.0,
     'inter_node_bandwidth_gb_per_s': None,
     'stages': [

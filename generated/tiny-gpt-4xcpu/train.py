@@ -44,7 +44,8 @@ HERE = Path(__file__).resolve().parent
 
 # The plan, exactly as in plan.json. The runtime applies it: parallel degrees, ZeRO stage and
 # offload, micro-batching, pipeline stages (module paths), tensor-parallel styles per block class,
-# recomputation per block, precision and the optimizer. "estimate" holds the predictions.
+# recomputation per block, torch.compile per block, precision and the optimizer. "estimate"
+# holds the predictions.
 PLAN = {
     'model': {
         'source': 'catalog', 'name': 'tiny-gpt', 'path': None,
@@ -68,6 +69,7 @@ PLAN = {
     'schedule': '1f1b',
     'vpp': 1,
     'sequence_parallel': False,
+    'compile': False,
     'memory_headroom_gib': 0.8,
     'inter_node_bandwidth_gb_per_s': None,
     'stages': [['layers.0', 'layers.1']],

@@ -56,6 +56,7 @@ PLANS = {
     "full-recompute": make_plan("llama3.1-8b", modes=("full",) * 32),
     "selective-recompute": make_plan("llama3.1-8b", dp=4, tp=2, modes=("selective",) * 32),
     "mixed-recompute": make_plan("llama3.1-8b", modes=("full", "none", "none", "none") * 8),
+    "compiled": make_plan("llama3.1-8b", dp=4, tp=2, compile=True),
 }
 AC_CLASS = {"none": "NoneType", "full": "FullAC.Config", "selective": "SelectiveAC.Config"}
 
@@ -80,14 +81,16 @@ def parse(plan: Plan):
 def test_torchtitan_accepts_the_file_and_reads_the_same_plan(case):
     plan = PLANS[case]
     data, config = parse(plan)  # raises on what torchtitan refuses
-    for section in ("training", "parallelism"):
-        for key, value in data[section].items():
+    for section in ("training", "parallelism", "compile"):
+        for key, value in data.get(section, {}).items():
             assert getattr(getattr(config, section), key) == value, (section, key)
     par = config.parallelism
     assert (par.tensor_parallel_degree, par.pipeline_parallel_degree, par.context_parallel_degree,
             par.expert_parallel_degree) == (plan.tp, plan.pp, plan.cp, plan.ep)
     assert par.data_parallel_shard_degree * par.data_parallel_replicate_degree == plan.dp
     assert config.training.global_batch_size == plan.global_batch
+    assert config.compile.enable == plan.compile
+    assert not plan.compile or config.compile.components == ["model"]
     modes = set(plan.recompute.values())
     written = "full" if len(modes) > 1 else modes.pop()  # a mix with full blocks: full, and noted
     assert type(config.activation_checkpoint).__qualname__ == AC_CLASS[written]

@@ -25,7 +25,7 @@ ACTIVATION_KEY = {"tp", "cp", "micro_batch", "precision", "sequence_parallel",
 STATES_KEY = {"dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "precision", "dp_replicate",
               "dp_shard"}  # = dp // dp_replicate
 LAYER_KEY = {"global_batch", "seq_len", "dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "micro_batch",
-             "precision", "sequence_parallel", "dp_replicate",
+             "precision", "sequence_parallel", "dp_replicate", "compile",
              "dp_shard",  # = dp // dp_replicate
              "num_microbatches"}  # = global_batch // (dp * micro_batch)
 

@@ -285,10 +285,10 @@ def test_compiled_blocks_cut_memory_time_and_leave_the_head_eager(h100_cluster):
     graph = graph_for_config(wide, 1, 2048)
     config = ParallelConfig(global_batch=4, seq_len=2048, dp=1, micro_batch=4)
     cluster = h100_cluster(1)
-    eager = Runtime(rmsnorm_kernel="decomposed")
-    compiled = Runtime(rmsnorm_kernel="decomposed", compiled_blocks=True)
+    runtime = Runtime(rmsnorm_kernel="decomposed")
+    compiled = config.with_(compile=True)
     block, post = graph.blocks[0], graph.post
-    e, c = (layer_cost(block, graph, config, cluster, runtime=r) for r in (eager, compiled))
+    e, c = (layer_cost(block, graph, cfg, cluster, runtime=runtime) for cfg in (config, compiled))
     # only the memory-bound ops change (4 sequences on a 1-sequence trace), backward 2x;
     # rel 1e-9 covers float summation order
     profile = block_profile(graph, block, fused=True)
@@ -297,8 +297,8 @@ def test_compiled_blocks_cut_memory_time_and_leave_the_head_eager(h100_cluster):
     assert e.fwd_s - c.fwd_s == pytest.approx(saved_s, rel=1e-9)
     assert e.bwd_s - c.bwd_s == pytest.approx(2 * saved_s, rel=1e-9)
     # the final norm, head and loss are outside the compiled blocks: the eager norm still costs
-    assert (layer_cost(post, graph, config, cluster, runtime=eager).fwd_s
-            == layer_cost(post, graph, config, cluster, runtime=compiled).fwd_s
+    assert (layer_cost(post, graph, config, cluster, runtime=runtime).fwd_s
+            == layer_cost(post, graph, compiled, cluster, runtime=runtime).fwd_s
             > layer_cost(post, graph, config, cluster).fwd_s)
 
 
@@ -307,8 +307,8 @@ def test_compiled_block_launches_one_kernel_per_fused_region(h100_cluster):
     from autoplan.trace.tracer import graph_for_config
 
     graph = graph_for_config(LLAMA, 1, 16)
-    config = ParallelConfig(global_batch=1, seq_len=16, dp=1, micro_batch=1)
+    config = ParallelConfig(global_batch=1, seq_len=16, dp=1, micro_batch=1, compile=True)
     block = graph.blocks[0]
     profile = block_profile(graph, block, fused=True)
-    cost = layer_cost(block, graph, config, h100_cluster(1), runtime=Runtime(compiled_blocks=True))
+    cost = layer_cost(block, graph, config, h100_cluster(1))
     assert cost.fwd_s == pytest.approx(profile.fused_kernels * host.HOST_S_PER_OP)

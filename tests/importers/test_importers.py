@@ -149,6 +149,19 @@ def test_torchtitan_every_nth_block_and_unknown_keys(tmp_path):
     assert "training.my_knob" in text and "[weird]" in text
 
 
+@pytest.mark.parametrize("content, compiled", [
+    ("", False),
+    ("[compile]\nenable = true\n", True),  # torchtitan's default components: model and loss
+    ("[compile]\nenable = true\ncomponents = ['loss']\n", False),  # the blocks stay eager
+    ("[compile]\nenable = false\ncomponents = ['model']\n", False),
+    ("[training]\ncompile = true\n", True),  # torchtitan before the [compile] section
+])
+def test_torchtitan_compile_of_the_model_is_the_plans_compile(tmp_path, content, compiled):
+    path = tmp_path / "job.toml"
+    path.write_text(content + "[parallelism]\ndata_parallel_shard_degree = 2\n")
+    assert load_imported("torchtitan", str(path), num_gpus=2).config.compile is compiled
+
+
 @pytest.mark.parametrize("content, gpus, match", [
     ("[parallelism]\ndata_parallel_shard_degree = 8\ntensor_parallel_degree = 2\n", 8, "16 ranks, but --gpus is 8"),
     ("[parallelism]\ntensor_parallel_degree = 3\n", 8, "does not divide --gpus 8"),

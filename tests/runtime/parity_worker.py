@@ -57,8 +57,11 @@ def main() -> None:
         trainer = Trainer(builder(config["kind"]), plan, args)
         losses = trainer.run()
         state, spread = full_state(trainer)
+        compiled = sum(getattr(m, "_compiled_call_impl", None) is not None
+                       for part in trainer.par.parts for m in part.modules())
         results[config["name"]] = {"losses": losses, "grad_norms": trainer.grad_norms,
-                                   "replica_spread": spread, "seconds": time.perf_counter() - start}
+                                   "replica_spread": spread, "seconds": time.perf_counter() - start,
+                                   "compiled_modules": compiled}
         if dist.get_rank() == 0:
             print(f"{config['name']}: {time.perf_counter() - start:.1f}s {losses} {trainer.grad_norms}", flush=True)
             Path(sys.argv[3]).mkdir(parents=True, exist_ok=True)

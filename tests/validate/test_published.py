@@ -117,16 +117,16 @@ def test_torchtitan_rows_say_how_their_blocks_ran():
 
     runs = {r["id"]: r for r in load_runs(RUNS)}
     eager = stack_settings(runs["torchtitan_t1_llama31_8b_8gpu_fsdp"])
-    assert eager == {"compiled_blocks": False, "rmsnorm_kernel": "decomposed"}
-    assert stack_settings(runs["torchtitan_t1_llama31_8b_8gpu_fsdp_torchcompile"])["compiled_blocks"]
-    assert stack_settings(runs["torchtitan_t5_llama31_405b_512gpu_1f1b"])["compiled_blocks"]
+    assert eager == {"compile": False, "rmsnorm_kernel": "decomposed"}
+    assert stack_settings(runs["torchtitan_t1_llama31_8b_8gpu_fsdp_torchcompile"])["compile"]
+    assert stack_settings(runs["torchtitan_t5_llama31_405b_512gpu_1f1b"])["compile"]
     # the A100 rows ran eagerly with torchtitan's Triton fused_rmsnorm
     assert stack_settings(runs["torchtitan_a100_llama213b_64gpu_lbs2_no"]) == {
-        "compiled_blocks": False, "rmsnorm_kernel": "fused"}
+        "compile": False, "rmsnorm_kernel": "fused"}
     # every row that says how it ran gives the source; the others ran eagerly with fused norms
     assert all(r["runtime"]["source"] for r in runs.values() if "runtime" in r)
     assert stack_settings(runs["narayanan21_t1_gpt1.7b_32gpu"]) == {
-        "compiled_blocks": False, "rmsnorm_kernel": "fused"}
+        "compile": False, "rmsnorm_kernel": "fused"}
     with pytest.raises(UserError, match="rmsnorm"):
         stack_settings({"runtime": {"torch_compile": True, "rmsnorm": "triton"}})
 
