@@ -39,6 +39,7 @@ from autoplan.runtime.data import (check_same_data, check_token_file, data_recor
                                    make_source, zigzag_positions)
 from autoplan.runtime.data_parallel import Zero1, allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
+from autoplan.runtime.float8 import require_torchao
 from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_step,
                                      checkpoint_write_stop, clear_exit_file, earlier_stop,
                                      non_finite_stop, preempted_stop, write_exit_file)
@@ -489,8 +490,8 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         stop_if_stopped_before(args.run_dir)
         validate_plan(meta, plan)  # before the process group: nothing can hang
         vocab_size_of(meta)  # a model the runtime cannot feed stops here too
-        if plan.precision == "fp8" and rank == 0:
-            print("autoplan: fp8 runs as bf16 in autoplan.runtime (no fp8 matmuls yet)", flush=True)
+        if plan.precision == "fp8":
+            require_torchao()
         if rank == 0:  # held until this process exits; the kernel releases it if it dies
             run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
             locks = lock_job(job_directories(args.run_dir, args.checkpoint_path), run_id,

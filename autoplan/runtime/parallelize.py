@@ -3,6 +3,7 @@
   1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules;
                   a parameter several stages use is a copy per stage (pipeline.StageTie),
                   also where two of them are on this rank (untie_on_one_rank).
+     fp8        - torchao's Float8Linear for the blocks' linears when the plan is fp8 (float8.py).
   2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage.
   3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
                   experts sharded over the ep axis.
@@ -26,6 +27,7 @@ from autoplan.errors import UserError
 from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
 from autoplan.runtime.compiling import apply_compile
+from autoplan.runtime.float8 import apply_float8
 from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
@@ -97,9 +99,10 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
         check_ep_modules(model, plan.ep_modules, plan.ep)
         if (plan.dp_shard * plan.cp) % plan.ep:
             raise UserError(f"ep={plan.ep} must divide dp_shard*cp = {plan.dp_shard * plan.cp}.")
-    if plan.compile and not plan.blocks:
-        raise UserError("the plan asks for torch.compile per block but names no blocks (its "
-                        "recompute lists them); re-run `autoplan plan --compile` for this model.")
+    for wanted, what in ((plan.compile, "torch.compile per block"), (plan.precision == "fp8", "fp8 linears")):
+        if wanted and not plan.blocks:
+            raise UserError(f"the plan asks for {what} but names no blocks (its recompute lists "
+                            "them); make the plan again with `autoplan plan` for this model.")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage {plan.zero_stage} must be 0, 1, 2 or 3.")
 
@@ -125,6 +128,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
         ids, parts, ties = [0], [model], []
     result = Parallelized(parts=parts, stage_ids=ids, stage_ties=ties)
     for part in parts:
+        if plan.precision == "fp8":  # before TP, so the styles shard the Float8Linears
+            apply_float8(part, list(plan.blocks))
         # 2. Tensor (+ sequence) parallelism.
         if plan.tp > 1:
             result.tp_token_local += apply_tensor_parallel(part, plan.tp_styles, mesh.axis("tp"),

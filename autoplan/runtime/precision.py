@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.runtime.mesh import local_part
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.bfloat16}  # fp8 matmuls need torchao + H100; it runs as bf16 here
+          "fp8": torch.bfloat16}  # the rest of an fp8 plan: its blocks' linears are float8.py's
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -61,7 +61,9 @@ def main() -> None:
                        for part in trainer.par.parts for m in part.modules())
         results[config["name"]] = {"losses": losses, "grad_norms": trainer.grad_norms,
                                    "replica_spread": spread, "seconds": time.perf_counter() - start,
-                                   "compiled_modules": compiled}
+                                   "compiled_modules": compiled,
+                                   "float8_linears": sum(type(m).__name__ == "Float8Linear"
+                                                         for part in trainer.par.parts for m in part.modules())}
         if dist.get_rank() == 0:
             print(f"{config['name']}: {time.perf_counter() - start:.1f}s {losses} {trainer.grad_norms}", flush=True)
             Path(sys.argv[3]).mkdir(parents=True, exist_ok=True)

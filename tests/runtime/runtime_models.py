@@ -8,6 +8,7 @@ when the runtime's data order, loss averaging, clipping or LR schedule drift.
 from __future__ import annotations
 
 import math
+import re
 from typing import NamedTuple
 
 import torch
@@ -265,9 +266,26 @@ class Reference(NamedTuple):
     state: dict[str, torch.Tensor]  # the model's state_dict after the last step
 
 
+def float8_reference(model: torch.nn.Module) -> None:
+    """torchao's own single-process float8 training of `model`: every linear inside a block
+    ("layers.N" / "blocks.N") with dimensions that are multiples of 16, tensorwise scaling,
+    emulated (CPU)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def in_a_block(module, fqn: str) -> bool:
+        return (re.search(r"(^|\.)(layers|blocks)\.\d+\.", fqn) is not None
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    convert_to_float8_training(model, module_filter_fn=in_a_block, config=Float8LinearConfig(emulate=True))
+
+
 def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_path=None,
-                       optimizer: dict = OPTIMIZER) -> Reference:
-    """Single-process fp32 training on the full global batch.
+                       optimizer: dict = OPTIMIZER, float8: bool = False,
+                       micro_batch: int | None = None) -> Reference:
+    """Single-process fp32 training on the full global batch; with `float8`, torchao's float8
+    linears in the blocks under bf16 autocast (what an fp8 plan runs), the batch accumulated in
+    chunks of `micro_batch` sequences (FP8's tensorwise scales are per forward: a plan's
+    micro-batches are cast with their own).
 
     Grad norms are compared too because AdamW and clipping are nearly invariant to a
     gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses;
@@ -287,6 +305,8 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
         model.to_empty(device="cpu")
         model.init_weights()
     vocab = 256
+    if float8:
+        float8_reference(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": optimizer["weight_decay"]},
@@ -301,14 +321,19 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
             batch = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ_LEN + 1), generator=gen)
         for group in opt.param_groups:
             group["lr"] = _lr(step, optimizer)
-        inputs = batch[:, :-1]
-        # HF returns a ModelOutput; an encoder-decoder reads the same tokens on both sides
-        logits = model(inputs, decoder_input_ids=inputs) if kind == "hf_t5" else model(inputs)
-        logits = getattr(logits, "logits", logits)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
-        loss.backward()
+        chunks = batch.split(micro_batch or len(batch))
+        loss = 0.0
+        for chunk in chunks:
+            inputs = chunk[:, :-1]
+            # HF returns a ModelOutput; an encoder-decoder reads the same tokens on both sides
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=float8):
+                logits = model(inputs, decoder_input_ids=inputs) if kind == "hf_t5" else model(inputs)
+                logits = getattr(logits, "logits", logits)
+                part = F.cross_entropy(logits.reshape(-1, vocab), chunk[:, 1:].reshape(-1)) / len(chunks)
+            part.backward()
+            loss += part.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer["grad_clip"])))
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss)
     return Reference(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})

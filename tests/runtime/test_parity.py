@@ -34,6 +34,13 @@ norms 5.1e-6, weights 5.3e-5, within the same tolerances. bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
+fp8 plans (torchao's float8 linears in the blocks, emulated on CPU, bf16 elsewhere) are
+compared with torchao's own single-process float8 run over the plan's micro-batches (each
+forward casts with its own tensorwise scales, so a reference over the whole batch would be
+cast differently); the parity worker also counts the Float8Linears each run trained with.
+They differ by bf16's rounding, as bf16 runs do: measured losses 3.1e-4 to 1.7e-3, grad
+norms 4.6e-2 to 2.9e-1 (tp2), weights 3.7e-2 to 2.7e-1; tolerances 5e-3, 5e-1, 5e-1. A run
+that trained without the float8 linears fails on their count (0 of 28).
 """
 
 from __future__ import annotations
@@ -46,13 +53,14 @@ import pytest
 import torch
 
 from autoplan.runtime.tying import tied_groups
-from runtime_models import (OPTIMIZER, builder, plan_dict, reference_training, traced_plan_dict,
-                            write_token_file)
+from runtime_models import (OPTIMIZER, builder, float8_reference, plan_dict, reference_training,
+                            traced_plan_dict, write_token_file)
 
 # (losses, grad norms, weights): relative tolerances, set from measurement (docstring)
 FP32 = (1e-5, 1e-4, 2e-3)
 QWEN2_MOE_FP32 = (1e-4, 1e-3, 2e-2)
 LOW_PRECISION = (5e-3, 3e-1, 5e-1)
+FP8 = (5e-3, 5e-1, 5e-1)
 # A constant learning rate (no warm-up; a cosine over 10**9 steps is flat to 1 ulp here), so
 # every step's gradient moves the weights as much as the first one does.
 PARITY_STEPS = 8
@@ -61,6 +69,10 @@ PARITY_OPTIMIZER = dict(OPTIMIZER, lr=5e-3, warmup_steps=0, max_steps=10**9)
 
 def P(kind: str = "llama", **over) -> dict:
     return plan_dict(kind, optimizer=dict(PARITY_OPTIMIZER), **over)
+
+
+# every block by path, as a planner's plan lists them (compile and fp8 act on the blocks)
+EAGER_BLOCKS = {f"layers.{i}": "none" for i in range(4)}
 
 
 CONFIGS = {
@@ -106,7 +118,11 @@ CONFIGS = {
         # checkpointed block, and under DTensor TP + SP
         "compile_zero3_selective": ("llama", P(dp=2, zero_stage=3, compile=True, recompute={
             "layers.0": "none", "layers.1": "selective", "layers.2": "none", "layers.3": "none"})),
-        "compile_tp2": ("llama", P(tp=2, compile=True, recompute={f"layers.{i}": "none" for i in range(4)})),
+        "compile_tp2": ("llama", P(tp=2, compile=True, recompute=EAGER_BLOCKS)),
+        # fp8: torchao's float8 linears in the blocks (emulated on CPU) under DDP, TP and PP
+        "fp8_ddp": ("llama", P(dp=2, precision="fp8", recompute=EAGER_BLOCKS)),
+        "fp8_tp2": ("llama", P(tp=2, precision="fp8", recompute=EAGER_BLOCKS)),
+        "fp8_pp2": ("llama", P(pp=2, schedule="1f1b", precision="fp8")),
         # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
@@ -138,6 +154,7 @@ CONFIGS = {
         "ep4": ("mixtral", P("mixtral", dp=4, ep=4)),
         "ep2_of_dp4": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2)),
         "bf16_zero3": ("llama", P(dp=4, zero_stage=3, precision="bf16")),
+        "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", recompute=EAGER_BLOCKS)),
         "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
         "pp2_dp2_ep2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         # experts as FSDP units on their replicas' mesh: of one rank under a pipeline, of one
@@ -234,8 +251,9 @@ def token_file(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str, data_path=None):
-    return reference_training(kind, PARITY_STEPS, data_path=data_path, optimizer=PARITY_OPTIMIZER)
+def reference(kind: str, data_path=None, float8: bool = False, micro_batch: int | None = None):
+    return reference_training(kind, PARITY_STEPS, data_path=data_path, optimizer=PARITY_OPTIMIZER,
+                              float8=float8, micro_batch=micro_batch)
 
 
 def _run_world(torchrun, tmp_path_factory, world: int, token_file, names: set[str]) -> dict:
@@ -280,6 +298,15 @@ def tied_names(kind: str) -> list[list[str]]:
         return tied_groups(builder(kind)())
 
 
+@functools.lru_cache(maxsize=None)
+def float8_linears(kind: str) -> int:
+    """How many linears torchao's single-process run converts in `kind` (the reference's rule)."""
+    with torch.device("meta"):
+        model = builder(kind)()
+    float8_reference(model)
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -305,11 +332,13 @@ def test_loss_parity(results, token_file, world, name):
     got = results(world)
     assert name in got, f"{name} did not finish:\n{got.get('__failure__', '')}"
     kind, plan = case(world, name)
-    ref = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None)
+    fp8 = plan.get("precision") == "fp8"  # against torchao's own single-process float8 run
+    ref = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None, float8=fp8,
+                    micro_batch=plan.get("micro_batch", 1) if fp8 else None)
     if name in TOKEN_FILE_CONFIGS:  # learnable data: the run must actually learn
         assert got[name]["losses"][-1] < got[name]["losses"][0] - 0.1
     fp32 = plan.get("precision", "fp32") == "fp32"
-    loss_rtol, norm_rtol, param_rtol = (LOW_PRECISION if not fp32 else
+    loss_rtol, norm_rtol, param_rtol = (FP8 if fp8 else LOW_PRECISION if not fp32 else
                                         QWEN2_MOE_FP32 if kind == "hf_qwen2moe" else FP32)
     losses, norms = got[name]["losses"], got[name]["grad_norms"]
     assert len(losses) == len(ref.losses)
@@ -319,6 +348,8 @@ def test_loss_parity(results, token_file, world, name):
     worst_param = max(differences, key=differences.get)
     print(f"{name}: losses {worst_loss:.1e} grad norms {worst_norm:.1e} weights {differences[worst_param]:.1e}")
     assert got[name]["replica_spread"] == 0.0, f"{name}: replicas differ by {got[name]['replica_spread']}"
+    if fp8:  # rank 0's blocks' linears are torchao's (half of them on a pipeline's first stage)
+        assert got[name]["float8_linears"] == float8_linears(kind) // plan.get("pp", 1), got[name]
     if plan.get("compile"):  # rank 0 holds every block (no pipeline in these cases)
         assert got[name]["compiled_modules"] == len(plan["recompute"]), got[name]["compiled_modules"]
     assert worst_loss <= loss_rtol, f"{name}: losses {losses} vs reference {ref.losses}"
