@@ -185,7 +185,8 @@ def test_styles_are_stated_once_per_block_class():
     graph = _trace(PlainNormBlock)
     assert set(graph.tp_styles) == {"", "layers.*"}
     assert graph.tp_styles["layers.*"] == {
-        "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+        "attn.q": "colwise", "attn.k": f"colwise_kv:{HEADS},{KV_HEADS}",
+        "attn.v": f"colwise_kv:{HEADS},{KV_HEADS}", "attn.o": "rowwise",
         "attn": "prepare_input", "ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise",
         "ffn": "prepare_input"}
 
