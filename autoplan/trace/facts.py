@@ -332,10 +332,11 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
 
 
 def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, str]]) -> dict:
-    """heads, kv_heads, ffn, kv_bytes, tp_parameters, tp_flops and the pairs of one block copy."""
+    """heads, kv_heads, ffn, kv_bytes, tp_parameters, tp_flops, kv_modules and kv_parameters
+    (the separate k and v projections, colwise_kv) and the pairs of one block copy."""
     by_name = {op.name: op for op in ops}
     facts = {"heads": 0, "kv_heads": 0, "ffn": 0, "kv_bytes": 0, "tp_parameters": 0,
-             "tp_flops": 0, "pairs": [], "unsplit": []}
+             "tp_flops": 0, "kv_modules": (), "kv_parameters": 0, "pairs": [], "unsplit": []}
     moe = _moe_module(module)
     experts = {op.name for op in ops if moe and f".{moe[0]}." in f".{op.module}."}
     pairs = [p for p in linear_pairs(ops, edges) if p["row"] not in experts]
@@ -346,6 +347,9 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
         linears = [by_name[n] for n in pair["column"]] + [by_name[pair["row"]]]
         facts["tp_parameters"] += sum(op.parameters for op in linears)
         facts["tp_flops"] += sum(op.flops for op in linears)
+        kv = [by_name[n] for n in pair.get("kv_styles", {})]  # k and v whose heads may be replicated
+        facts["kv_modules"] += tuple(op.module for op in kv)
+        facts["kv_parameters"] += sum(op.parameters for op in kv)
         if pair["kind"] == "attention":
             sdpa = pair["attention"][0] if pair["attention"] else None
             head_dim = sdpa.input_shapes[0][-1] if sdpa else 0
