@@ -29,8 +29,9 @@ grad norms 5.6e-1, weights 6.8e-1 (tied_pp2_1f1b, tied_pp2_dp2_zero3, tied_pp4_g
 hf_gpt2_tied_pp2 2.6e-3, 5.7e-1, 7.4e-1); counting both copies in the grad norm, grad norms
 3.4e-1 and losses 2.0e-4; under the V placement (both copies on pipeline rank 0) without their
 sum on the rank, 5.8e-3, 6.2e-1, 7.0e-1. The copies must end bit-identical. More TP ranks than K/V heads
-(kv_replication.py: one K/V head at tp=2, two at tp=4, under DP, ZeRO-1 and ZeRO-3): correct,
-at most losses 3.4e-7, grad norms 2.9e-6, weights 5.7e-5; every rank computing K/V head 0
+(kv_replication.py: one K/V head at tp=2, two at tp=4, under DP, ZeRO-1, ZeRO-3 and PP):
+correct, at most losses 3.4e-7, grad norms 3.2e-6, weights 5.7e-5 (bf16 ZeRO-3: 3.5e-4,
+8.1e-2, 7.5e-2); every rank computing K/V head 0
 (hf_llama_tp4_traced) gives losses 4.3e-3, grad norms 2.0e-1, weights 8.0e-1; the K/V weight
 gradient left unsummed over the tp group (hf_gemma_mqa_tp2_traced) gives replicas that
 differ by 6.8e-2 (losses 1.8e-4, weights 5.7e-1). bf16/fp16 runs
@@ -206,6 +207,12 @@ CONFIGS = {
             traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
         "mqa_llama_dp2_tp2_zero3_traced": ("mqa_llama", functools.partial(
             traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        "mqa_llama_pp2_tp2_traced": ("mqa_llama", functools.partial(
+            traced_plan_dict, "mqa_llama", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
+        # FSDP's bf16 copy of the replicated K/V weights (a sanity check, LOW_PRECISION)
+        "mqa_llama_dp2_tp2_bf16_zero3_traced": ("mqa_llama", functools.partial(
+            traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=3, precision="bf16",
+            optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
