@@ -12,7 +12,8 @@ def test_tp_dividing_or_a_multiple_of_the_kv_heads_is_accepted_others_refused():
     assert kv_split_problem(4, 2, 2) is None and kv_split_problem(4, 2, 4) is None
     assert kv_split_problem(8, 1, 8) is None and kv_split_problem(64, 8, 16) is None
     assert kv_split_problem(4, 1, 8) == "tp=8 does not divide its 4 query heads"
-    assert kv_split_problem(12, 4, 6).startswith("tp=6 neither divides nor is a multiple of its 4 key/value heads")
+    assert kv_split_problem(12, 4, 6).startswith(
+        "tp=6 neither divides nor is a multiple of its 4 key/value heads")
 
 
 def test_a_rank_computes_its_share_or_one_head():
