@@ -6,8 +6,8 @@ grouped-query attention's K/V heads, whose k and v run another code path) it bui
 smallest plan using that axis alone, applies `autoplan.runtime.apply_plan` to a copy of
 the meta model on torch's "fake" process group (one process stands for every rank:
 collectives return at once, torch's `torch.testing._internal.distributed.fake_pg`) and runs
-one forward and backward on meta tensors. The first exception is the reason the axis is refused, naming the module where
-the runtime says so. The same model without any axis runs first: when that fails (a
+one forward and backward on meta tensors. The first exception is the reason the axis is
+refused, naming the module where the runtime says so. The same model without any axis runs first: when that fails (a
 model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
 the graph facts give them. Token inputs are cut to a short sequence every probed degree
 divides; results are cached per model (fingerprint, class) and call (inputs, shape).
