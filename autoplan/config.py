@@ -16,18 +16,22 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 OFFLOAD = ("none", "optimizer", "params", "both")
 # tensor-parallel styles of a plan's tp_styles (autoplan.runtime.tensor_parallel applies them)
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
-             "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up")
+             "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv")
+# the styles that name their attention's head counts, "<style>:<heads>,<kv_heads>"
+HEAD_COUNTED = ("colwise_qkv", "colwise_kv")
 
 
 # the styles as a plan writes them (error messages)
-TP_STYLE_FORMS = tuple("colwise_qkv:<heads>,<kv_heads>" if s == "colwise_qkv" else s for s in TP_STYLES)
+TP_STYLE_FORMS = tuple(f"{s}:<heads>,<kv_heads>" if s in HEAD_COUNTED else s for s in TP_STYLES)
 
 
 def tp_style_known(style: str) -> bool:
     """A style of TP_STYLES; a fused q/k/v projection's names its head counts,
-    "colwise_qkv:<heads>,<kv_heads>" (the runtime splits each part by ranks)."""
+    "colwise_qkv:<heads>,<kv_heads>" (the runtime splits each part by ranks), and a k or v
+    projection's of a grouped-query attention "colwise_kv:<heads>,<kv_heads>" (the runtime
+    shards its K/V heads, or gives each rank the one its q heads use)."""
     name, colon, args = str(style).partition(":")
-    if name == "colwise_qkv":
+    if name in HEAD_COUNTED:
         counts = args.split(",")
         return len(counts) == 2 and all(c.isdigit() and int(c) > 0 for c in counts)
     return name in TP_STYLES and not colon

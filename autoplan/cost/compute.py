@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import hw
+from autoplan.cost.kv_heads import kv_gemm_ways
 from autoplan.cost.profile import BlockProfile
 
 BACKWARD_GEMM_FACTOR = 2.0  # Narayanan et al. 2021 §5.1
@@ -138,11 +139,12 @@ def _sharded_gemm(g, scale_tokens: float, tp: int, ep: int, hidden: int,
                 m = m / tp  # expert-TP 1: the TP ranks' tokens are split before dispatch
         return m, n, k, flops
     if tp > 1:
-        flops /= tp
-        if g.n == hidden:
+        ways = kv_gemm_ways(g.kv_heads, tp) if g.kv_heads else tp
+        flops /= ways
+        if g.n == hidden and not g.kv_heads:
             k = k / tp  # row-parallel: output is the residual width
         else:
-            n = n / tp
+            n = n / ways
     return m, n, k, flops
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.config import ParallelConfig
+from autoplan.cost.kv_heads import kv_params_per_rank
 from autoplan.trace import activations
 from autoplan.trace.activations import sac_saved_bytes, saved_bytes_by_mode
 from autoplan.trace.graph import BlockInfo, ModelGraph, per_block
@@ -126,14 +127,17 @@ class BlockParams:
 
 
 def block_params_per_rank(block: BlockInfo, tp: int, ep: int) -> BlockParams:
-    """TP shards tp_parameters (Megatron column/row-parallel linears); EP shards experts.
+    """TP shards tp_parameters (Megatron column/row-parallel linears) but k and v projections
+    whose K/V heads tp exceeds, which every rank holds whole (cost/kv_heads.py); EP shards
+    experts.
 
     Routed experts are not TP-sharded when EP > 1 (expert-TP = 1, Megatron default with EP).
     """
     expert = float(block.expert_parameters)
     non_expert = float(block.parameters) - expert
     tp_params = min(float(block.tp_parameters), non_expert)
-    dense = tp_params / tp + (non_expert - tp_params)
+    kv = min(float(block.kv_parameters), tp_params)
+    dense = (tp_params - kv) / tp + kv_params_per_rank(kv, block.kv_heads, tp) + (non_expert - tp_params)
     if expert:
         expert = expert / ep if ep > 1 else expert / tp
     return BlockParams(dense, expert)

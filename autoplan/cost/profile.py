@@ -44,6 +44,7 @@ class Gemm:
     k: int
     flops: float
     expert: bool = False  # routed-expert GEMM: sharded by EP, M = tokens per expert
+    kv_heads: int = 0  # a separate k or v projection's K/V heads (cost/kv_heads.py)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
             if op.output_shape:
                 head_dim = int(op.output_shape[-1])
         elif op.kind in GEMM_KINDS and op.gemm_mnk and op.flops > 0:
-            gemms.append(Gemm(*op.gemm_mnk, float(op.flops)))
+            kv_heads = block.kv_heads if op.module in block.kv_modules else 0
+            gemms.append(Gemm(*op.gemm_mnk, float(op.flops), kv_heads=kv_heads))
         elif op.kind == "expert" and op.flops > 0:
             gemms.extend(_expert_gemms(op, block))
             memory += op.bytes_read + op.bytes_written + _permutation_bytes(op, block)

@@ -20,6 +20,7 @@ from typing import Iterable
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import comm, compute, memory, sac
+from autoplan.cost.kv_heads import replicates_kv
 from autoplan.trace.graph import BlockInfo, ModelGraph, SideValue
 
 MICROBATCH, FIRST, END = "every micro-batch", "first micro-batch", "end of step"
@@ -141,14 +142,23 @@ def sp_replicated_params(graph: ModelGraph, block: BlockInfo) -> float:
     return float(block.parameters - block.tp_parameters - block.expert_parameters)
 
 
+def tp_partial_params(graph: ModelGraph, block: BlockInfo, config: ParallelConfig) -> float:
+    """Parameters whole on every tp rank whose gradients are each rank's share of the sum:
+    the norms under SP (sp_replicated_params) and k and v projections whose K/V heads tp
+    exceeds (cost/kv_heads.py: each rank's gradient covers its own head's rows)."""
+    sp = sp_replicated_params(graph, block) if config.sequence_parallel else 0.0
+    return sp + (float(block.kv_parameters) if replicates_kv(block.kv_heads, config.tp) else 0.0)
+
+
 def sp_grad_traffic(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, per_microbatch_scatter: bool,
                     fp32_module_weights: bool = True) -> list[Traffic]:
-    """The partial gradients of the SP-replicated parameters, summed over the tp group: by FSDP
+    """The partial gradients of the tp-replicated parameters (tp_partial_params), summed over
+    the tp group: by FSDP
     before each reduce-scatter in the 16-bit compute dtype, or once on the fp32 gradient
     accumulated over a pipeline's micro-batches (FSDPParam._get_grad_inner_tensor); below
     ZeRO-2 by the runtime once a step in the weights' dtype (tensor_parallel.reduce_partial_grads)."""
-    params = sp_replicated_params(graph, block)
-    if config.tp <= 1 or not config.sequence_parallel or not params:
+    params = tp_partial_params(graph, block, config) if config.tp > 1 else 0.0
+    if not params:
         return []
     if config.zero_stage >= 2 and per_microbatch_scatter:
         nbytes, when = compute.activation_dtype_bytes(config.precision), MICROBATCH

@@ -123,17 +123,25 @@ class FusedColwiseParallel(ParallelStyle):
         return ColwiseParallel()._apply(module, device_mesh)
 
 
-def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: int) -> None:
+def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: int,
+                         local_kv: int | None = None) -> None:
     """Give `attention` (and a shallow copy of its `config`) the rank's head counts: every
     integer attribute named for heads (not a head's size) that holds the model's q or k/v
-    head count is divided by tp (module docstring)."""
-    local = {heads: heads // tp, kv_heads: kv_heads // tp}
+    head count becomes the rank's (heads/tp; kv_heads/tp, or `local_kv` where K/V heads are
+    replicated, kv_replication.py), and one named for groups holding q heads per K/V head
+    (transformers' `num_key_value_groups`) the rank's ratio (module docstring)."""
+    local_kv = kv_heads // tp if local_kv is None else local_kv
+    local = {heads: heads // tp, kv_heads: local_kv}
+    groups = {heads // kv_heads: heads // tp // local_kv}
 
     def localise(owner) -> None:
         for name, value in list(vars(owner).items()):
-            if ("head" in name and not any(w in name for w in ("dim", "size")) and type(value) is int
-                    and value in local):
+            if type(value) is not int or any(w in name for w in ("dim", "size")):
+                continue
+            if "head" in name and value in local:
                 setattr(owner, name, local[value])
+            elif "group" in name and value in groups:
+                setattr(owner, name, groups[value])
 
     localise(attention)
     config = getattr(attention, "config", None)

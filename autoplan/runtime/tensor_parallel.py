@@ -3,7 +3,8 @@
 Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, or with
 sequence parallelism one reduce-scatter + all-gather, per pair). A fused [q | k | v] or
 [gate | up] column gives each rank its share of every part and its attention the rank's head
-counts (fused_projection.py). Between blocks the residual
+counts (fused_projection.py); k and v projections of fewer K/V heads than ranks give each
+rank the K/V head of its q heads (kv_replication.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -30,6 +31,7 @@ from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.fused_projection import FusedColwiseParallel, localise_head_counts, qkv_head_counts
+from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, kv_head_counts, local_kv_heads
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
@@ -142,6 +144,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return ColwiseParallel()
     if name.partition(":")[0] in ("colwise_qkv", "colwise_gate_up"):
         return FusedColwiseParallel(name)
+    if name.partition(":")[0] == KV_STYLE:
+        return KVColwiseParallel(name)
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if name == "sequence_parallel":
@@ -210,11 +214,21 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         groups = tied_groups(model)
         parallelize_module(model, tp_mesh, plan)
         retie(model, groups, "tensor parallelism")
-    for path, style in plan.items():
-        counts = qkv_head_counts(style.style) if isinstance(style, FusedColwiseParallel) else None
-        if counts:  # the module holding the projection cuts its output by its head counts
-            localise_head_counts(modules[path.rpartition(".")[0]], *counts, tp_mesh.size())
+    _localise_attention(modules, plan, tp_mesh.size())
     return token_local
+
+
+def _localise_attention(modules: dict[str, nn.Module], plan: dict[str, ParallelStyle], tp: int) -> None:
+    """The module holding a fused q/k/v or a k and v projection cuts and groups their output
+    by its head counts: give it the rank's, once (k and v name the same module)."""
+    counts = {}
+    for path, style in plan.items():
+        name = getattr(style, "style", "")
+        found = qkv_head_counts(name) or kv_head_counts(name)
+        if found:
+            counts[path.rpartition(".")[0]] = found
+    for path, (heads, kv_heads) in counts.items():
+        localise_head_counts(modules[path], heads, kv_heads, tp, local_kv_heads(kv_heads, tp))
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:

@@ -3,7 +3,8 @@
 Rules (each a small predicate returning a reason string, reused by the explanation):
 - dp * tp * pp * cp == N; EP is carved from dp * cp (Megatron / torchtitan) and divides
   the expert count.
-- tp divides the attention heads, the KV heads and the MLP width of every block, and
+- tp divides the attention heads and the MLP width of every block, divides the KV heads
+  or is a multiple of them (each rank computes the K/V head of its q heads), and
   divides the GPUs of a node (a TP group never straddles nodes: its all-reduces are on
   the critical path).
 - cp needs SDPA attention (ring attention), divides seq_len / 2 (zig-zag halves), and
@@ -83,9 +84,31 @@ def tp_reason(graph: ModelGraph, tp: int, gpus_per_node: int) -> str | None:
     if gpus_per_node % tp:
         return f"tp={tp} would straddle nodes of {gpus_per_node} GPUs"
     for block in graph.blocks:
-        for name, value in (("heads", block.heads), ("kv heads", block.kv_heads), ("MLP width", block.ffn)):
+        for name, value in (("heads", block.heads), ("MLP width", block.ffn)):
             if value and value % tp:
                 return f"tp={tp} does not divide the {value} {name} of {block.name}"
+        reason = kv_reason(graph, block, tp)
+        if reason:
+            return reason
+    return None
+
+
+def kv_reason(graph: ModelGraph, block, tp: int) -> str | None:
+    """Why `block`'s K/V heads cannot be spread over tp ranks, or None: tp divides them, or
+    (tp a multiple of them) each rank computes the K/V head of its q heads from a replicated
+    k/v projection (runtime/kv_replication.py), which needs separate k and v linears."""
+    kv = block.kv_heads
+    if not kv or kv % tp == 0:
+        return None
+    if tp % kv:
+        return f"tp={tp} neither divides nor is a multiple of the {kv} kv heads of {block.name}"
+    pairs = [p for p in graph.tensor_parallel if p["block"] == block.name and p["kind"] == "attention"]
+    if not pairs or not all(p.get("kv_replicable") for p in pairs):
+        return (f"tp={tp} does not divide the {kv} kv heads of {block.name}, and its k and v are "
+                "not separate projections that a rank could hold one K/V head of")
+    if "tp_kv" in graph.refused:
+        return (f"autoplan's runtime cannot share the {kv} kv heads of {block.name} over tp={tp} "
+                f"ranks: {graph.refused['tp_kv']}")
     return None
 
 

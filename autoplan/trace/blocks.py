@@ -185,5 +185,5 @@ def _with_block_facts(info: BlockInfo, module: nn.Module, ops: list[OpInfo],
         info, kind="moe" if experts else "dense", experts=experts, top_k=top_k,
         expert_parameters=expert_params, heads=tp["heads"], kv_heads=tp["kv_heads"],
         ffn=tp["ffn"], kv_bytes=tp["kv_bytes"], tp_parameters=tp["tp_parameters"],
-        tp_flops=tp["tp_flops"],
+        tp_flops=tp["tp_flops"], kv_modules=tp["kv_modules"], kv_parameters=tp["kv_parameters"],
     )

@@ -1,12 +1,13 @@
 """The capability contract: which parallel axes autoplan's runtime can apply to this model.
 
 Facts read off the graph say where an axis could apply; this probe asks the runtime itself.
-For each axis the graph offers (tp, cp, ep, pp) it builds the smallest plan using that axis
-alone, applies `autoplan.runtime.apply_plan` to a copy of the meta model on torch's "fake"
-process group (one process stands for every rank: collectives return at once, torch's
-`torch.testing._internal.distributed.fake_pg`) and runs one forward and backward on meta
-tensors. The first exception is the reason the axis is refused, naming the module where
-the runtime says so. The same model without any axis runs first: when that fails (a
+For each axis the graph offers (tp, cp, ep, pp; and "tp_kv", tp over more ranks than a
+grouped-query attention's K/V heads, whose k and v run another code path) it builds the
+smallest plan using that axis alone, applies `autoplan.runtime.apply_plan` to a copy of
+the meta model on torch's "fake" process group (one process stands for every rank:
+collectives return at once, torch's `torch.testing._internal.distributed.fake_pg`) and runs
+one forward and backward on meta tensors. The first exception is the reason the axis is
+refused, naming the module where the runtime says so. The same model without any axis runs first: when that fails (a
 model whose eager forward cannot run on meta), the probe cannot tell, and the axes stay as
 the graph facts give them. Token inputs are cut to a short sequence every probed degree
 divides; results are cached per model (fingerprint, class) and call (inputs, shape).
@@ -47,6 +48,17 @@ def _smallest_tp(graph: ModelGraph) -> int:
     return next((d for d in range(2, 65) if all(v % d == 0 for v in sizes)), 0)
 
 
+def _smallest_kv_tp(graph: ModelGraph) -> int:
+    """The smallest tp at which some block's K/V heads are replicated (tp a multiple of them,
+    runtime/kv_replication.py) and the rest of the model splits; 0 when none is offered."""
+    if not any(p.get("kv_replicable") for p in graph.tensor_parallel):
+        return 0
+    sizes = [v for b in graph.blocks for v in (b.heads, b.ffn) if v]
+    kvs = [b.kv_heads for b in graph.blocks if b.kv_heads]
+    return next((d for d in range(2, 65) if all(v % d == 0 for v in sizes)
+                 and all(k % d == 0 or d % k == 0 for k in kvs) and any(k % d for k in kvs)), 0)
+
+
 def _smallest_ep(graph: ModelGraph) -> int:
     experts = [b.experts for b in graph.blocks if b.experts]
     return next((d for d in range(2, 65) if experts and all(e % d == 0 for e in experts)), 0)
@@ -67,6 +79,11 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
         styles = {k: dict(v) for k, v in graph.tp_styles.items() if k == "" or "*" in k or k in blocks}
         plans["tp"] = base.with_(world_size=tp, gpus_per_node=tp, tp=tp, sequence_parallel=True,
                                  tp_styles=styles)
+    kv_tp = _smallest_kv_tp(graph) if graph.tensor_parallel else 0
+    if kv_tp:  # K/V heads replicated: another code path of the same styles
+        styles = {k: dict(v) for k, v in graph.tp_styles.items() if k == "" or "*" in k or k in blocks}
+        plans["tp_kv"] = base.with_(world_size=kv_tp, gpus_per_node=kv_tp, tp=kv_tp,
+                                    sequence_parallel=True, tp_styles=styles)
     if graph.context_parallel and seq_len % 4 == 0:
         plans["cp"] = base.with_(world_size=2, gpus_per_node=2, cp=2,
                                  cp_modules=[m for m in graph.context_parallel if inside(m)],
@@ -106,7 +123,7 @@ def shallow_copy(model: nn.Module, graph: ModelGraph) -> tuple[nn.Module, set[st
 def _probe_seq(graph: ModelGraph) -> int:
     """A short sequence every probed degree divides (tp for SP, 2*cp for zig-zag CP): fake
     tensors cost per op, but sequence-sized index and mask tensors still cost per token."""
-    unit = 4 * max(_smallest_tp(graph), 1)
+    unit = 4 * max(_smallest_tp(graph), _smallest_kv_tp(graph), 1)
     return unit * 4 if graph.seq_len > unit * 4 and graph.seq_len % unit == 0 else graph.seq_len
 
 
@@ -364,8 +381,9 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
             # an EP step moves tokens by exchanged counts, which balanced values cannot model
             run_axis = run and not (axis == "ep" and routing is not None)
             reason = _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
-                                        _attention_heads(graph) if axis == "tp" else frozenset())
-            _CACHE[key][axis] = reason and f"(probed at {axis}={getattr(plan, axis)}) {reason}"
+                                        _attention_heads(graph) if plan.tp > 1 else frozenset())
+            degree = axis.partition("_")[0]
+            _CACHE[key][axis] = reason and f"(probed at {degree}={getattr(plan, degree)}) {reason}"
     return dict(_CACHE[key])
 
 

@@ -191,8 +191,12 @@ def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs
     (GPT-2 c_attn, timm qkv; not when laid out head by head, _head_major); an MLP column
     whose output is split holds gate and up."""
     widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
+    # one head's features split in halves (RoPE's rotate-half) are no parts, also where a
+    # column is one head wide (the k and v of a single K/V head)
+    head_dims = {by_name[n].input_shapes[0][-1] for n in region if by_name[n].kind == "attention"
+                 and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4}
     split_whole = any(by_name[n].target in _SPLITS and by_name[n].input_shapes
-                      and by_name[n].input_shapes[0] and by_name[n].input_shapes[0][-1] in widths
+                      and by_name[n].input_shapes[0] and by_name[n].input_shapes[0][-1] in widths - head_dims
                       for n in region)  # fused k,v beside a separate q
     if kind == "attention":
         lone = len(feeders) == 1 and not _head_major(next(iter(feeders)), region, by_name, inputs)
@@ -248,6 +252,23 @@ def _fused_style(kind: str, feeders: set[str], region: set[str], by_name: dict, 
     return f"colwise_qkv:{heads},{k // head_dim}"
 
 
+def _kv_styles(columns: list[str], attention: list[OpInfo], by_name: dict) -> dict[str, str]:
+    """column -> "colwise_kv:<heads>,<kv_heads>" for the separate k and v projections of a
+    grouped-query attention (fewer K/V heads than q heads): the runtime shards their heads,
+    or gives each rank the K/V head of its q heads when tp exceeds them
+    (runtime/kv_replication.py). {} for other attention."""
+    sdpa = [a for a in attention if a.input_shapes and len(a.input_shapes[0]) == 4]
+    if len(sdpa) != 1 or len(columns) != 3:
+        return {}
+    heads, head_dim = int(sdpa[0].input_shapes[0][1]), int(sdpa[0].input_shapes[0][-1])
+    widths = {c: by_name[c].output_shape[-1] for c in columns if by_name[c].output_shape}
+    kv = [c for c, w in widths.items() if w < heads * head_dim]
+    if len(widths) != 3 or len(kv) != 2 or len({widths[c] for c in kv}) != 1 \
+            or widths[kv[0]] % head_dim or heads % (widths[kv[0]] // head_dim):
+        return {}
+    return {c: f"colwise_kv:{heads},{widths[c] // head_dim}" for c in kv}
+
+
 def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
     """Column/row linear pairs of one block's ops (full op names), each marked "fused" when
     a column computes several parts (a fused qkv / kv / gate_up projection)."""
@@ -285,8 +306,10 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
             continue
         fused = _fused(kind, feeders, region, by_name, inputs)
         style = _fused_style(kind, feeders, region, by_name, inputs, order) if fused else None
-        pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
+        columns = sorted(feeders, key=order.index)
+        pairs.append({"column": columns, "row": op.name, "kind": kind,
                       "fused": fused and style is None, "column_style": style or "colwise",
+                      "kv_styles": {} if fused else _kv_styles(columns, attention, by_name),
                       "attention": attention, "norm_across_heads": [],
                       "head_norms": sorted(n for n in region if by_name[n].kind == "norm")})
     return pairs
@@ -309,10 +332,11 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
 
 
 def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, str]]) -> dict:
-    """heads, kv_heads, ffn, kv_bytes, tp_parameters, tp_flops and the pairs of one block copy."""
+    """heads, kv_heads, ffn, kv_bytes, tp_parameters, tp_flops, kv_modules and kv_parameters
+    (the separate k and v projections, colwise_kv) and the pairs of one block copy."""
     by_name = {op.name: op for op in ops}
     facts = {"heads": 0, "kv_heads": 0, "ffn": 0, "kv_bytes": 0, "tp_parameters": 0,
-             "tp_flops": 0, "pairs": [], "unsplit": []}
+             "tp_flops": 0, "kv_modules": (), "kv_parameters": 0, "pairs": [], "unsplit": []}
     moe = _moe_module(module)
     experts = {op.name for op in ops if moe and f".{moe[0]}." in f".{op.module}."}
     pairs = [p for p in linear_pairs(ops, edges) if p["row"] not in experts]
@@ -323,6 +347,9 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
         linears = [by_name[n] for n in pair["column"]] + [by_name[pair["row"]]]
         facts["tp_parameters"] += sum(op.parameters for op in linears)
         facts["tp_flops"] += sum(op.flops for op in linears)
+        kv = [by_name[n] for n in pair.get("kv_styles", {})]  # k and v whose heads may be replicated
+        facts["kv_modules"] += tuple(op.module for op in kv)
+        facts["kv_parameters"] += sum(op.parameters for op in kv)
         if pair["kind"] == "attention":
             sdpa = pair["attention"][0] if pair["attention"] else None
             head_dim = sdpa.input_shapes[0][-1] if sdpa else 0
@@ -386,8 +413,9 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
     for pair in pairs:
         columns = [module_of[n] for n in pair["column"]]
         row = module_of[pair["row"]]
+        kv_styles = {module_of[n]: style for n, style in pair.get("kv_styles", {}).items()}
         for column in columns:
-            styles[_relative(column, first)] = pair.get("column_style", "colwise")
+            styles[_relative(column, first)] = kv_styles.get(column) or pair.get("column_style", "colwise")
         styles[_relative(row, first)] = "rowwise"
         styles[_relative(_common_parent(columns + [row]), first)] = "prepare_input"
     head_norms = {n for pair in pairs for n in pair.get("head_norms", [])}
@@ -421,7 +449,7 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
                 "block": group, "kind": pair["kind"],
                 "module": _relative(_common_parent(columns + [row]), first),
                 "column": [_relative(c, first) for c in columns], "row": _relative(row, first),
-                "divides": divides,
+                "divides": divides, "kv_replicable": bool(pair.get("kv_styles")),
             })
         styles = _block_styles(block_ops, facts["pairs"], first)
         moe = _moe_module(model.get_submodule(first))

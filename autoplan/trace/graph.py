@@ -86,6 +86,10 @@ class BlockInfo:
     expert_parameters: int = 0  # per copy: parameters inside routed experts (EP shards them)
     tp_parameters: int = 0  # per copy: parameters inside TP-shardable linears
     tp_flops: int = 0  # per copy: forward FLOPs that TP divides (sharded linears + attention cores)
+    # the first copy's separate k and v projections of a grouped-query attention, and their
+    # parameters: whole on every rank when tp exceeds kv_heads (runtime/kv_replication.py)
+    kv_modules: tuple[str, ...] = ()
+    kv_parameters: int = 0
     gemm_shapes: tuple[tuple[int, int, int, int], ...] = ()  # (M, N, K, flops) per matmul-like op
 
     @property

@@ -104,8 +104,8 @@ PLAN = {
     'tp_styles': {
         '': {'embed_tokens': 'vocab_embedding', 'norm': 'sequence_parallel', 'lm_head': 'vocab_head'},
         'layers.*': {
-            'self_attn.q_proj': 'colwise', 'self_attn.k_proj': 'colwise',
-            'self_attn.v_proj': 'colwise', 'self_attn.o_proj': 'rowwise',
+            'self_attn.q_proj': 'colwise', 'self_attn.k_proj': 'colwise_kv:64,8',
+            'self_attn.v_proj': 'colwise_kv:64,8', 'self_attn.o_proj': 'rowwise',
             'self_attn': 'prepare_input', 'mlp.gate_proj': 'colwise', 'mlp.up_proj': 'colwise',
             'mlp.down_proj': 'rowwise', 'mlp': 'prepare_input',
             'input_layernorm': 'sequence_parallel', 'post_attention_layernorm': 'sequence_parallel',

@@ -25,6 +25,8 @@ CONFIGS = {
     "hf_olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_COMMON, num_key_value_heads=2)),
     "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, num_key_value_heads=2)),  # q/k/v biases
     "hf_gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_COMMON, num_key_value_heads=2, head_dim=16)),
+    # one K/V head (Gemma-2B's multi-query attention): tp > 1 replicates it
+    "hf_gemma_mqa": ("GemmaConfig", "GemmaForCausalLM", dict(_COMMON, num_key_value_heads=1, head_dim=16)),
     "hf_mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=2)),
     # attention and MLP in parallel from one norm, both added to the residual (GPT-J)
     "hf_gptj": ("GPTJConfig", "GPTJForCausalLM",
@@ -68,6 +70,7 @@ CONFIGS = {
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
                "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers",
+               "hf_gemma_mqa": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",
                "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers"}

@@ -22,6 +22,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
               "vocab_size": 256, "max_position_embeddings": 256}
 TINY_TIED_LLAMA = dict(TINY_LLAMA, tie_word_embeddings=True)  # lm_head.weight is embed_tokens.weight
+TINY_MQA_LLAMA = dict(TINY_LLAMA, num_key_value_heads=1)  # one K/V head: replicated under TP
 TINY_MIXTRAL = dict(TINY_LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 SEQ_LEN, GLOBAL_BATCH, STEPS, SEED = 32, 8, 5, 1234
 OPTIMIZER = {"name": "adamw", "lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
@@ -118,6 +119,8 @@ def builder(kind: str):
         return lambda: build_model(TINY_MIXTRAL)
     if kind == "tied_llama":
         return lambda: build_model(TINY_TIED_LLAMA)
+    if kind == "mqa_llama":
+        return lambda: build_model(TINY_MQA_LLAMA)
     if kind == "gpt":
         return lambda: TinyGPT()
     if kind == "dropgpt":

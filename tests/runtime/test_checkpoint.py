@@ -161,6 +161,23 @@ def test_fused_projection_checkpoint_is_in_the_models_own_layout(torchrun, tmp_p
     assert max(_rel(a, b) for a, b in zip(losses, ref_losses[5:])) <= 1e-5
 
 
+@pytest.mark.slow
+def test_replicated_kv_checkpoint_is_in_the_models_layout_and_resumes_at_another_tp(torchrun, tmp_path):
+    """hf_llama's 2 K/V heads over tp=4 ranks: each rank computes one from k and v weights
+    held whole (runtime/kv_replication.py); the checkpoint holds them, and their Adam states,
+    as the model's own tensors, and resumes under the same plan and at dp2 x tp2 with ZeRO-3
+    (the K/V heads sharded, one a rank) on the reference's losses."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tp4 = _write(tmp_path, "tp4.json", traced_plan_dict("hf_llama", tp=4))
+    dp2_tp2 = _write(tmp_path, "dp2_tp2_zero3.json", traced_plan_dict("hf_llama", dp=2, tp=2, zero_stage=3))
+    _save_then_resume(torchrun, tmp_path, 4, tp4, [("dp2_tp2_zero3", dp2_tp2)], kind="hf_llama")
+    saved = FileSystemReader(str(tmp_path / "ckpt" / "step_000005")).read_metadata().state_dict_metadata
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    assert tuple(saved[f"model.{k_proj}"].size) == (32, 64)  # 2 heads of 16, the model's shape
+    assert tuple(saved[f"optim.state.{k_proj}.exp_avg"].size) == (32, 64)
+
+
 def _saved_keys(folder) -> set[str]:
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -30,7 +30,13 @@ hf_gpt2_tied_pp2 2.6e-3, 5.7e-1, 7.4e-1); counting both copies in the grad norm,
 3.4e-1 and losses 2.0e-4; under the V placement (both copies on pipeline rank 0) without their
 sum on the rank, 5.8e-3, 6.2e-1, 7.0e-1. The copies must end bit-identical. Blocks under
 torch.compile (Inductor's CPU kernels fuse and reorder fp32 arithmetic): losses 1.7e-7, grad
-norms 5.1e-6, weights 5.3e-5, within the same tolerances. bf16/fp16 runs
+norms 5.1e-6, weights 5.3e-5, within the same tolerances. More TP ranks than K/V heads
+(kv_replication.py: one K/V head at tp=2, two at tp=4, under DP, ZeRO-1, ZeRO-3 and PP):
+correct, at most losses 3.4e-7, grad norms 3.2e-6, weights 5.7e-5 (bf16 ZeRO-3: 3.5e-4,
+8.1e-2, 7.5e-2); every rank computing K/V head 0
+(hf_llama_tp4_traced) gives losses 4.3e-3, grad norms 2.0e-1, weights 8.0e-1; the K/V weight
+gradient left unsummed over the tp group (hf_gemma_mqa_tp2_traced) gives replicas that
+differ by 6.8e-2 (losses 1.8e-4, weights 5.7e-1). bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
@@ -126,6 +132,9 @@ CONFIGS = {
         # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # one K/V head, tp=2: each rank computes it from a replicated k/v weight
+        "hf_gemma_mqa_tp2_traced": ("hf_gemma_mqa", functools.partial(
+            traced_plan_dict, "hf_gemma_mqa", tp=2, optimizer=PARITY_OPTIMIZER)),
     },
     4: {
         "ddp": ("llama", P(dp=4)),
@@ -209,6 +218,26 @@ CONFIGS = {
             traced_plan_dict, "hf_phi3", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_gptj_dp2_tp2_sp_traced": ("hf_gptj", functools.partial(
             traced_plan_dict, "hf_gptj", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
+        # more TP ranks than K/V heads (kv_replication.py): one K/V head at tp=2 beside dp=2,
+        # with ZeRO-1 and ZeRO-3, and two K/V heads at tp=4 (each computed on two ranks)
+        "hf_gemma_mqa_dp2_tp2_traced": ("hf_gemma_mqa", functools.partial(
+            traced_plan_dict, "hf_gemma_mqa", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
+        "hf_gemma_mqa_dp2_tp2_zero3_traced": ("hf_gemma_mqa", functools.partial(
+            traced_plan_dict, "hf_gemma_mqa", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        "hf_llama_tp4_traced": ("hf_llama", functools.partial(
+            traced_plan_dict, "hf_llama", tp=4, optimizer=PARITY_OPTIMIZER)),
+        "hf_llama_tp4_no_sp_traced": ("hf_llama", functools.partial(
+            traced_plan_dict, "hf_llama", tp=4, sequence_parallel=False, optimizer=PARITY_OPTIMIZER)),
+        "mqa_llama_dp2_tp2_zero1_traced": ("mqa_llama", functools.partial(
+            traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
+        "mqa_llama_dp2_tp2_zero3_traced": ("mqa_llama", functools.partial(
+            traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        "mqa_llama_pp2_tp2_traced": ("mqa_llama", functools.partial(
+            traced_plan_dict, "mqa_llama", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
+        # FSDP's bf16 copy of the replicated K/V weights (a sanity check, LOW_PRECISION)
+        "mqa_llama_dp2_tp2_bf16_zero3_traced": ("mqa_llama", functools.partial(
+            traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=3, precision="bf16",
+            optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),

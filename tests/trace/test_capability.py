@@ -47,6 +47,19 @@ def test_tensor_parallelism_splitting_each_head_instead_of_the_heads_is_refused(
     assert set(graph.refused) == {"tp"}
 
 
+def test_kv_heads_replicated_past_tp_are_probed_on_their_own_code_path():
+    # tp=2 shards the 2 K/V heads and runs; at tp=4 each rank computes one replicated K/V
+    # head for one q head, which the model's own repeat ratio (2) gets wrong: only tp=4 is
+    # refused, with the runtime's failure
+    from autoplan.solve.space import tp_reason
+
+    graph = _graph("fixed_kv_ratio.py")
+    assert set(graph.refused) == {"tp_kv"} and "(probed at tp=4) layers.0.attn" in graph.refused["tp_kv"]
+    assert tp_reason(graph, 2, 4) is None
+    assert tp_reason(graph, 4, 4).startswith("autoplan's runtime cannot share the 2 kv heads of layers "
+                                             "over tp=4 ranks: (probed at tp=4) layers.0.attn")
+
+
 def test_an_encoder_gets_context_parallelism_and_the_cause_of_its_tp_refusal():
     graph = _graph("encoder_full_width.py")
     assert graph.context_parallel == ["blocks.0.attn", "blocks.1.attn"]

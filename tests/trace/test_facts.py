@@ -185,7 +185,8 @@ def test_styles_are_stated_once_per_block_class():
     graph = _trace(PlainNormBlock)
     assert set(graph.tp_styles) == {"", "layers.*"}
     assert graph.tp_styles["layers.*"] == {
-        "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+        "attn.q": "colwise", "attn.k": f"colwise_kv:{HEADS},{KV_HEADS}",
+        "attn.v": f"colwise_kv:{HEADS},{KV_HEADS}", "attn.o": "rowwise",
         "attn": "prepare_input", "ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise",
         "ffn": "prepare_input"}
 
@@ -313,7 +314,10 @@ def test_moe_models_given_positional_ids_get_the_attention_pair(name):
     heads, kv_heads = MOE_HEADS[name]
     assert [(p["kind"], tuple(p["column"]), p["row"], p["divides"]) for p in graph.tensor_parallel] \
         == [(*ATTN, {"heads": heads, "kv_heads": kv_heads})]
-    assert graph.tp_styles["model.layers.*"] == MOE_BLOCK_STYLES
+    # grouped K/V heads (fewer than q heads) name their counts: tp may exceed them
+    kv_style = "colwise" if kv_heads == heads else f"colwise_kv:{heads},{kv_heads}"
+    assert graph.tp_styles["model.layers.*"] == dict(
+        MOE_BLOCK_STYLES, **{"self_attn.k_proj": kv_style, "self_attn.v_proj": kv_style})
     assert graph.tp_unsplit == []
     linears = [d["op"] for _, d in graph.graph.nodes(data=True) if ".self_attn." in d["op"].name
                and d["op"].target == "Linear"]
