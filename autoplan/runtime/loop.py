@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -35,15 +34,15 @@ from autoplan.runtime import rng
 from autoplan.runtime.checkpoint import (CheckpointWriteError, latest_checkpoint, load_checkpoint,
                                          load_rank_state, non_persistent_buffers, save_checkpoint,
                                          state_bytes, verified_checkpoint)
-from autoplan.runtime.data import (check_same_data, check_token_file, data_record, local_microbatches,
-                                   make_source, zigzag_positions)
+from autoplan.runtime.data import check_same_data, check_token_file, data_record, zigzag_positions
 from autoplan.runtime.data_parallel import Zero1, allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
 from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_step,
                                      checkpoint_write_stop, clear_exit_file, earlier_stop,
                                      non_finite_stop, preempted_stop, write_exit_file)
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
-from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
+from autoplan.runtime.model_io import model_call, vocab_size_of
+from autoplan.runtime.objective import check_inputs, make_objective
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import (build_schedule, check_tied_copies, make_stages, stage_aliases,
                                        stage_ranks, sum_tied_grads, tied_copies)
@@ -62,11 +61,6 @@ def lr_at(step: int, cfg: dict) -> float:
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
     floor = 0.1 * peak
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (vocab-sharded DTensor logits under loss_parallel)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def check_world_size(plan: Plan) -> None:
@@ -142,7 +136,6 @@ class Trainer:
             raise UserError(f"the plan is for {plan.world_size} processes but the process group "
                             f"has {dist.get_world_size()}; launch {plan.world_size} ranks.")
         self.mesh = mesh or build_mesh(plan, self.device_type)
-        self.vocab = vocab_size_of(meta)
         self.unsaved = non_persistent_buffers(meta)
         model = materialise(build_model, meta, args.seed, self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -157,9 +150,10 @@ class Trainer:
         self.optimizers = [self._optimizer(part) for part in self.par.parts]
         self.scaler = DynamicLossScaler(plan.precision == "fp16")
         self.loss_parallel = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
-        self.source = make_source(args.data, self.vocab, args.seed, args.data_dtype, plan.seq_len)
         self.positions = (zigzag_positions(plan.seq_len, plan.cp, self.mesh.cp_rank)
                           if plan.cp > 1 else None)
+        self.objective = make_objective(meta, plan, args.data, args.seed, args.data_dtype,
+                                        self.positions)
         self.token_positions = self.positions if plan.cp > 1 else torch.arange(plan.seq_len)
         self.model_call = model_call(meta)
         self.schedule = self._schedule() if plan.pp > 1 else None
@@ -181,7 +175,7 @@ class Trainer:
                              self.device, self.mesh.group("pp"))
 
         def loss_fn(logits, labels):
-            return token_loss(logits_of(logits), labels) * self.scaler.scale
+            return self.objective.loss(logits, labels) * self.scaler.scale
 
         return build_schedule(stages, plan.schedule, plan.num_microbatches, loss_fn, plan.vpp)
 
@@ -223,7 +217,7 @@ class Trainer:
                 inputs = inputs.to(self.device)
                 output = model(inputs, **self.model_call.kwargs(inputs, self.token_positions,
                                                                 zigzag=self.plan.cp > 1))
-                loss = token_loss(logits_of(output), labels.to(self.device))
+                loss = self.objective.loss(output, labels.to(self.device))
                 del output  # the 16-bit logits: the loss keeps its own fp32 log-probabilities
                 (loss * (self.scaler.scale / count)).backward()
             total += _plain(loss).detach()
@@ -256,10 +250,7 @@ class Trainer:
 
     def step(self, step: int) -> float:
         plan = self.plan
-        batch = self.source.global_batch(step, plan.global_batch, plan.seq_len)
-        microbatches = local_microbatches(batch, dp_rank=self.mesh.dp_rank,
-                                          num_microbatches=plan.num_microbatches,
-                                          micro_batch=plan.micro_batch, positions=self.positions)
+        microbatches = self.objective.microbatches(step, self.mesh.dp_rank)
         lr = lr_at(step, plan.optimizer)
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -465,7 +456,9 @@ class MetricsLog:
         write_file(self.path, (json.dumps(record) + "\n").encode(), append=True)
         if print_line:
             mfu_text = f"{mfu:.2%}" if mfu is not None else "n/a"
-            print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
+            # an image plan's seq_len is 1: its "tokens" are images
+            unit = "img/s" if self.plan.inputs.get("kind") == "images" else "tok/s"
+            print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} {unit}  "
                   f"mfu {mfu_text}  peak {record['peak_memory_gib']:.2f} GiB", flush=True)
 
 
@@ -488,7 +481,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         check_world_size(plan)
         stop_if_stopped_before(args.run_dir)
         validate_plan(meta, plan)  # before the process group: nothing can hang
-        vocab_size_of(meta)  # a model the runtime cannot feed stops here too
+        check_inputs(meta, plan, args.data)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8" and rank == 0:
             print("autoplan: fp8 runs as bf16 in autoplan.runtime (no fp8 matmuls yet)", flush=True)
         if rank == 0:  # held until this process exits; the kernel releases it if it dies
@@ -552,6 +545,7 @@ def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs) -> None:
     that no other job holds the run directory, and with --resume the checkpoint to resume from.
     """
     validate_plan(meta, plan)
+    check_inputs(meta, plan, args.data)
     if args.data != "synthetic":
         count = check_token_file(args.data, vocab_size_of(meta), plan.seq_len, args.data_dtype)
         print(f"autoplan: --data {args.data}: {count:,} tokens, all ids below the vocabulary", flush=True)
