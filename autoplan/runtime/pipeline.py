@@ -124,10 +124,16 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
             out = next(n for n in nodes if n.op == "output")
             sub.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
         else:
-            live = [env[v] for v in _live_across(nodes, stage, k)]
+            # p2p sends need contiguous tensors, and a stage may end on a transposed view
+            # (a ViT's patches, flatten(2).transpose(1, 2), plus a residual keep its strides)
+            live = [sub.call_function(_contiguous, (env[v],)) for v in _live_across(nodes, stage, k)]
             sub.output(live[0] if len(live) == 1 else tuple(live))
         parts.append(fx.GraphModule(model, sub, class_name=f"Stage{k}"))
     return parts
+
+
+def _contiguous(value):
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
 
 
 def values_handed_on(model: nn.Module, stages: list[list[str]]

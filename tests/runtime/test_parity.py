@@ -102,6 +102,9 @@ CONFIGS = {
         # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # image classifiers (synthetic images and labels, cross-entropy on class scores)
+        "image_vit_pp2_1f1b": ("image_vit", P("image_vit", pp=2, schedule="1f1b", micro_batch=2)),
+        "image_convnext_pp2_gpipe": ("image_convnext", P("image_convnext", pp=2, schedule="gpipe")),
     },
     4: {
         "ddp": ("llama", P(dp=4)),
@@ -191,6 +194,12 @@ CONFIGS = {
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
         "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
+        "image_vit_ddp": ("image_vit", P("image_vit", dp=4)),
+        "image_vit_zero3": ("image_vit", P("image_vit", dp=4, zero_stage=3)),
+        "image_vit_pp2_dp2_zero3": ("image_vit", P("image_vit", pp=2, dp=2, zero_stage=3,
+                                                   schedule="1f1b")),
+        "image_convnext_ddp": ("image_convnext", P("image_convnext", dp=4)),
+        "image_convnext_zero3": ("image_convnext", P("image_convnext", dp=4, zero_stage=3)),
     },
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),
