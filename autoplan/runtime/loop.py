@@ -31,6 +31,7 @@ from autoplan.files import write_file
 from autoplan.plan import Plan, PlanFormatError
 from autoplan.runtime.args import TrainArgs
 from autoplan.runtime import rng
+from autoplan.runtime.batch_norm import batch_norms
 from autoplan.runtime.checkpoint import (CheckpointWriteError, latest_checkpoint, load_checkpoint,
                                          load_rank_state, non_persistent_buffers, save_checkpoint,
                                          state_bytes, verified_checkpoint)
@@ -188,12 +189,22 @@ class Trainer:
                   "inside forward (e.g. torch.arange for learned position embeddings) are not "
                   "this rank's zig-zag positions; only RoPE-style tables listed in cp_buffers "
                   "are re-indexed.", flush=True)
+        self._note_batch_norm()
         if plan.offload == "none":
             return
         if self.device_type == "cpu" or plan.zero_stage < 2 or plan.offload == "optimizer":
             print(f"autoplan: offload={plan.offload!r} is not applied here (it needs CUDA and "
                   "zero_stage >= 2; FSDP2 offloads parameters, gradients and the optimizer step "
                   "together, so 'optimizer' alone is not available)", flush=True)
+
+    def _note_batch_norm(self) -> None:
+        count = sum(len(batch_norms(part)) for part in self.par.parts)
+        if count:
+            plan = self.plan
+            print(f"autoplan: {count} BatchNorm layers on this rank normalise over each global "
+                  f"micro-batch of dp x micro_batch = {plan.dp * plan.cp * plan.micro_batch} samples "
+                  "(statistics synchronised over the DP ranks); a plan with another dp x "
+                  "micro_batch normalises over other groups, so its losses differ.", flush=True)
 
     # -- one step -----------------------------------------------------------------
     def _context(self):

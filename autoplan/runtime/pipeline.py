@@ -198,9 +198,31 @@ def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches:
     return cls(stages[0], num_microbatches, loss_fn=loss_fn)
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose shape-inference forward leaves the stage's buffers as they were.
+
+    On the first step torch runs each stage once to learn the shapes it sends (in torch
+    2.13 through `_compute_outputs`, which nothing else calls), on the real first
+    micro-batch at stage 0 and on uninitialised tensors after it. A BatchNorm would count
+    that forward in its running statistics, and take them from the garbage on later stages."""
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        # the forward runs on copies, put back afterwards: restoring values in place would
+        # change tensors the inference graph saved for its backward (also run once)
+        owners = [(owner, name, buf) for owner in module.modules()
+                  for name, buf in owner._buffers.items() if buf is not None]
+        for owner, name, buf in owners:
+            owner._buffers[name] = buf.clone()
+        try:
+            return super()._compute_outputs(*args, module=module, **kwargs)
+        finally:
+            for owner, name, buf in owners:
+                owner._buffers[name] = buf
+
+
 def make_stages(parts: list[nn.Module], indices: list[int], num_stages: int,
                 device: torch.device, group) -> list[PipelineStage]:
-    return [PipelineStage(part, index, num_stages, device, group=group)
+    return [_Stage(part, index, num_stages, device, group=group)
             for part, index in zip(parts, indices)]
 
 

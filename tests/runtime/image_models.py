@@ -1,6 +1,7 @@
 """Tiny image classifiers written as a user would write them (no autoplan hooks): a ViT
-(patch-embedding Conv2d, pre-norm transformer blocks, mean-pooled class head) and a
-ConvNeXt-style ConvNet (patchify stem, depthwise 7x7 blocks, pooled head)."""
+(patch-embedding Conv2d, pre-norm transformer blocks, mean-pooled class head), a
+ConvNeXt-style ConvNet (patchify stem, depthwise 7x7 blocks, pooled head) and a ResNet
+(BatchNorm: its statistics couple the samples of a batch)."""
 
 from __future__ import annotations
 
@@ -85,4 +86,30 @@ class TinyConvNeXt(nn.Module):
         return self.head(self.norm(x.mean(dim=(2, 3))))
 
 
-BUILDERS = {"vit": TinyViT, "convnext": TinyConvNeXt}
+class BasicBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(dim, dim, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(dim)
+        self.conv2 = nn.Conv2d(dim, dim, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 4, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(CHANNELS, dim, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(dim)
+        self.blocks = nn.Sequential(*[BasicBlock(dim) for _ in range(depth)])
+        self.fc = nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.bn1(self.conv1(images))))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+BUILDERS = {"vit": TinyViT, "convnext": TinyConvNeXt, "resnet": TinyResNet}
