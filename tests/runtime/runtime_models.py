@@ -216,10 +216,15 @@ def traced_plan_dict(kind: str, **over) -> dict:
     plan = plan_dict(kind, **over)
     with torch.device("meta"):
         model = builder(kind)()
-    graph = trace_model(model, (torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"),), name=kind)
+    inputs = (torch.zeros(1, image_models.CHANNELS, image_models.IMAGE_SIZE, image_models.IMAGE_SIZE,
+                          device="meta") if kind in IMAGE_KINDS else
+              torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"))
+    graph = trace_model(model, (inputs,), name=kind)
     if not graph.tensor_parallel or "tp" in graph.refused:
         raise AssertionError(f"{kind}: no tensor parallelism offered: {graph.tp_unsplit} {graph.refused}")
     plan["tp_styles"] = {scope: dict(styles) for scope, styles in graph.tp_styles.items()}
+    if kind in IMAGE_KINDS:  # as the planner chooses (solve/space.py sequence_parallel)
+        plan["sequence_parallel"] = False
     plan["format_version"] = 2  # styles per block class
     if over.get("ep", 1) > 1:
         plan["ep_modules"] = [e["module"] for e in graph.expert_parallel]

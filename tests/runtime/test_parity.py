@@ -117,6 +117,11 @@ CONFIGS = {
         "image_convnext_pp2_gpipe": ("image_convnext", P("image_convnext", pp=2, schedule="gpipe")),
         # BatchNorm normalises over one global micro-batch (here the whole batch, as the reference)
         "image_resnet_pp2_gpipe": ("image_resnet", P("image_resnet", pp=2, schedule="gpipe", micro_batch=8)),
+        # the planner's TP styles: Megatron pairs in attention and MLP, no sequence parallelism
+        "image_vit_tp2": ("image_vit", functools.partial(
+            traced_plan_dict, "image_vit", tp=2, optimizer=PARITY_OPTIMIZER)),
+        "image_convnext_tp2": ("image_convnext", functools.partial(
+            traced_plan_dict, "image_convnext", tp=2, optimizer=PARITY_OPTIMIZER)),
     },
     4: {
         "ddp": ("llama", P(dp=4)),
@@ -215,6 +220,8 @@ CONFIGS = {
         # statistics over the DP ranks' micro-batches together: 4 x 2 = the reference's batch
         "image_resnet_ddp": ("image_resnet", P("image_resnet", dp=4, micro_batch=2)),
         "image_resnet_zero3": ("image_resnet", P("image_resnet", dp=4, zero_stage=3, micro_batch=2)),
+        "image_vit_dp2_tp2_zero3": ("image_vit", functools.partial(
+            traced_plan_dict, "image_vit", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
     },
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),
