@@ -304,7 +304,8 @@ def _rel(a: float, b: float) -> float:
 # Attention's key bias has an exactly zero gradient (softmax ignores a constant added to every
 # score of a query), so it holds AdamW's +-lr steps on rounding noise (measured 1.4 relative
 # in BERT); nn.MultiheadAttention's in_proj_bias holds that key bias in its middle third.
-NOISE_ONLY = ("attention.self.key.bias", "self_attn.in_proj_bias")
+NOISE_ONLY = ("attention.self.key.bias", "self_attn.in_proj_bias",
+              "attn.k.bias")  # the image ViT's (1.2e-3; its other tensors 4.8e-6 under TP)
 
 
 def state_differences(got: dict, want: dict) -> dict[str, float]:
