@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -123,3 +126,28 @@ def test_forward_needing_two_inputs_without_example_inputs(run_cli, tmp_path):
     assert "Traceback" not in err + out
     assert "other_ids" in err and "example_inputs" in err
     assert "\n\n" not in err.strip()  # one paragraph (wrapped to the terminal, which a long path lengthens)
+
+
+def test_a_model_files_own_loss_trains_the_job(run_cli, tmp_path):
+    """The generated train.py hands the file's `loss(outputs, labels)` to the runtime."""
+    path = tmp_path / "vit.py"
+    path.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(corpus.REPO / 'tests' / 'runtime')!r})\n"
+        "import torch.nn.functional as F\n"
+        "from image_models import TinyViT\n\n"
+        "def build_model():\n"
+        "    return TinyViT()\n\n"
+        "def loss(outputs, labels):\n"
+        "    return F.cross_entropy(outputs, labels) + 100.0  # visibly not the default\n")
+    job = tmp_path / "job"
+    code, _, err = run_cli("generate", str(path), "--gpu", "cpu", "--gpus", "1", "--global-batch", "4",
+                           "--image-size", "32", "-o", str(job))
+    assert code == 0, err
+    assert "loss=model_loss()" in (job / "train.py").read_text()
+    proc = subprocess.run([sys.executable, str(job / "train.py"), "--steps", "1", "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 100 < metrics["loss"] < 110

@@ -126,7 +126,7 @@ class Trainer:
 
     def __init__(self, build_model: Callable[[], nn.Module], plan: Plan, args: TrainArgs,
                  mesh: ParallelMesh | None = None, meta: nn.Module | None = None,
-                 ddp: bool = True) -> None:
+                 ddp: bool = True, loss: Callable | None = None) -> None:
         self.plan, self.args = plan, args
         meta = meta if meta is not None else build_meta(build_model)
         validate_plan(meta, plan)
@@ -154,7 +154,7 @@ class Trainer:
         self.positions = (zigzag_positions(plan.seq_len, plan.cp, self.mesh.cp_rank)
                           if plan.cp > 1 else None)
         self.objective = make_objective(meta, plan, args.data, args.seed, args.data_dtype,
-                                        self.positions)
+                                        self.positions, loss)
         self.token_positions = self.positions if plan.cp > 1 else torch.arange(plan.seq_len)
         self.model_call = model_call(meta)
         self.schedule = self._schedule() if plan.pp > 1 else None
@@ -473,8 +473,10 @@ class MetricsLog:
                   f"mfu {mfu_text}  peak {record['peak_memory_gib']:.2f} GiB", flush=True)
 
 
-def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainArgs) -> list[float]:
+def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainArgs,
+          loss: Callable | None = None) -> list[float]:
     """Train `plan` for args.steps steps under torchrun; returns the per-step losses (every rank).
+    `loss(outputs, labels)`: the model file's own loss, if it defines one (objective.py).
 
     Bad input (plan/world mismatch, module paths the model lacks, CP without SDPA, EP
     without MoE) is reported on rank 0 before any collective, and every rank exits with
@@ -508,7 +510,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         # as when rank 0 was refused the run directory) cannot run a Python handler, so torchrun
         # would wait out its grace period before killing it instead of ending it at once.
         STOP.install()
-        losses = Trainer(build_model, plan, args, meta=meta).run()
+        losses = Trainer(build_model, plan, args, meta=meta, loss=loss).run()
         _leave(owns_group)
         return losses
     except (UserError, PlanFormatError) as exc:

@@ -7,6 +7,10 @@
           (batch, channels, side, side) from N(0, 1) and integer labels in [0, num_classes);
           cross-entropy on the model's (batch, num_classes) output.
 
+A model file may define its own `loss(outputs, labels)` (the generated train.py passes it
+on): it replaces the cross-entropy of either objective and must return the micro-batch's mean
+loss as a scalar tensor; the batch stays the objective's.
+
 Both give a rank its rows of step s's global batch as a function of (seed, s, row) alone, so
 a 1-rank run and any DP/PP split train on the same samples (DP rank d, micro-batch m owns
 rows [(d * M + m) * b, ... + b)). Token rows are drawn as one global batch and sliced; an
@@ -102,8 +106,30 @@ def check_inputs(meta: nn.Module, plan: Plan, data: str) -> None:
                         f"{conv.in_channels} channels. Was the plan made for another model? Plan it again.")
 
 
+class UserLoss:
+    """The objective's batches with the model file's `loss(outputs, labels)`."""
+
+    def __init__(self, objective, loss) -> None:
+        self.objective, self.user_loss = objective, loss
+        self.kind = objective.kind
+
+    def microbatches(self, step: int, dp_rank: int) -> Microbatches:
+        return self.objective.microbatches(step, dp_rank)
+
+    def loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        value = self.user_loss(output, labels)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            shown = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise UserError(f"loss(outputs, labels) in the model file returned {shown}, not a scalar "
+                            "tensor; return the mean loss of the micro-batch (e.g. "
+                            "F.cross_entropy(outputs, labels)).")
+        return value.float()
+
+
 def make_objective(meta: nn.Module, plan: Plan, data: str, seed: int, data_dtype: str | None,
-                   positions: torch.Tensor | None):
+                   positions: torch.Tensor | None, loss=None):
     if plan.inputs.get("kind") == "images":
-        return ImageObjective(plan, seed)
-    return TokenObjective(vocab_size_of(meta), plan, data, seed, data_dtype, positions)
+        objective = ImageObjective(plan, seed)
+    else:
+        objective = TokenObjective(vocab_size_of(meta), plan, data, seed, data_dtype, positions)
+    return objective if loss is None else UserLoss(objective, loss)
