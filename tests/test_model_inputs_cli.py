@@ -78,6 +78,18 @@ def test_generate_from_a_plan_file_of_an_image_model(run_cli, tmp_path):
     assert json.loads((tmp_path / "job" / "plan.json").read_text())["inputs"]["image_size"] == 32
 
 
+def test_check_refuses_an_image_plan_in_one_paragraph(run_cli, vit_file, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, out, _ = run_cli("plan", vit_file, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
+                           "--image-size", "32", "-o", str(plan))
+    assert code == 0, out
+    code, _, err = run_cli("check", str(plan))
+    assert code == 2 and "Traceback" not in err and "\n\n" not in err.strip()
+    assert "dry-runs a step on token ids only" in " ".join(err.split())
+    code, _, err = run_cli("estimate", "--plan", str(plan))  # what it points to instead
+    assert code == 0, err
+
+
 def test_generate_from_an_image_plan_without_inputs_says_plan_again(run_cli, tmp_path):
     model = str(corpus.model_file("resnet50", "tiny", tmp_path))
     plan = tmp_path / "plan.json"
