@@ -80,6 +80,10 @@ class Plan:
     cp_modules: list[str] = field(default_factory=list)  # attention modules calling SDPA
     cp_buffers: dict[str, int] = field(default_factory=dict)  # buffer path -> its sequence dim (RoPE tables)
     ep_modules: list[str] = field(default_factory=list)  # MoE modules
+    # what one training sample is; {} (the file has no key) = token ids with next-token
+    # prediction, else {"kind": "images", "image_size", "channels", "num_classes"}: image
+    # classification (plan_schema.INPUT_KEYS)
+    inputs: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(
         default_factory=lambda: {
             "name": "adamw",
@@ -128,6 +132,9 @@ class Plan:
                 out["recompute"] = recompute_runs(self.recompute)
             elif name == "model":  # a catalog model has no file to hash
                 out[name] = {k: v for k, v in value.items() if k != "file_sha256" or v}
+            elif name == "inputs":  # token plans keep the layout they always had
+                if value:
+                    out[name] = value
             else:
                 out[name] = value
         return out

@@ -27,6 +27,12 @@ LR_SCHEDULES = ("cosine", "constant")  # cosine: warmup then cosine decay to 10%
 OPTIMIZER_KEYS = ("name", "lr", "betas", "weight_decay", "warmup_steps", "max_steps", "grad_clip",
                   "schedule")
 
+# inputs of an image model (a plan without `inputs` trains on token ids)
+INPUT_KINDS = ("images",)
+INPUT_KEYS = ("kind", "image_size", "channels", "num_classes")
+MAX_IMAGE_SIDE = 1 << 16
+MAX_CLASSES = 1 << 24
+
 # positive integers and their upper bounds (MAX_GPUS for the degrees)
 _POSITIVE_INTS = {"world_size": MAX_GPUS, "gpus_per_node": MAX_GPUS, "global_batch": MAX_GLOBAL_BATCH,
                   "seq_len": MAX_SEQ_LEN, "dp": MAX_GPUS, "dp_replicate": MAX_GPUS, "tp": MAX_GPUS,
@@ -56,7 +62,7 @@ def _shown(value: Any) -> str:
 def field_problems(data: dict[str, Any]) -> list[str]:
     """Every field of a plan dict with the wrong type or out of range, one line each."""
     return [*model_problems(data.get("model")), *_cluster_problems(data), *_config_problems(data),
-            *_module_problems(data), *optimizer_problems(data.get("optimizer", {})),
+            *_module_problems(data), *inputs_problems(data.get("inputs", {})), *optimizer_problems(data.get("optimizer", {})),
             *_estimate_problems(data.get("estimate", {}))]
 
 
@@ -143,6 +149,24 @@ def _module_problems(data: dict[str, Any]) -> list[str]:
         unknown = sorted({str(s) for table in tables for s in table.values() if not tp_style_known(s)})
         if unknown:
             problems.append(f"tp_styles names unknown styles {unknown[:5]}; known: {list(TP_STYLE_FORMS)}")
+    return problems
+
+
+def inputs_problems(inputs: Any) -> list[str]:
+    """inputs: {} (token ids), or an image classifier's {kind, image_size, channels, num_classes}."""
+    if not isinstance(inputs, dict):
+        return [f"inputs must be a JSON object, got {_shown(inputs)}"]
+    if not inputs:
+        return []
+    problems = [f"inputs.{key} is not an inputs field (they are {', '.join(INPUT_KEYS)})"
+                for key in sorted(set(inputs) - set(INPUT_KEYS))]
+    if inputs.get("kind") not in INPUT_KINDS:
+        problems.append(f"inputs.kind must be one of {list(INPUT_KINDS)}, got {_shown(inputs.get('kind'))}")
+    for key, low, high in (("image_size", 1, MAX_IMAGE_SIDE), ("channels", 1, 4096),
+                           ("num_classes", 2, MAX_CLASSES)):
+        value = inputs.get(key)
+        if not is_int(value) or not low <= value <= high:
+            problems.append(f"inputs.{key} must be an integer from {low} to {high:,}, got {_shown(value)}")
     return problems
 
 

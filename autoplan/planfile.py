@@ -134,8 +134,8 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     check_same_model(plan, loaded.ref, spec, path)
     cluster = resolve_cluster(gpu or plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, None if gpu else plan.inter_node_bandwidth_gb_per_s)
-    graph = trace_model(loaded.module, loaded.example_inputs(1, plan.seq_len), name=loaded.ref.name,
-                        probe_runtime=probe_runtime)
+    graph = trace_model(loaded.module, loaded.example_inputs(1, _input_extent(plan, loaded, path)),
+                        name=loaded.ref.name, probe_runtime=probe_runtime)
     by_path = {block: graph.segment(name) for block, name in graph.layer_order}
     stages = plan.stages or [[block for block, _ in graph.layer_order]]
     unknown = [block for stage in stages for block in stage if block not in by_path]
@@ -147,6 +147,18 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     est = estimate_partition(graph, plan.parallel, cluster, layers)
     checked = replace(plan, model=replace(loaded.ref, name=plan.model.name), estimate=stored_estimate(est))
     return CheckedPlan(checked, loaded, est, graph, layers)
+
+
+def _input_extent(plan: Plan, loaded, path: str) -> int:
+    """The plan's sequence length, or for an image model the image side it was planned at."""
+    if not loaded.takes_images:
+        return plan.seq_len
+    side = plan.inputs.get("image_size")
+    if not side:
+        raise UserError(f"{path} keeps no image size for this image model (it was made by an older "
+                        "autoplan, or the model's output is not (batch, classes)); make the plan "
+                        "again with `autoplan plan --image-size N`")
+    return side
 
 
 def does_not_fit(est, plan_file: str) -> str:

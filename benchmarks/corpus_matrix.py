@@ -13,8 +13,8 @@ same model's one-rank job (planned with --gpus 1, the same global batch and seed
 Outcomes per cell:
   parity (max rel err X)      losses within RTOL of the one-rank job at every step
   refused at plan time: ...   `autoplan plan` exited 2 with a reason (the planner knew)
-  refused by generate: ...    an image model: it plans, but `autoplan generate` writes no
-                              job (the runtime trains token models only)
+  refused by generate: ...    an image model that plans, but whose output is not class
+                              scores (batch, classes), so `autoplan generate` writes no job
   n/a                         the axis has nothing to apply to (EP on a dense model,
                               CP on a model without attention)
   FAIL: ...                   anything else: plan exit 1 or a traceback, the plan has other
@@ -179,7 +179,7 @@ def cell_outcome(name: str, axis: str, work: Path, timeout: float) -> dict:
     if got["stage"] == "plan" and got["code"] == 2:
         result.update(verdict="refused", detail="refused at plan time: " + one_line(got["output"]))
     elif got["stage"] == "generate" and got["code"] == 2 and "takes images" in got["output"]:
-        # planning image models is supported; the runtime trains token models only
+        # the runtime trains image models as classifiers only
         result.update(verdict="refused", detail="refused by generate: " + one_line(got["output"]))
     elif got["stage"] != "done":
         result.update(verdict="FAIL", detail=f"{got['stage']} exit {got['code']}: {error_of(got['output'])}")

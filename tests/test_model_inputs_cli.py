@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -52,23 +55,71 @@ def test_fixing_cp_on_an_image_model_says_a_sample_is_one_image(run_cli, vit_fil
     assert "a sample of an image model is one image" in " ".join(err.split())
 
 
-def test_generate_refuses_an_image_model_before_planning(run_cli, vit_file, tmp_path):
-    code, _, err = run_cli("generate", vit_file, "--gpu", "h100", "--gpus", "8",
-                           "--global-batch", "64", "-o", str(tmp_path / "job"))
-    assert code == 2 and "takes images" in " ".join(err.split())  # the CLI wraps lines
-    assert not (tmp_path / "job").exists()
+def test_generate_writes_a_job_for_an_image_classifier(run_cli, vit_file, tmp_path):
+    code, out, err = run_cli("generate", vit_file, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
+                             "--image-size", "32", "-o", str(tmp_path / "job"))
+    assert code == 0, err
+    assert "takes images" not in out + err
+    plan = json.loads((tmp_path / "job" / "plan.json").read_text())
+    assert plan["inputs"] == {"kind": "images", "image_size": 32, "channels": 3, "num_classes": 10}
+    assert "synthetic {side}x{side} images" in (tmp_path / "job" / "train.py").read_text()
 
 
-def test_generate_from_a_plan_file_refuses_an_image_model_for_the_same_reason(run_cli, tmp_path):
-    # the plan file keeps no image side: re-estimating it first traced ResNet at 1 pixel
-    # and exited with a BatchNorm error instead of saying why no job can be written
+def test_generate_from_a_plan_file_of_an_image_model(run_cli, tmp_path):
+    # re-estimating the plan traces the model at the plan's image side (ResNet's BatchNorm
+    # failed at the 1 pixel of seq_len before plans recorded it)
     model = str(corpus.model_file("resnet50", "tiny", tmp_path))
     plan = tmp_path / "plan.json"
     code, out, _ = run_cli("plan", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
                            "--image-size", "32", "-o", str(plan))
     assert code == 0, out
     code, _, err = run_cli("generate", model, "--plan", str(plan), "-o", str(tmp_path / "job"))
-    assert code == 2 and "takes images" in " ".join(err.split())
+    assert code == 0, err
+    assert json.loads((tmp_path / "job" / "plan.json").read_text())["inputs"]["image_size"] == 32
+
+
+def test_check_refuses_an_image_plan_in_one_paragraph(run_cli, vit_file, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, out, _ = run_cli("plan", vit_file, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
+                           "--image-size", "32", "-o", str(plan))
+    assert code == 0, out
+    code, _, err = run_cli("check", str(plan))
+    assert code == 2 and "Traceback" not in err and "\n\n" not in err.strip()
+    assert "dry-runs a step on token ids only" in " ".join(err.split())
+    code, _, err = run_cli("estimate", "--plan", str(plan))  # what it points to instead
+    assert code == 0, err
+
+
+def test_generate_from_an_image_plan_without_inputs_says_plan_again(run_cli, tmp_path):
+    model = str(corpus.model_file("resnet50", "tiny", tmp_path))
+    plan = tmp_path / "plan.json"
+    code, out, _ = run_cli("plan", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
+                           "--image-size", "32", "-o", str(plan))
+    assert code == 0, out
+    data = json.loads(plan.read_text())
+    del data["inputs"]  # as an older autoplan wrote it
+    plan.write_text(json.dumps(data))
+    code, _, err = run_cli("generate", model, "--plan", str(plan), "-o", str(tmp_path / "job"))
+    assert code == 2 and "Traceback" not in err
+    assert "keeps no image size" in " ".join(err.split())
+    assert not (tmp_path / "job").exists()
+
+
+def test_generate_refuses_an_image_model_without_class_scores(run_cli, tmp_path):
+    path = tmp_path / "segmenter.py"
+    path.write_text(
+        "import torch.nn as nn\n"
+        "class Segmenter(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1))\n"
+        "        self.out = nn.Conv2d(8, 4, 1)\n"
+        "    def forward(self, images):\n"
+        "        return self.out(self.blocks(images))\n")
+    code, out, err = run_cli("generate", str(path), "--gpu", "cpu", "--gpus", "1", "--global-batch", "4",
+                             "--image-size", "16", "-o", str(tmp_path / "job"))
+    assert code == 2 and "Traceback" not in err + out
+    assert "not class scores of shape (batch, classes)" in " ".join(err.split())
     assert not (tmp_path / "job").exists()
 
 
@@ -87,3 +138,28 @@ def test_forward_needing_two_inputs_without_example_inputs(run_cli, tmp_path):
     assert "Traceback" not in err + out
     assert "other_ids" in err and "example_inputs" in err
     assert "\n\n" not in err.strip()  # one paragraph (wrapped to the terminal, which a long path lengthens)
+
+
+def test_a_model_files_own_loss_trains_the_job(run_cli, tmp_path):
+    """The generated train.py hands the file's `loss(outputs, labels)` to the runtime."""
+    path = tmp_path / "vit.py"
+    path.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(corpus.REPO / 'tests' / 'runtime')!r})\n"
+        "import torch.nn.functional as F\n"
+        "from image_models import TinyViT\n\n"
+        "def build_model():\n"
+        "    return TinyViT()\n\n"
+        "def loss(outputs, labels):\n"
+        "    return F.cross_entropy(outputs, labels) + 100.0  # visibly not the default\n")
+    job = tmp_path / "job"
+    code, _, err = run_cli("generate", str(path), "--gpu", "cpu", "--gpus", "1", "--global-batch", "4",
+                           "--image-size", "32", "-o", str(job))
+    assert code == 0, err
+    assert "loss=model_loss()" in (job / "train.py").read_text()
+    proc = subprocess.run([sys.executable, str(job / "train.py"), "--steps", "1", "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 100 < metrics["loss"] < 110

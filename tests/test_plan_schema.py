@@ -34,6 +34,8 @@ def _set(data: dict, dotted: str, value) -> None:
     data[key] = value
 
 
+IMAGES = {"kind": "images", "image_size": 32, "channels": 3, "num_classes": 10}
+
 # (field as the message names it, value written to the plan file); optimizer values are what
 # make_optimizer and lr_at read, the rest what the planner, cost model and runtime read
 BAD_FIELDS = [
@@ -61,6 +63,9 @@ BAD_FIELDS = [
     ("tp_styles", {"": {"lm_head": "shard_everything"}}), ("cp_buffers", {"rope_cos": -1}),
     ("stages", "layers"), ("recompute", {"layers.0-1": "most"}),
     ("estimate.step_time_s", "fast"), ("estimate.model_flops_per_token", -1),
+    ("inputs", "images"), ("inputs", dict(IMAGES, kind="video")), ("inputs", dict(IMAGES, image_size=0)),
+    ("inputs", dict(IMAGES, num_classes=1)), ("inputs", dict(IMAGES, channels=2.5)),
+    ("inputs", dict(IMAGES, loss="import os")),
 ]
 # the name the message gives: an edited model.source is reported on the path it now needs
 NAMED = {("model.source", "file"): "model.path", ("model.source", "config"): "model.path"}

@@ -249,7 +249,8 @@ def render_job(plan: Plan, source: ModelSource, *, command_line: str,
     common = {"job_name": job_name(plan), "world_size": plan.world_size, "nnodes": nnodes,
               "nodes": Quoted(f"{nnodes} node" + ("s" if nnodes > 1 else "")),
               "nproc_per_node": nproc, "gpu": safe_name(plan.gpu),
-              "env_settings": env_settings(plan, nnodes), "launches": launch_examples(nnodes)}
+              "env_settings": env_settings(plan, nnodes), "launches": launch_examples(nnodes),
+              "images": plan.inputs.get("kind") == "images"}
     train = env.get_template("train.py.j2").render(
         **common, plan_literal=Quoted(py_literal(job_plan.to_dict())), source=source,
         import_block=Quoted(train_imports(source.kind)),

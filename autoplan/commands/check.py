@@ -32,7 +32,7 @@ from pathlib import Path
 import click
 
 from autoplan.commands import options as o
-from autoplan.errors import DryRunMismatch, NoFeasiblePlan
+from autoplan.errors import DryRunMismatch, NoFeasiblePlan, UserError
 from autoplan.planfile import load_checked_plan
 
 GIB = 2**30
@@ -148,9 +148,23 @@ def check_plan(target: str, workers: int, model: str | None = None, trust_plan_m
     from autoplan.dryrun.host import run_in_host
 
     start = time.perf_counter()
+    _refuse_image_plan(plan_path_of(target))
     report = run_in_host(check_in_host, plan_path_of(target), workers, model, trust_plan_model)
     report["wall_s"] = time.perf_counter() - start
     return report
+
+
+def _refuse_image_plan(path: str) -> None:
+    """The dry run's step feeds token ids; an image classifier's plan is not dry-run yet."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return  # the plan's own checks say what is wrong with the file
+    inputs = data.get("inputs") if isinstance(data, dict) else None
+    if isinstance(inputs, dict) and inputs.get("kind") == "images":
+        raise UserError(f"{path} trains an image classifier, and `autoplan check` dry-runs a step "
+                        "on token ids only, so it cannot check this plan yet. `autoplan estimate "
+                        "--plan` gives the plan's estimate; the job's launch.sh --steps N measures it.")
 
 
 def check_in_host(path: str, workers: int, model: str | None, trust_plan_model: bool) -> dict:

@@ -60,14 +60,13 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
                             "or plan again without --plan")
         given_plan = read_plan(plan_file)
         _check_plan_matches(given_plan, gpu, gpus, gpus_per_node, global_batch, seq_len)
-        # before the plan is re-estimated: a plan file keeps no image side to trace with
-        _refuse_images(load_model(model, seq_len=given_plan.seq_len), model)
         checked = load_checked_plan(plan_file, model)
         if not checked.estimate.feasible:
             raise NoFeasiblePlan(does_not_fit(checked.estimate, plan_file))
         plan, loaded = checked.plan, checked.loaded
+        takes_images = loaded.takes_images
     else:
-        _refuse_images(load_model(model, seq_len=seq_len), model)
+        takes_images = load_model(model, seq_len=seq_len).takes_images
         if gpus is None or global_batch is None:
             raise UserError("give the cluster and batch to plan for (--gpu NAME --gpus N "
                             "--global-batch B, as for `autoplan plan`), or a plan file with --plan FILE")
@@ -80,6 +79,7 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
             raise NoFeasiblePlan(infeasible_report(job))
         plan = job.plan
         loaded = load_model(model, seq_len=plan.seq_len) if plan.model.source == "file" else None
+    _refuse_unscored_images(plan, takes_images, model)
     model_class = type(loaded.module).__name__ if loaded is not None else ""
     source = model_source(model, plan.model.source, plan.model.name, model_class)
     files = render_job(plan, source, command_line=_command_line(ctx, model, plan_file),
@@ -110,14 +110,14 @@ for _param in command.params:
         _param.help = _param.help.rstrip(".") + " (required unless --plan is given)."
 
 
-def _refuse_images(loaded, model: str) -> None:
-    """The runtime trains models that map token ids to logits; an image model cannot run."""
-    if loaded.takes_images:
+def _refuse_unscored_images(plan, takes_images: bool, model: str) -> None:
+    """The runtime trains an image model as a classifier: it needs (batch, classes) scores."""
+    if takes_images and plan.inputs.get("kind") != "images":
         raise UserError(
-            f"{model} takes images, and the generated job's runtime trains models that map "
-            "token ids to next-token logits only, so no job is written. `autoplan analyze` and "
-            "`autoplan plan` (with --image-size) work for image models; train it with your own "
-            "loop using the plan's degrees."
+            f"{model} takes images, but its output is not class scores of shape (batch, classes), "
+            "and the generated job's runtime trains image models as classifiers (cross-entropy "
+            "on synthetic labels), so no job is written. Return (batch, num_classes) scores from "
+            "forward, or train it with your own loop using the plan's degrees."
         )
 
 

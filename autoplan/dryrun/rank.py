@@ -36,7 +36,8 @@ from autoplan.dryrun.memory import StepMemoryTracker, Window
 from autoplan.dryrun.routing import BalancedRouting
 from autoplan.plan import Plan
 from autoplan.runtime.args import TrainArgs
-from autoplan.runtime.loop import Trainer, token_loss
+from autoplan.runtime.loop import Trainer
+from autoplan.runtime.objective import token_loss
 from autoplan.runtime.mesh import build_mesh
 from autoplan.runtime.model_io import logits_of
 from autoplan.trace.fake_group import fake_process_group

@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -32,11 +31,11 @@ from autoplan.files import write_file
 from autoplan.plan import Plan, PlanFormatError
 from autoplan.runtime.args import TrainArgs
 from autoplan.runtime import rng
+from autoplan.runtime.batch_norm import batch_norms
 from autoplan.runtime.checkpoint import (CheckpointWriteError, latest_checkpoint, load_checkpoint,
                                          load_rank_state, non_persistent_buffers, save_checkpoint,
                                          state_bytes, verified_checkpoint)
-from autoplan.runtime.data import (check_same_data, check_token_file, data_record, local_microbatches,
-                                   make_source, zigzag_positions)
+from autoplan.runtime.data import check_same_data, check_token_file, data_record, zigzag_positions
 from autoplan.runtime.data_parallel import Zero1, allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
 from autoplan.runtime.float8 import require_torchao
@@ -44,7 +43,8 @@ from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_ste
                                      checkpoint_write_stop, clear_exit_file, earlier_stop,
                                      non_finite_stop, preempted_stop, write_exit_file)
 from autoplan.runtime.mesh import ParallelMesh, build_mesh
-from autoplan.runtime.model_io import logits_of, model_call, vocab_size_of
+from autoplan.runtime.model_io import model_call, vocab_size_of
+from autoplan.runtime.objective import check_inputs, make_objective
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.pipeline import (build_schedule, check_tied_copies, make_stages, stage_aliases,
                                        stage_ranks, sum_tied_grads, tied_copies)
@@ -63,11 +63,6 @@ def lr_at(step: int, cfg: dict) -> float:
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
     floor = 0.1 * peak
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (vocab-sharded DTensor logits under loss_parallel)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def check_world_size(plan: Plan) -> None:
@@ -132,7 +127,7 @@ class Trainer:
 
     def __init__(self, build_model: Callable[[], nn.Module], plan: Plan, args: TrainArgs,
                  mesh: ParallelMesh | None = None, meta: nn.Module | None = None,
-                 ddp: bool = True) -> None:
+                 ddp: bool = True, loss: Callable | None = None) -> None:
         self.plan, self.args = plan, args
         meta = meta if meta is not None else build_meta(build_model)
         validate_plan(meta, plan)
@@ -143,7 +138,6 @@ class Trainer:
             raise UserError(f"the plan is for {plan.world_size} processes but the process group "
                             f"has {dist.get_world_size()}; launch {plan.world_size} ranks.")
         self.mesh = mesh or build_mesh(plan, self.device_type)
-        self.vocab = vocab_size_of(meta)
         self.unsaved = non_persistent_buffers(meta)
         model = materialise(build_model, meta, args.seed, self.device)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -158,9 +152,10 @@ class Trainer:
         self.optimizers = [self._optimizer(part) for part in self.par.parts]
         self.scaler = DynamicLossScaler(plan.precision == "fp16")
         self.loss_parallel = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
-        self.source = make_source(args.data, self.vocab, args.seed, args.data_dtype, plan.seq_len)
         self.positions = (zigzag_positions(plan.seq_len, plan.cp, self.mesh.cp_rank)
                           if plan.cp > 1 else None)
+        self.objective = make_objective(meta, plan, args.data, args.seed, args.data_dtype,
+                                        self.positions, loss)
         self.token_positions = self.positions if plan.cp > 1 else torch.arange(plan.seq_len)
         self.model_call = model_call(meta)
         self.schedule = self._schedule() if plan.pp > 1 else None
@@ -182,7 +177,7 @@ class Trainer:
                              self.device, self.mesh.group("pp"))
 
         def loss_fn(logits, labels):
-            return token_loss(logits_of(logits), labels) * self.scaler.scale
+            return self.objective.loss(logits, labels) * self.scaler.scale
 
         return build_schedule(stages, plan.schedule, plan.num_microbatches, loss_fn, plan.vpp)
 
@@ -195,12 +190,22 @@ class Trainer:
                   "inside forward (e.g. torch.arange for learned position embeddings) are not "
                   "this rank's zig-zag positions; only RoPE-style tables listed in cp_buffers "
                   "are re-indexed.", flush=True)
+        self._note_batch_norm()
         if plan.offload == "none":
             return
         if self.device_type == "cpu" or plan.zero_stage < 2 or plan.offload == "optimizer":
             print(f"autoplan: offload={plan.offload!r} is not applied here (it needs CUDA and "
                   "zero_stage >= 2; FSDP2 offloads parameters, gradients and the optimizer step "
                   "together, so 'optimizer' alone is not available)", flush=True)
+
+    def _note_batch_norm(self) -> None:
+        count = sum(len(batch_norms(part)) for part in self.par.parts)
+        if count:
+            plan = self.plan
+            print(f"autoplan: {count} BatchNorm layers on this rank normalise over each global "
+                  f"micro-batch of dp x micro_batch = {plan.dp * plan.cp * plan.micro_batch} samples "
+                  "(statistics synchronised over the DP ranks); a plan with another dp x "
+                  "micro_batch normalises over other groups, so its losses differ.", flush=True)
 
     # -- one step -----------------------------------------------------------------
     def _context(self):
@@ -224,7 +229,7 @@ class Trainer:
                 inputs = inputs.to(self.device)
                 output = model(inputs, **self.model_call.kwargs(inputs, self.token_positions,
                                                                 zigzag=self.plan.cp > 1))
-                loss = token_loss(logits_of(output), labels.to(self.device))
+                loss = self.objective.loss(output, labels.to(self.device))
                 del output  # the 16-bit logits: the loss keeps its own fp32 log-probabilities
                 (loss * (self.scaler.scale / count)).backward()
             total += _plain(loss).detach()
@@ -257,10 +262,7 @@ class Trainer:
 
     def step(self, step: int) -> float:
         plan = self.plan
-        batch = self.source.global_batch(step, plan.global_batch, plan.seq_len)
-        microbatches = local_microbatches(batch, dp_rank=self.mesh.dp_rank,
-                                          num_microbatches=plan.num_microbatches,
-                                          micro_batch=plan.micro_batch, positions=self.positions)
+        microbatches = self.objective.microbatches(step, self.mesh.dp_rank)
         lr = lr_at(step, plan.optimizer)
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -466,12 +468,16 @@ class MetricsLog:
         write_file(self.path, (json.dumps(record) + "\n").encode(), append=True)
         if print_line:
             mfu_text = f"{mfu:.2%}" if mfu is not None else "n/a"
-            print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
+            # an image plan's seq_len is 1: its "tokens" are images
+            unit = "img/s" if self.plan.inputs.get("kind") == "images" else "tok/s"
+            print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} {unit}  "
                   f"mfu {mfu_text}  peak {record['peak_memory_gib']:.2f} GiB", flush=True)
 
 
-def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainArgs) -> list[float]:
+def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainArgs,
+          loss: Callable | None = None) -> list[float]:
     """Train `plan` for args.steps steps under torchrun; returns the per-step losses (every rank).
+    `loss(outputs, labels)`: the model file's own loss, if it defines one (objective.py).
 
     Bad input (plan/world mismatch, module paths the model lacks, CP without SDPA, EP
     without MoE) is reported on rank 0 before any collective, and every rank exits with
@@ -489,7 +495,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         check_world_size(plan)
         stop_if_stopped_before(args.run_dir)
         validate_plan(meta, plan)  # before the process group: nothing can hang
-        vocab_size_of(meta)  # a model the runtime cannot feed stops here too
+        check_inputs(meta, plan, args.data)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8":
             require_torchao()
         if rank == 0:  # held until this process exits; the kernel releases it if it dies
@@ -505,7 +511,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         # as when rank 0 was refused the run directory) cannot run a Python handler, so torchrun
         # would wait out its grace period before killing it instead of ending it at once.
         STOP.install()
-        losses = Trainer(build_model, plan, args, meta=meta).run()
+        losses = Trainer(build_model, plan, args, meta=meta, loss=loss).run()
         _leave(owns_group)
         return losses
     except (UserError, PlanFormatError) as exc:
@@ -553,6 +559,7 @@ def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs) -> None:
     that no other job holds the run directory, and with --resume the checkpoint to resume from.
     """
     validate_plan(meta, plan)
+    check_inputs(meta, plan, args.data)
     if args.data != "synthetic":
         count = check_token_file(args.data, vocab_size_of(meta), plan.seq_len, args.data_dtype)
         print(f"autoplan: --data {args.data}: {count:,} tokens, all ids below the vocabulary", flush=True)

@@ -1,8 +1,9 @@
 """How the runtime calls a user model and reads its logits, whatever the model's conventions.
 
-The training objective is next-token prediction on token ids, so the model must read token
-ids through an nn.Embedding (its size is the vocabulary the data is drawn from). Image models
-are refused with that reason before any process starts talking (`vocab_size_of`).
+Under a token plan the objective is next-token prediction on token ids, so the model must
+read token ids through an nn.Embedding (its size is the vocabulary the data is drawn from);
+a model without one is refused with that reason before any process starts talking
+(`vocab_size_of`). Image plans train classifiers (objective.py).
 
 Outputs: a logits tensor (autoplan's models, most hand-written ones), an object or dict with
 a `logits` entry (Hugging Face `ModelOutput`), or a tuple whose first item is the logits.
@@ -82,9 +83,10 @@ def vocab_size_of(model: nn.Module) -> int:
         if isinstance(module, nn.Embedding):
             return module.num_embeddings
     raise UserError(f"{type(model).__name__} has no nn.Embedding, so it does not read token ids "
-                    "(an image model?); autoplan.runtime trains token-id -> logits models with a "
-                    "next-token objective. Analyze and plan work for this model; to train it, "
-                    "use your own training loop with the plan's degrees.")
+                    "(an image model?), and the plan trains on token ids (it has no image "
+                    "`inputs`). Make the plan for this model with `autoplan plan` (an image "
+                    "classifier's plan records its image size and classes), or train it with "
+                    "your own loop using the plan's degrees.")
 
 
 def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:

@@ -9,7 +9,8 @@
                   experts sharded over the ep axis.
   4. recompute  - checkpoint wrappers per block (after TP so the wrapped code is the TP code).
      compile    - torch.compile per block when the plan says so (compiling.py).
-  5. DP         - FSDP2 (ZeRO-2/3, HSDP) or DDP (ZeRO-0/1) last, on the parallelised blocks,
+  5. DP         - BatchNorm statistics over the DP ranks' micro-batches (batch_norm.py);
+                  FSDP2 (ZeRO-2/3, HSDP) or DDP (ZeRO-0/1) last, on the parallelised blocks,
                   as FSDP2 + DTensor composition requires; at ZeRO-2/3 each layer's experts
                   are an FSDP unit on the expert-replica mesh, below it outside DDP.
 Every check that could fail runs on the meta model before any collective (`validate_plan`).
@@ -26,6 +27,7 @@ from autoplan.config import TP_STYLE_FORMS, tp_style_known
 from autoplan.errors import UserError
 from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
+from autoplan.runtime.batch_norm import sync_batch_norms
 from autoplan.runtime.compiling import apply_compile
 from autoplan.runtime.float8 import apply_float8
 from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
@@ -148,6 +150,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
     if not data_parallel:
         return result
     dp_cp = plan.dp * plan.cp
+    if dp_cp > 1:  # before FSDP/DDP wrap them: the layers as the model built them
+        sync_batch_norms(parts, mesh.group("dp_cp"), dp_cp)
     device_is_cpu = mesh.world.device_type == "cpu"
     if plan.zero_stage < 2:
         result.expert_params = [p for m in result.expert_modules for p in m.parameters()]

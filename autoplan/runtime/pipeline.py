@@ -125,10 +125,16 @@ def split_stages(model: nn.Module, stages: list[list[str]], positions: torch.Ten
             out = next(n for n in nodes if n.op == "output")
             sub.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
         else:
-            live = [env[v] for v in _live_across(nodes, stage, k)]
+            # p2p sends need contiguous tensors, and a stage may end on a transposed view
+            # (a ViT's patches, flatten(2).transpose(1, 2), plus a residual keep its strides)
+            live = [sub.call_function(_contiguous, (env[v],)) for v in _live_across(nodes, stage, k)]
             sub.output(live[0] if len(live) == 1 else tuple(live))
         parts.append(fx.GraphModule(model, sub, class_name=f"Stage{k}"))
     return parts
+
+
+def _contiguous(value):
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
 
 
 def values_handed_on(model: nn.Module, stages: list[list[str]]
@@ -193,9 +199,31 @@ def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches:
     return cls(stages[0], num_microbatches, loss_fn=loss_fn)
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose shape-inference forward leaves the stage's buffers as they were.
+
+    On the first step torch runs each stage once to learn the shapes it sends (in torch
+    2.13 through `_compute_outputs`, which nothing else calls), on the real first
+    micro-batch at stage 0 and on uninitialised tensors after it. A BatchNorm would count
+    that forward in its running statistics, and take them from the garbage on later stages."""
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        # the forward runs on copies, put back afterwards: restoring values in place would
+        # change tensors the inference graph saved for its backward (also run once)
+        owners = [(owner, name, buf) for owner in module.modules()
+                  for name, buf in owner._buffers.items() if buf is not None]
+        for owner, name, buf in owners:
+            owner._buffers[name] = buf.clone()
+        try:
+            return super()._compute_outputs(*args, module=module, **kwargs)
+        finally:
+            for owner, name, buf in owners:
+                owner._buffers[name] = buf
+
+
 def make_stages(parts: list[nn.Module], indices: list[int], num_stages: int,
                 device: torch.device, group) -> list[PipelineStage]:
-    return [PipelineStage(part, index, num_stages, device, group=group)
+    return [_Stage(part, index, num_stages, device, group=group)
             for part, index in zip(parts, indices)]
 
 

@@ -26,8 +26,19 @@ def to_plan(candidate: Candidate, graph: ModelGraph, model: ModelRef, cluster,
         cp_modules=list(graph.context_parallel) if c.cp > 1 else [],
         cp_buffers=dict(graph.cp_buffers) if c.cp > 1 else {},
         ep_modules=[e["module"] for e in graph.expert_parallel] if c.ep > 1 else [],
+        inputs=plan_inputs(graph),
         estimate=stored_estimate(candidate.estimate), **extra,
     )
+
+
+def plan_inputs(graph: ModelGraph) -> dict:
+    """What the runtime feeds an image classifier (its batch and its labels); {} for token
+    models, and for an image model whose output is not (batch, classes), which the runtime
+    cannot train (`autoplan generate` says so)."""
+    if not graph.image_size or graph.num_classes < 2:
+        return {}
+    return {"kind": "images", "image_size": graph.image_size, "channels": graph.image_channels,
+            "num_classes": graph.num_classes}
 
 
 def stored_estimate(estimate) -> dict:

@@ -112,6 +112,12 @@ def kv_reason(graph: ModelGraph, block, tp: int) -> str | None:
     return None
 
 
+def sequence_parallel(graph: ModelGraph, tp: int) -> bool:
+    """SP with TP, except for image models: nothing before their first block shards the patch
+    sequence (a token model's vocab-parallel embedding hands on its sequence shard)."""
+    return tp > 1 and not graph.image_size
+
+
 def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: int) -> str | None:
     if cp == 1:
         return None
@@ -207,7 +213,7 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
                                 global_batch=request.global_batch, seq_len=request.seq_len,
                                 dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                 offload=offload, micro_batch=mb, schedule=schedule, vpp=vpp,
-                                precision=precision, sequence_parallel=tp > 1,
+                                precision=precision, sequence_parallel=sequence_parallel(graph, tp),
                                 compile=request.compile, recompute=fixed.get("recompute", "none"),
                             )
 

@@ -77,7 +77,8 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
         # a block class that shares its list with another (T5's first block) is keyed by
         # each block path; keep the keys of the blocks the probed copy still has
         styles = {k: dict(v) for k, v in graph.tp_styles.items() if k == "" or "*" in k or k in blocks}
-        plans["tp"] = base.with_(world_size=tp, gpus_per_node=tp, tp=tp, sequence_parallel=True,
+        plans["tp"] = base.with_(world_size=tp, gpus_per_node=tp, tp=tp,
+                                 sequence_parallel=not graph.image_size,  # solve/space.py's choice
                                  tp_styles=styles)
     kv_tp = _smallest_kv_tp(graph) if graph.tensor_parallel else 0
     if kv_tp:  # K/V heads replicated: another code path of the same styles

@@ -417,7 +417,10 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
         for column in columns:
             styles[_relative(column, first)] = kv_styles.get(column) or pair.get("column_style", "colwise")
         styles[_relative(row, first)] = "rowwise"
-        styles[_relative(_common_parent(columns + [row]), first)] = "prepare_input"
+        parent = _relative(_common_parent(columns + [row]), first)
+        if parent:  # a pair written inline in the block: its column linears gather their input,
+            # a gather of the block's input would hand the residual stream on as a DTensor
+            styles[parent] = "prepare_input"
     head_norms = {n for pair in pairs for n in pair.get("head_norms", [])}
     for op in block_ops:
         if op.kind == "norm" and op.module:

@@ -149,6 +149,8 @@ class ModelGraph:
     fingerprint: str = ""
     model_name: str = ""
     image_size: int = 0  # side of the traced image batch for image models (seq_len is then 1)
+    image_channels: int = 0  # channels of that batch
+    num_classes: int = 0  # an image model's output is (batch, num_classes); 0 when it is not
     # per cut after block copy k (layer_order[k], k < num_layers - 1): what a pipeline stage
     # ending there hands on beside the hidden states (trace/side_values.py); empty where the
     # runtime hands on the hidden states alone (Hugging Face models) or cannot split the model

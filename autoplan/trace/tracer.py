@@ -295,6 +295,8 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
     kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()}
     _check_call(module, args, kwargs)
     batch, seq, image = input_dims(args, kwargs)
+    classes = classifier_width(module, own_dtype_args, {k: _to_meta(v, dtype=None) for k, v in
+                                                        (example_kwargs or {}).items()}) if image else 0
     groups = find_block_groups(module)
     block_of = {path: group for group, paths in groups.items() for path in paths}
     # in the model's own dtype, as the runtime hands the values on (its buffers stay fp32)
@@ -322,6 +324,8 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         embedding_parameters=emb, vocab=_vocab(module),
         fallback_modules=_outermost(costed_by_routing, block_of, first_path),
         fingerprint=fingerprint(module), model_name=name, image_size=image,
+        image_channels=image_channels(args, kwargs) if image else 0,
+        num_classes=classes,
         pipeline_side_values=side_values,
         sequence_loops=sequence_loops(rec.ops, seq, module),
     )
@@ -474,6 +478,25 @@ def input_dims(args: tuple, kwargs: dict) -> tuple[int, int, int]:
     if first.dim() == 4 and first.is_floating_point():
         return int(first.shape[0]), 1, int(first.shape[-1])
     return int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1, 0
+
+
+def classifier_width(module: nn.Module, args: tuple, kwargs: dict) -> int:
+    """The class count of an image classifier (its output is (batch, classes)), else 0;
+    one forward on meta tensors, in the model's own dtype."""
+    from autoplan.runtime.model_io import logits_of
+
+    try:
+        with torch.no_grad():
+            out = logits_of(module(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - the trace that follows reports a forward that fails
+        return 0
+    batch = input_dims(args, kwargs)[0]
+    return int(out.shape[1]) if out.dim() == 2 and out.shape[0] == batch else 0
+
+
+def image_channels(args: tuple, kwargs: dict) -> int:
+    first = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
+    return int(first.shape[1])
 
 
 def _vocab(module: nn.Module) -> int:

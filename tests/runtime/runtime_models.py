@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hf_models
+import image_models
 from autoplan.models import build_model
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
@@ -25,6 +26,9 @@ TINY_TIED_LLAMA = dict(TINY_LLAMA, tie_word_embeddings=True)  # lm_head.weight i
 TINY_MQA_LLAMA = dict(TINY_LLAMA, num_key_value_heads=1)  # one K/V head: replicated under TP
 TINY_MIXTRAL = dict(TINY_LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 SEQ_LEN, GLOBAL_BATCH, STEPS, SEED = 32, 8, 5, 1234
+IMAGE_KINDS = {"image_vit": "vit", "image_convnext": "convnext", "image_resnet": "resnet"}  # kind -> image_models.BUILDERS
+IMAGE_INPUTS = {"kind": "images", "image_size": image_models.IMAGE_SIZE,
+                "channels": image_models.CHANNELS, "num_classes": image_models.CLASSES}
 OPTIMIZER = {"name": "adamw", "lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
              "warmup_steps": 2, "max_steps": 5, "grad_clip": 1.0}
 
@@ -129,6 +133,8 @@ def builder(kind: str):
         return lambda: TinyGPT(manual_attention=True)
     if kind in hf_models.CONFIGS:
         return lambda: hf_models.build(kind)
+    if kind in IMAGE_KINDS:
+        return image_models.BUILDERS[IMAGE_KINDS[kind]]
     if kind in ("encoder", "vit"):
         return TinyEncoder if kind == "encoder" else TinyViT
     raise ValueError(kind)
@@ -158,7 +164,7 @@ def plan_dict(kind: str = "llama", **over) -> dict:
     if kind in hf_models.CONFIGS:
         return _hf_plan_dict(kind, **over)
     world = over.get("dp", 1) * over.get("tp", 1) * over.get("pp", 1) * over.get("cp", 1)
-    block = "blocks" if kind.endswith("gpt") else "layers"
+    block = "blocks" if kind.endswith("gpt") or kind in IMAGE_KINDS else "layers"
     paths = [f"{block}.{i}" for i in range(4)]
     if kind == "encoder":
         paths = ["encoder.layers.0", "encoder.layers.1"]
@@ -170,7 +176,9 @@ def plan_dict(kind: str = "llama", **over) -> dict:
             "stages": ([paths[i * len(paths) // stages_n:(i + 1) * len(paths) // stages_n]
                         for i in range(stages_n)]
                        if stages_n > 1 else [])}
-    if over.get("tp", 1) > 1 and kind != "gpt":
+    if kind in IMAGE_KINDS:  # a sample is one image: no sequence
+        plan.update(seq_len=1, inputs=dict(IMAGE_INPUTS))
+    if over.get("tp", 1) > 1 and kind != "gpt" and kind not in IMAGE_KINDS:
         plan["tp_styles"] = llama_tp_styles(moe=kind == "mixtral")
     if over.get("cp", 1) > 1:
         plan["cp_modules"] = [f"layers.{i}.self_attn" for i in range(4)]
@@ -212,10 +220,15 @@ def traced_plan_dict(kind: str, **over) -> dict:
     plan = plan_dict(kind, **over)
     with torch.device("meta"):
         model = builder(kind)()
-    graph = trace_model(model, (torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"),), name=kind)
+    inputs = (torch.zeros(1, image_models.CHANNELS, image_models.IMAGE_SIZE, image_models.IMAGE_SIZE,
+                          device="meta") if kind in IMAGE_KINDS else
+              torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"))
+    graph = trace_model(model, (inputs,), name=kind)
     if not graph.tensor_parallel or "tp" in graph.refused:
         raise AssertionError(f"{kind}: no tensor parallelism offered: {graph.tp_unsplit} {graph.refused}")
     plan["tp_styles"] = {scope: dict(styles) for scope, styles in graph.tp_styles.items()}
+    if kind in IMAGE_KINDS:  # as the planner chooses (solve/space.py sequence_parallel)
+        plan["sequence_parallel"] = False
     plan["format_version"] = 2  # styles per block class
     if over.get("ep", 1) > 1:
         plan["ep_modules"] = [e["module"] for e in graph.expert_parallel]
@@ -256,6 +269,18 @@ def _file_batch(path, step: int, seed: int) -> torch.Tensor:
     return torch.stack([tokens[s:s + SEQ_LEN + 1] for s in starts.tolist()])
 
 
+def _image_batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of synthetic images: sample `row` of step `step` from its own generator
+    (label first, then the image), whatever rank trains on it."""
+    shape = (image_models.CHANNELS, image_models.IMAGE_SIZE, image_models.IMAGE_SIZE)
+    images, labels = [], []
+    for row in range(GLOBAL_BATCH):
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + row)
+        labels.append(int(torch.randint(0, image_models.CLASSES, (), generator=gen)))
+        images.append(torch.randn(shape, generator=gen))
+    return torch.stack(images), torch.tensor(labels)
+
+
 def reference_run(kind: str, steps: int = STEPS, seed: int = SEED,
                   data_path=None) -> tuple[list[float], list[float]]:
     """Single-process fp32 training on the full global batch: (losses, pre-clip grad norms)."""
@@ -294,7 +319,7 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
     gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses;
     the final weights catch a gradient of the wrong direction (an untied weight)."""
     torch.manual_seed(seed)
-    if kind in ("gpt", "encoder"):
+    if kind in ("gpt", "encoder") or kind in IMAGE_KINDS:
         model = builder(kind)()
     elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
         with torch.device("meta"):
@@ -317,6 +342,17 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
                             lr=optimizer["lr"], betas=tuple(optimizer["betas"]))
     losses, norms = [], []
     for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, optimizer)
+        if kind in IMAGE_KINDS:
+            images, labels = _image_batch(step, seed)
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer["grad_clip"])))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            continue
         if data_path is not None:
             batch = _file_batch(data_path, step, seed)
         else:

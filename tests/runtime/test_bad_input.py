@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autoplan.runtime import TrainArgs, train
-from runtime_models import builder, plan_dict
+from runtime_models import IMAGE_INPUTS, builder, plan_dict
 
 CASES = {
     "world_size": ("llama", plan_dict(dp=2), "plan is for 2 processes but 1 were launched"),
@@ -16,6 +16,8 @@ CASES = {
     "cp_without_sdpa": ("manualgpt", dict(plan_dict("manualgpt"), cp_modules=["blocks.0"]),
                         "does not call F.scaled_dot_product_attention"),
     "image_model": ("vit", plan_dict(), "TinyViT has no nn.Embedding, so it does not read token ids"),
+    "image_channels": ("image_vit", dict(plan_dict("image_vit"), inputs=dict(IMAGE_INPUTS, channels=1)),
+                       "the model's first Conv2d takes 3 channels"),
     "plan_not_a_plan": ("llama", {"format_version": 1, "world_size": 1}, "plan keys do not match"),
 }
 
@@ -34,6 +36,20 @@ def test_bad_plan_exits_2_with_message(case, capsys, monkeypatch, tmp_path):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_token_file_for_an_image_plan_exits_2(capsys, monkeypatch, tmp_path):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    data = tmp_path / "tokens.bin"
+    data.write_bytes(bytes(64))
+    with pytest.raises(SystemExit) as exc:
+        train(builder("image_vit"), plan_dict("image_vit"),
+              TrainArgs(steps=1, run_dir=str(tmp_path / "run"), data=str(data)))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoplan: error: --data") and "image classifier" in err
+    assert "Traceback" not in err and "\n\n" not in err.strip()
 
 
 def test_ep_on_dense_model_names_the_module():
