@@ -90,16 +90,19 @@ def vocab_size_of(model: nn.Module) -> int:
 
 
 def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
-    """`kwargs` of a Hugging Face causal SDPA attention module without the attention_mask
+    """`kwargs` of a Hugging Face SDPA attention module without the attention_mask
     transformers materialises only when it sees fake tensors (its `is_tracing` check: the
-    plan-time capability probe). A real run with these inputs passes no mask and lets SDPA
-    apply causality (is_causal=True), which is what ring attention and the sequence-parallel
-    gather of the full sequence rely on; the fake mask would have the local length."""
+    plan-time capability probe). A real run with these inputs (no padding) passes no mask:
+    SDPA applies causality (is_causal=True), or attends to every token (a bidirectional
+    encoder's, BERT's, without a sliding window), which is what ring attention and the
+    sequence-parallel gather of the full sequence rely on; the fake mask would have the
+    local length."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     config = getattr(module, "config", None)
-    hf_causal_sdpa = (getattr(config, "_attn_implementation", None) == "sdpa"
-                      and getattr(module, "is_causal", False))
-    if hf_causal_sdpa and isinstance(kwargs.get("attention_mask"), FakeTensor):
+    hf_sdpa_unmasked = (getattr(config, "_attn_implementation", None) == "sdpa"
+                        and (getattr(module, "is_causal", False)
+                             or getattr(config, "sliding_window", None) is None))
+    if hf_sdpa_unmasked and isinstance(kwargs.get("attention_mask"), FakeTensor):
         return {**kwargs, "attention_mask": None}
     return kwargs

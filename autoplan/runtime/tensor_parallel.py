@@ -9,7 +9,8 @@ stream is sequence-sharded when SP is on; "prepare_input" gathers it before atte
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
 differentiates its own rows only (VocabParallelEmbedding), so its gradient is 1/tp of the
-table, as the cost model counts it.
+table, as the cost model counts it. Tables added to it whole (positions, token types) stay
+replicated and hand on the rank's sequence shard (SequenceShardOutput).
 """
 
 from __future__ import annotations
@@ -103,6 +104,23 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
+class SequenceShardOutput(ParallelStyle):
+    """A table added to the token embedding before the first block (BERT's positions and
+    token types): every rank keeps the whole (small) table and looks up the whole sequence, as
+    the model does, and hands on the rank's sequence shard, so that it adds to the
+    vocab-parallel embedding's shard under sequence parallelism. The cut's backward
+    all-gathers the shards' gradients: each rank's table gets the gradient of every token,
+    the same on every rank, as a replicated weight needs."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(mod, args, out):
+            whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+            return whole.redistribute(device_mesh, [Shard(1)]).to_local()
+
+        module.register_forward_hook(shard)
+        return module
+
+
 def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor, mesh: DeviceMesh,
                            output_layout: Placement) -> torch.Tensor:
     """This rank's share of the embedding of (replicated) token `ids`, reduced over the
@@ -148,8 +166,9 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return KVColwiseParallel(name)
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq)
-    if name == "sequence_parallel":
-        return SequenceParallel() if sequence_parallel else None
+    if name == "sequence_parallel":  # a plain shard out: after a post-norm (BERT) it is the
+        # residual, added to a row-parallel linear's plain output
+        return SequenceParallel(use_local_output=True) if sequence_parallel else None
     if name == "head_norm":  # a norm over each head's features, on (batch, seq, this rank's heads, head_dim):
         # its weight is replicated and its gradient summed over the ranks' heads
         return SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -157,6 +176,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return GatherFirstInput(seq)
     if name == "vocab_embedding":
         return VocabParallelEmbedding(output_layout=seq)
+    if name == "whole_embedding":
+        return SequenceShardOutput() if sequence_parallel else None
     if name == "vocab_head":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     raise ValueError(f"unknown TP style {name!r}")

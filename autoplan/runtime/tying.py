@@ -66,10 +66,15 @@ def retie(model: nn.Module, groups: list[list[str]], what: str) -> None:
     for group in groups:
         owners = [_owner(model, name) for name in group]
         params = [module._parameters[attr] for module, attr in owners]
-        keep = params[0]
+        sharded = [name for name, p in zip(group, params) if hasattr(p, "placements")]
+        # a module keeping a handle on its child's parameter (BERT's prediction head holds
+        # the bias its decoder adds) computes nothing with it: it takes the child's layout
+        holders = {name for name, p in zip(group, params) if not hasattr(p, "placements")
+                   and any(inside(s.rpartition(".")[0], name.rpartition(".")[0]) for s in sharded)}
+        keep = next(p for name, p in zip(group, params) if name not in holders)
         if all(p is keep for p in params):
             continue
-        layouts = {_layout(p) for p in params}
+        layouts = {_layout(p) for name, p in zip(group, params) if name not in holders}
         if len(layouts) > 1:
             described = "; ".join(f"{name}: {_describe(p)}" for name, p in zip(group, params))
             raise UserError(f"{what} would untie the shared parameter {' = '.join(group)}: its "

@@ -417,7 +417,10 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
         for column in columns:
             styles[_relative(column, first)] = kv_styles.get(column) or pair.get("column_style", "colwise")
         styles[_relative(row, first)] = "rowwise"
-        parent = _relative(_common_parent(columns + [row]), first)
+        # the module holding the column linears gathers their input: not the pair's common
+        # parent, which can also add the residual (BERT's attention holds its output's
+        # dense + LayerNorm(x + residual)) and would hand on the residual gathered, as a DTensor
+        parent = _relative(_common_parent([c.rpartition(".")[0] for c in columns]), first)
         if parent:  # a pair written inline in the block: its column linears gather their input,
             # a gather of the block's input would hand the residual stream on as a DTensor
             styles[parent] = "prepare_input"
@@ -502,10 +505,15 @@ def _pre_post_styles(mg: ModelGraph, model: nn.Module, ops: list[OpInfo],
         module = model.get_submodule(op.module)
         if op.kind == "embedding" and getattr(module, "num_embeddings", 0) == mg.vocab:
             styles[op.module] = "vocab_embedding"
+        elif op.kind == "embedding":  # positions, token types: added whole to the token embedding
+            styles[op.module] = "whole_embedding"
         elif op.kind == "norm":
             styles[op.module] = "sequence_parallel"
         elif op.kind == "linear" and getattr(module, "out_features", 0) == mg.vocab:
             styles[op.module] = "vocab_head"
+        elif op.kind == "linear":  # BERT's head transform: token-wise on the sequence shard,
+            # its replicated weight's gradient summed over the ranks' tokens
+            styles[op.module] = "sequence_parallel"
     return styles
 
 

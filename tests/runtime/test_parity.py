@@ -148,6 +148,10 @@ CONFIGS = {
         # one K/V head, tp=2: each rank computes it from a replicated k/v weight
         "hf_gemma_mqa_tp2_traced": ("hf_gemma_mqa", functools.partial(
             traced_plan_dict, "hf_gemma_mqa", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # post-norm encoder: positions and token types added whole to the vocab-parallel
+        # embedding, the residual a LayerNorm's output (the planner's styles, with SP)
+        "hf_bert_tp2_traced": ("hf_bert", functools.partial(
+            traced_plan_dict, "hf_bert", tp=2, optimizer=PARITY_OPTIMIZER)),
         # image classifiers (synthetic images and labels, cross-entropy on class scores)
         "image_vit_pp2_1f1b": ("image_vit", P("image_vit", pp=2, schedule="1f1b", micro_batch=2)),
         "image_convnext_pp2_gpipe": ("image_convnext", P("image_convnext", pp=2, schedule="gpipe")),
@@ -265,6 +269,8 @@ CONFIGS = {
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
         "hf_bert_dp2_cp2": ("hf_bert", P("hf_bert", dp=2, cp=2)),  # attention that is not causal
+        "hf_bert_dp2_tp2_traced": ("hf_bert", functools.partial(
+            traced_plan_dict, "hf_bert", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
         "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
