@@ -16,9 +16,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 OFFLOAD = ("none", "optimizer", "params", "both")
 # tensor-parallel styles of a plan's tp_styles (autoplan.runtime.tensor_parallel applies them)
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
-             "whole_embedding", "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv")
+             "whole_embedding", "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv",
+             "colwise_heads", "head_embedding")
 # the styles that name their attention's head counts, "<style>:<heads>,<kv_heads>"
-HEAD_COUNTED = ("colwise_qkv", "colwise_kv")
+HEAD_COUNTED = ("colwise_qkv", "colwise_kv", "colwise_heads")
 
 
 # the styles as a plan writes them (error messages)
@@ -29,7 +30,9 @@ def tp_style_known(style: str) -> bool:
     """A style of TP_STYLES; a fused q/k/v projection's names its head counts,
     "colwise_qkv:<heads>,<kv_heads>" (the runtime splits each part by ranks), and a k or v
     projection's of a grouped-query attention "colwise_kv:<heads>,<kv_heads>" (the runtime
-    shards its K/V heads, or gives each rank the one its q heads use)."""
+    shards its K/V heads, or gives each rank the one its q heads use), and a plain q, k or v
+    projection's "colwise_heads:<heads>,<kv_heads>" where its attention builds a tensor of
+    its head count in forward (T5's position bias: the runtime gives it the rank's count)."""
     name, colon, args = str(style).partition(":")
     if name in HEAD_COUNTED:
         counts = args.split(",")

@@ -103,6 +103,7 @@ def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
     hf_sdpa_unmasked = (getattr(config, "_attn_implementation", None) == "sdpa"
                         and (getattr(module, "is_causal", False)
                              or getattr(config, "sliding_window", None) is None))
-    if hf_sdpa_unmasked and isinstance(kwargs.get("attention_mask"), FakeTensor):
-        return {**kwargs, "attention_mask": None}
+    for name in ("attention_mask", "mask"):  # "mask": T5Attention's
+        if hf_sdpa_unmasked and isinstance(kwargs.get(name), FakeTensor):
+            kwargs = {**kwargs, name: None}
     return kwargs

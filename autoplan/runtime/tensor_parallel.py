@@ -63,8 +63,19 @@ class GatherFirstInput(ParallelStyle):
                 first = DTensor.from_local(first, device_mesh, [self.input_layout], run_check=False)
             return first.redistribute(device_mesh, [Replicate()])
 
+        def gather_encoder_states(module, args, kwargs):
+            # a decoder's cross-attention reads the encoder's output, sequence-sharded too
+            states = kwargs.get(CROSS_ATTENTION_STATES)
+            if isinstance(states, torch.Tensor):
+                kwargs = {**kwargs, CROSS_ATTENTION_STATES: gather(states)}
+            return args, kwargs
+
         module.register_forward_pre_hook(_on_first_input(gather), with_kwargs=True)
+        module.register_forward_pre_hook(gather_encoder_states, with_kwargs=True)
         return module
+
+
+CROSS_ATTENTION_STATES = "key_value_states"  # transformers' T5Attention (and BART's) name
 
 
 class VocabParallelEmbedding(ParallelStyle):
@@ -142,6 +153,24 @@ def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor, mesh: Device
     return out.redistribute(mesh, [output_layout]).to_local()
 
 
+class HeadCountedColwise(ColwiseParallel):
+    """A plain column-parallel q, k or v whose attention reads its head count in forward:
+    `style` ("colwise_heads:<heads>,<kv_heads>") tells `_localise_attention` the counts."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+
+
+def head_counts(style: str) -> tuple[int, int] | None:
+    """(heads, kv_heads) of a "colwise_heads:<heads>,<kv_heads>" style; None for others."""
+    name, _, args = style.partition(":")
+    if name != "colwise_heads":
+        return None
+    heads, kv_heads = (int(x) for x in args.split(","))
+    return heads, kv_heads
+
+
 def _on_first_input(transform):
     """A with_kwargs forward pre-hook applying `transform` to the first tensor input."""
 
@@ -164,6 +193,11 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return FusedColwiseParallel(name)
     if name.partition(":")[0] == KV_STYLE:
         return KVColwiseParallel(name)
+    if name.partition(":")[0] == "colwise_heads":
+        return HeadCountedColwise(name)
+    if name == "head_embedding":  # a table of one column per head (T5's relative position
+        # bias): each rank looks up its heads' columns
+        return ColwiseParallel()
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if name == "sequence_parallel":  # a plain shard out: after a post-norm (BERT) it is the
@@ -245,7 +279,7 @@ def _localise_attention(modules: dict[str, nn.Module], plan: dict[str, ParallelS
     counts = {}
     for path, style in plan.items():
         name = getattr(style, "style", "")
-        found = qkv_head_counts(name) or kv_head_counts(name)
+        found = qkv_head_counts(name) or kv_head_counts(name) or head_counts(name)
         if found:
             counts[path.rpartition(".")[0]] = found
     for path, (heads, kv_heads) in counts.items():

@@ -66,11 +66,12 @@ def retie(model: nn.Module, groups: list[list[str]], what: str) -> None:
     for group in groups:
         owners = [_owner(model, name) for name in group]
         params = [module._parameters[attr] for module, attr in owners]
-        sharded = [name for name, p in zip(group, params) if hasattr(p, "placements")]
-        # a module keeping a handle on its child's parameter (BERT's prediction head holds
-        # the bias its decoder adds) computes nothing with it: it takes the child's layout
-        holders = {name for name, p in zip(group, params) if not hasattr(p, "placements")
-                   and any(inside(s.rpartition(".")[0], name.rpartition(".")[0]) for s in sharded)}
+        # a user no style re-registered only holds the parameter (T5's `shared`, looked up
+        # through the encoder's and decoder's embed_tokens; BERT's prediction head, holding
+        # the bias its decoder adds): it takes the styled users' layout (a forward of its
+        # own would then fail on the DTensor, not train a stale copy)
+        styled = any(hasattr(p, "placements") for p in params)
+        holders = {name for name, p in zip(group, params) if styled and not hasattr(p, "placements")}
         keep = next(p for name, p in zip(group, params) if name not in holders)
         if all(p is keep for p in params):
             continue

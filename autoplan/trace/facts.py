@@ -436,6 +436,11 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
     """Fill tensor_parallel, tp_unsplit, tp_styles, context_parallel, cp_buffers, expert_parallel."""
     ops = [mg.graph.nodes[n]["op"] for n in mg.graph.nodes]
     table: dict[str, dict[str, str]] = {}
+    # T5's attention adds a bias of one column per head (a table in its first block; the
+    # others, and a decoder's cross-attention, make zeros of their head count): every
+    # attention of such a model gets the rank's head count
+    counted_heads = any(_head_tables(model.get_submodule(first), mg.segment(group).heads)
+                        for group, first in first_path.items())
     for group, first in first_path.items():
         block_ops = [op for op in ops if op.name.startswith(first + ".")]
         facts = block_tp_facts(model.get_submodule(first), block_ops, edges)
@@ -458,6 +463,14 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
                 "divides": divides, "kv_replicable": bool(pair.get("kv_styles")),
             })
         styles = _block_styles(block_ops, facts["pairs"], first)
+        if block.heads and counted_heads:  # its attention builds a tensor of its head count
+            for pair in facts["pairs"]:
+                for column in (pair["column"] if pair["kind"] == "attention" else []):
+                    path = _relative(module_of[column], first)
+                    if styles.get(path) == "colwise":
+                        styles[path] = f"colwise_heads:{block.heads},{block.kv_heads or block.heads}"
+            for path in _head_tables(model.get_submodule(first), block.heads):
+                styles[path] = "head_embedding"
         moe = _moe_module(model.get_submodule(first))
         if moe is not None:  # token-wise: the runtime runs it on this rank's sequence shard
             styles[moe[0]] = "prepare_input"
@@ -483,6 +496,13 @@ def _attends_over_the_sequence(op: OpInfo, mg: ModelGraph) -> bool:
     shape = op.output_shape or ()
     return (op.kind == "attention" and op.target == "scaled_dot_product_attention" and len(shape) >= 3
             and shape[0] == mg.batch_size and shape[-2] == mg.seq_len > 1)
+
+
+def _head_tables(block: nn.Module, heads: int) -> list[str]:
+    """The embeddings of a block with one column per attention head (relative position
+    biases)."""
+    return [path for path, sub in block.named_modules()
+            if heads and isinstance(sub, nn.Embedding) and sub.embedding_dim == heads]
 
 
 def _moe_module(block: nn.Module) -> tuple[str, int, int] | None:

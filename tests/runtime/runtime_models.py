@@ -215,6 +215,7 @@ def traced_plan_dict(kind: str, **over) -> dict:
     modules) derived from the traced model (token ids given positionally, as `autoplan plan
     hf:config.json` traces), not written by hand. No TP pair found is an error: a plan without
     styles would train replicated and match the reference without testing TP."""
+    from autoplan.runtime.model_io import model_call
     from autoplan.trace.tracer import trace_model
 
     plan = plan_dict(kind, **over)
@@ -223,7 +224,9 @@ def traced_plan_dict(kind: str, **over) -> dict:
     inputs = (torch.zeros(1, image_models.CHANNELS, image_models.IMAGE_SIZE, image_models.IMAGE_SIZE,
                           device="meta") if kind in IMAGE_KINDS else
               torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"))
-    graph = trace_model(model, (inputs,), name=kind)
+    # an encoder-decoder reads the same tokens on both sides, as the runtime calls it (model_io)
+    decoder = {"decoder_input_ids": inputs} if "decoder_input_ids" in model_call(model).accepted else None
+    graph = trace_model(model, (inputs,), name=kind, example_kwargs=decoder)
     if not graph.tensor_parallel or "tp" in graph.refused:
         raise AssertionError(f"{kind}: no tensor parallelism offered: {graph.tp_unsplit} {graph.refused}")
     plan["tp_styles"] = {scope: dict(styles) for scope, styles in graph.tp_styles.items()}

@@ -152,6 +152,10 @@ CONFIGS = {
         # embedding, the residual a LayerNorm's output (the planner's styles, with SP)
         "hf_bert_tp2_traced": ("hf_bert", functools.partial(
             traced_plan_dict, "hf_bert", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # encoder-decoder: each rank's heads of the relative position bias, the decoder's
+        # cross-attention gathering the sequence-sharded encoder output
+        "hf_t5_tp2_traced": ("hf_t5", functools.partial(
+            traced_plan_dict, "hf_t5", tp=2, optimizer=PARITY_OPTIMIZER)),
         # image classifiers (synthetic images and labels, cross-entropy on class scores)
         "image_vit_pp2_1f1b": ("image_vit", P("image_vit", pp=2, schedule="1f1b", micro_batch=2)),
         "image_convnext_pp2_gpipe": ("image_convnext", P("image_convnext", pp=2, schedule="gpipe")),
@@ -272,6 +276,8 @@ CONFIGS = {
         "hf_bert_dp2_tp2_traced": ("hf_bert", functools.partial(
             traced_plan_dict, "hf_bert", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
+        "hf_t5_dp2_tp2_traced": ("hf_t5", functools.partial(
+            traced_plan_dict, "hf_t5", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
         "image_vit_ddp": ("image_vit", P("image_vit", dp=4)),
