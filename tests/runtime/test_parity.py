@@ -36,7 +36,15 @@ correct, at most losses 3.4e-7, grad norms 3.2e-6, weights 5.7e-5 (bf16 ZeRO-3: 
 8.1e-2, 7.5e-2); every rank computing K/V head 0
 (hf_llama_tp4_traced) gives losses 4.3e-3, grad norms 2.0e-1, weights 8.0e-1; the K/V weight
 gradient left unsummed over the tp group (hf_gemma_mqa_tp2_traced) gives replicas that
-differ by 6.8e-2 (losses 1.8e-4, weights 5.7e-1). bf16/fp16 runs
+differ by 6.8e-2 (losses 1.8e-4, weights 5.7e-1). Encoders and an encoder-decoder under the planner's
+TP styles with SP: BERT (positions and token types added whole to the vocab-parallel
+embedding, post-norm residuals) losses 1.7e-7, grad norms 3.6e-7, weights 8.8e-6 (tp2 and
+dp2 x tp2); T5 (each rank's heads of the relative position bias, the cross-attention
+gathering the sequence-sharded encoder output) 1.6e-7, 4.8e-7, 5.8e-6. BERT's position and
+token-type tables cut to the rank's sequence shard without all-gathering their gradient give
+replicas that differ by 5.0e-2 (losses 4.9e-4, weights 4.5e-1); T5's cross-attention reading
+its rank's shard of the encoder output gives losses 2.5e-3, grad norms 3.4e-1, weights
+4.5e-1. bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
