@@ -287,6 +287,20 @@ def _attention_heads(graph: ModelGraph) -> frozenset:
                      and op.input_shapes and len(op.input_shapes[0]) == 4)
 
 
+def _position_bias(model: nn.Module, cp_modules, heads: frozenset) -> str | None:
+    """Why ring attention cannot run an attention that adds a learned bias of one column per
+    head to its scores (T5's relative position bias), or None. Checked before the run: it
+    would fail first on the bias's own positions, whose fix (position_ids) would not help."""
+    counts = {h for h, _ in heads}
+    for path in cp_modules:
+        for name, sub in model.get_submodule(path).named_modules():
+            if isinstance(sub, nn.Embedding) and sub.embedding_dim in counts:
+                return (f"{path}: its attention adds a relative position bias ({path}.{name}, one "
+                        "column per head) to the scores, which ring attention does not apply; use "
+                        "cp=1 for this model")
+    return None
+
+
 def _pop(running: list[str]) -> None:
     running.pop()  # a forward hook that returns something replaces the module's output
 
@@ -381,8 +395,10 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         for axis, plan in plans.items():
             # an EP step moves tokens by exchanged counts, which balanced values cannot model
             run_axis = run and not (axis == "ep" and routing is not None)
-            reason = _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
-                                        _attention_heads(graph) if plan.tp > 1 else frozenset())
+            reason = (_position_bias(model, plan.cp_modules, _attention_heads(graph)) if plan.cp > 1
+                      else None) or \
+                _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
+                                   _attention_heads(graph) if plan.tp > 1 else frozenset())
             degree = axis.partition("_")[0]
             _CACHE[key][axis] = reason and f"(probed at {degree}={getattr(plan, degree)}) {reason}"
     return dict(_CACHE[key])
