@@ -345,6 +345,12 @@ def test_gpt2_conv1d_attention_is_split_per_rank_and_the_runtime_applies_it():
     assert graph.tp_styles[""]["lm_head"] == "vocab_head" and graph.tp_unsplit == []
     blocks = {f"transformer.h.{i}" for i in range(model.config.n_layer)}
     assert "tp" in probe_plans(graph, 32, blocks) and "tp" not in graph.refused
+    # pipeline stages under TP + SP: GPT2Model's closing view(-1, seq, hidden) meets the first
+    # stage's sequence shard, so the planner offers pp with tp no longer
+    from autoplan.solve.space import pp_reason
+
+    assert "reshape with -1" in graph.refused["pp_tp"] and "pp" not in graph.refused
+    assert "tensor parallelism" in pp_reason(graph, 2, 1, tp=2) and pp_reason(graph, 2, 1) is None
 
 
 def test_the_shared_expert_mlp_of_qwen2_moe_is_no_pair():
