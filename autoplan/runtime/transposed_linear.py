@@ -79,6 +79,6 @@ def for_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
     if not is_transposed_linear(module) or type(style) not in (ColwiseParallel, RowwiseParallel):
         return style
     transposed = TransposedColwiseParallel if type(style) is ColwiseParallel else TransposedRowwiseParallel
-    out = transposed.__new__(transposed)
+    out = transposed.__new__(transposed)  # the same layouts, as style_for chose them
     out.__dict__.update(style.__dict__)
     return out
