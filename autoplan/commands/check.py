@@ -33,6 +33,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.errors import DryRunMismatch, NoFeasiblePlan, UserError
+from autoplan.plan_schema import field_problems
 from autoplan.planfile import load_checked_plan
 
 GIB = 2**30
@@ -160,7 +161,9 @@ def _refuse_image_plan(path: str) -> None:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return  # the plan's own checks say what is wrong with the file
-    inputs = data.get("inputs") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or field_problems(data):
+        return  # the plan's own checks name each wrong field first
+    inputs = data.get("inputs")
     if isinstance(inputs, dict) and inputs.get("kind") == "images":
         raise UserError(f"{path} trains an image classifier, and `autoplan check` dry-runs a step "
                         "on token ids only, so it cannot check this plan yet. `autoplan estimate "

@@ -27,7 +27,8 @@ from autoplan.errors import NoFeasiblePlan, UserError
               help="Folder for the candidates' jobs, results.json and tuned.toml (default: tune/<model>-<gpus>x<gpu>).")
 @o.json_option
 def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
-            seq_len, image_size, objective, fix, precision, time_limit, candidates, steps, timeout_s, output, as_json):
+            seq_len, image_size, objective, fix, precision, compile_blocks, time_limit, candidates, steps, timeout_s,
+            output, as_json):
     """Run the best plans for MODEL here, each for a few steps, and rank them by measured step time.
 
     Start it on the cluster the plans are for: on one node it runs each candidate's launch.sh
@@ -46,7 +47,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
 
     job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom, global_batch,
                    seq_len, objective, fix, precision, top=max(8, 2 * candidates), quiet=True,
-                   time_limit=time_limit, image_size=image_size)
+                   time_limit=time_limit, image_size=image_size, compile_blocks=compile_blocks)
     if job.plan is None:
         from autoplan.solve.explain import infeasible_report
 

@@ -517,6 +517,8 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
     except (UserError, PlanFormatError) as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
+        if owns_group and dist.is_initialized():  # no barrier: a peer may never get there
+            dist.destroy_process_group()  # the caller's process lives on (train() in a test)
         raise SystemExit(2) from None
     except RunStopped as stopped:  # every rank agreed on it
         if rank == 0:

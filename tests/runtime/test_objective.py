@@ -64,3 +64,4 @@ def test_model_file_loss_that_is_not_a_scalar_exits_2(one_process, tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("autoplan: error: loss(outputs, labels) in the model file returned (1,)")
     assert "Traceback" not in err
+    assert not torch.distributed.is_initialized()  # the group train() made is gone
