@@ -123,5 +123,7 @@ def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
     with FakeTensorMode() as mode:
         fake = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
     assert without_fake_causal_mask(attention, fake)["attention_mask"] is None
-    bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self  # not causal
-    assert without_fake_causal_mask(bert_attention, fake) is fake
+    # a bidirectional encoder's (BERT's) real run passes no mask either: all tokens attend
+    bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self
+    assert without_fake_causal_mask(bert_attention, fake)["attention_mask"] is None
+    assert without_fake_causal_mask(bert_attention, real) is real
