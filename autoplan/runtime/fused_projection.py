@@ -66,10 +66,11 @@ def rank_major_order(rows: int, parts: tuple[int, ...], tp: int) -> torch.Tensor
     return torch.tensor(order, dtype=torch.long)
 
 
-def qkv_head_counts(style: str) -> tuple[int, int] | None:
-    """(heads, kv_heads) of a "colwise_qkv:<heads>,<kv_heads>" style; None for other styles."""
+def head_counts_of(style: str, *forms: str) -> tuple[int, int] | None:
+    """(heads, kv_heads) of a "<form>:<heads>,<kv_heads>" style with one of `forms`
+    (colwise_qkv, colwise_kv, colwise_heads); None for other styles."""
     name, _, args = style.partition(":")
-    if name != "colwise_qkv":
+    if name not in forms:
         return None
     heads, kv_heads = (int(x) for x in args.split(","))
     return heads, kv_heads
@@ -78,7 +79,7 @@ def qkv_head_counts(style: str) -> tuple[int, int] | None:
 def fused_parts(style: str, rows: int) -> tuple[tuple[int, ...], int]:
     """(parts in their units, (q, k, v) heads or (gate, up) rows; number of q heads (0 for
     gate/up)) of a fused style over `rows` output rows: "colwise_qkv:H,KV" or "colwise_gate_up"."""
-    counts = qkv_head_counts(style)
+    counts = head_counts_of(style, "colwise_qkv")
     if counts:
         heads, kv_heads = counts
         return (heads, kv_heads, kv_heads), heads

@@ -41,17 +41,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_mod
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autoplan.errors import UserError
+from autoplan.runtime.fused_projection import head_counts_of
 
 KV_STYLE = "colwise_kv"
-
-
-def kv_head_counts(style: str) -> tuple[int, int] | None:
-    """(heads, kv_heads) of a "colwise_kv:<heads>,<kv_heads>" style; None for other styles."""
-    name, _, args = style.partition(":")
-    if name != KV_STYLE:
-        return None
-    heads, kv_heads = (int(x) for x in args.split(","))
-    return heads, kv_heads
 
 
 def local_kv_heads(kv_heads: int, tp: int) -> int:
@@ -78,7 +70,7 @@ class KVColwiseParallel(ParallelStyle):
         self.style = style
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        heads, kv_heads = kv_head_counts(self.style)
+        heads, kv_heads = head_counts_of(self.style, KV_STYLE)
         tp = device_mesh.size()
         problem = kv_split_problem(heads, kv_heads, tp)
         if problem:

@@ -31,8 +31,8 @@ from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module appl
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
-from autoplan.runtime.fused_projection import FusedColwiseParallel, localise_head_counts, qkv_head_counts
-from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, kv_head_counts, local_kv_heads
+from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
+from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
@@ -162,15 +162,6 @@ class HeadCountedColwise(ColwiseParallel):
         self.style = style
 
 
-def head_counts(style: str) -> tuple[int, int] | None:
-    """(heads, kv_heads) of a "colwise_heads:<heads>,<kv_heads>" style; None for others."""
-    name, _, args = style.partition(":")
-    if name != "colwise_heads":
-        return None
-    heads, kv_heads = (int(x) for x in args.split(","))
-    return heads, kv_heads
-
-
 def _on_first_input(transform):
     """A with_kwargs forward pre-hook applying `transform` to the first tensor input."""
 
@@ -279,7 +270,7 @@ def _localise_attention(modules: dict[str, nn.Module], plan: dict[str, ParallelS
     counts = {}
     for path, style in plan.items():
         name = getattr(style, "style", "")
-        found = qkv_head_counts(name) or kv_head_counts(name) or head_counts(name)
+        found = head_counts_of(name, "colwise_qkv", KV_STYLE, "colwise_heads")
         if found:
             counts[path.rpartition(".")[0]] = found
     for path, (heads, kv_heads) in counts.items():
