@@ -265,27 +265,15 @@ CONFIGS = {
             traced_plan_dict, "hf_gemma_mqa", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "hf_llama_tp4_traced": ("hf_llama", functools.partial(
             traced_plan_dict, "hf_llama", tp=4, optimizer=PARITY_OPTIMIZER)),
-        "hf_llama_tp4_no_sp_traced": ("hf_llama", functools.partial(
-            traced_plan_dict, "hf_llama", tp=4, sequence_parallel=False, optimizer=PARITY_OPTIMIZER)),
         "mqa_llama_dp2_tp2_zero1_traced": ("mqa_llama", functools.partial(
             traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
-        "mqa_llama_dp2_tp2_zero3_traced": ("mqa_llama", functools.partial(
-            traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "mqa_llama_pp2_tp2_traced": ("mqa_llama", functools.partial(
             traced_plan_dict, "mqa_llama", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
-        # FSDP's bf16 copy of the replicated K/V weights (a sanity check, LOW_PRECISION)
-        "mqa_llama_dp2_tp2_bf16_zero3_traced": ("mqa_llama", functools.partial(
-            traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=3, precision="bf16",
-            optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
         "hf_bert_dp2_cp2": ("hf_bert", P("hf_bert", dp=2, cp=2)),  # attention that is not causal
-        "hf_bert_dp2_tp2_traced": ("hf_bert", functools.partial(
-            traced_plan_dict, "hf_bert", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
-        "hf_t5_dp2_tp2_traced": ("hf_t5", functools.partial(
-            traced_plan_dict, "hf_t5", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
         "image_vit_ddp": ("image_vit", P("image_vit", dp=4)),
@@ -296,9 +284,6 @@ CONFIGS = {
         "image_convnext_zero3": ("image_convnext", P("image_convnext", dp=4, zero_stage=3)),
         # statistics over the DP ranks' micro-batches together: 4 x 2 = the reference's batch
         "image_resnet_ddp": ("image_resnet", P("image_resnet", dp=4, micro_batch=2)),
-        "image_resnet_zero3": ("image_resnet", P("image_resnet", dp=4, zero_stage=3, micro_batch=2)),
-        "image_vit_dp2_tp2_zero3": ("image_vit", functools.partial(
-            traced_plan_dict, "image_vit", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
     },
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),
