@@ -27,6 +27,12 @@ runs only the missing ones. Writes the table, then one detail line per cell, to 
 (default benchmarks/results/corpus_matrix.txt) with the command and commit at the top.
 Not part of the test suite: the full matrix is ~80 torchrun launches (about an hour on 2
 cores).
+
+    python benchmarks/corpus_matrix.py --combine OLD.txt NEWER.txt ... --out TABLE.txt
+
+writes one table from earlier outputs: each cell's newest detail line wins (files and their
+blocks in the order given), and every cell names the commit it ran at, with the share of
+parity among the cells whose axis means something for the model (all but n/a).
 """
 
 from __future__ import annotations
@@ -270,6 +276,50 @@ def render(names: list[str], axes: list[str], results: dict, command: str) -> st
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- combining earlier runs
+
+def combined_cells(paths: list[Path]) -> dict[tuple[str, str], tuple[str, str, str]]:
+    """(model, axis) -> (verdict, detail line, commit) from corpus_matrix outputs; a later
+    block (a header line naming its command and commit) overrides an earlier one."""
+    import re
+
+    cells, commit, in_details = {}, "?", False
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.startswith("# python benchmarks/corpus_matrix.py"):
+                found = re.search(r"commit (\w+)", line)
+                commit, in_details = (found.group(1) if found else "?"), False
+            elif line == "details:":
+                in_details = True
+            elif in_details and ": " in line and not line.startswith("#"):
+                head, rest = line.split(": ", 1)
+                name, _, axis = head.partition(" ")
+                if axis in AXES and not rest.startswith("missing"):
+                    cells[name, axis] = (rest.split(":", 1)[0], line, commit)
+    return cells
+
+
+def render_combined(cells: dict, sources: list[Path]) -> str:
+    names = list(dict.fromkeys([n for n in corpus.ENTRIES] + [n for n, _ in cells]))
+    lines = ["# combined by: python benchmarks/corpus_matrix.py --combine " + " ".join(map(str, sources)),
+             "# each cell as last run (its commit in the details); parity = losses within "
+             f"{RTOL:g} relative of the one-rank job, 4 ranks, fp32, {STEPS} steps",
+             f"{'model':<20}" + "".join(f"{axis:<15}" for axis in AXES)]
+    counts: dict[str, int] = {}
+    for name in names:
+        row = [cells.get((name, a), ("missing",))[0] for a in AXES]
+        for verdict in row:
+            counts[verdict] = counts.get(verdict, 0) + 1
+        lines.append(f"{name:<20}" + "".join(f"{v:<15}" for v in row))
+    meaningful = sum(n for v, n in counts.items() if v not in ("n/a", "missing"))
+    share = counts.get("parity", 0) / meaningful if meaningful else 0.0
+    lines += ["", f"models {len(names)}; cells: " + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())),
+              f"parity in {counts.get('parity', 0)} of {meaningful} meaningful cells ({share:.0%})",
+              "", "details (commit: line):"]
+    lines += [f"{cells[n, a][2]}: {cells[n, a][1]}" for n in names for a in AXES if (n, a) in cells]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=sorted(corpus.ENTRIES), help="models to run")
@@ -279,8 +329,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per command of a cell")
     parser.add_argument("--jobs", type=int, default=1, help="cells run at once")
     parser.add_argument("--reuse", action="store_true", help="keep finished cells' results from --work")
+    parser.add_argument("--combine", nargs="+", type=Path, metavar="OUTPUT",
+                        help="write one table from earlier outputs (later ones win) and exit")
     parser.add_argument("--cell", nargs=2, metavar=("NAME", "AXIS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.combine:
+        text = render_combined(combined_cells(args.combine), args.combine)
+        args.out.write_text(text)
+        print(text)
+        return
     if args.cell:
         name, axis = args.cell
         result = cell_outcome(name, axis, args.work, args.timeout)
