@@ -196,6 +196,10 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "sequence_parallel":  # a plain shard out: after a post-norm (BERT) it is the
         # residual, added to a row-parallel linear's plain output
         return SequenceParallel(use_local_output=True) if sequence_parallel else None
+    if name == "final_norm":  # after the last block, as torchtitan's norm: a sequence-sharded
+        # DTensor of the whole sequence's shape, which the model's closing code can view and
+        # slice (GPT-2's view(-1, seq, hidden)) and the vocab head gathers
+        return SequenceParallel() if sequence_parallel else None
     if name == "head_norm":  # a norm over each head's features, on (batch, seq, this rank's heads, head_dim):
         # its weight is replicated and its gradient summed over the ranks' heads
         return SequenceParallel(sequence_dim=2, use_local_output=True)

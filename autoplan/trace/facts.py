@@ -533,7 +533,9 @@ def _pre_post_styles(mg: ModelGraph, model: nn.Module, ops: list[OpInfo],
                      first_path: dict[str, str]) -> dict[str, str]:
     styles = {}
     in_block = tuple(p + "." for p in first_path.values())
-    for op in ops:
+    block_ops = [i for i, op in enumerate(ops) if op.name.startswith(in_block)]
+    after_blocks = block_ops[-1] if block_ops else len(ops)
+    for index, op in enumerate(ops):
         if op.name.startswith(in_block) or not op.module:
             continue
         module = model.get_submodule(op.module)
@@ -541,7 +543,10 @@ def _pre_post_styles(mg: ModelGraph, model: nn.Module, ops: list[OpInfo],
             styles[op.module] = "vocab_embedding"
         elif op.kind == "embedding":  # positions, token types: added whole to the token embedding
             styles[op.module] = "whole_embedding"
-        elif op.kind == "norm":
+        elif op.kind == "norm" and index > after_blocks:  # the model's closing code reads its
+            # output's shape (GPT-2's view(-1, seq, hidden)); nothing adds a plain residual to it
+            styles[op.module] = "final_norm"
+        elif op.kind == "norm":  # its output is (or is added to) the residual stream
             styles[op.module] = "sequence_parallel"
         elif op.kind == "linear" and getattr(module, "out_features", 0) == mg.vocab:
             styles[op.module] = "vocab_head"

@@ -257,14 +257,10 @@ CONFIGS = {
             traced_plan_dict, "hf_gptneox", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_dp2_tp2_zero3_traced": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
-        "hf_gpt2_dp2_tp2_zero3_traced": ("hf_gpt2", functools.partial(
-            traced_plan_dict, "hf_gpt2", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
-        # the head tied to wte across pipeline stages, each stage's Conv1Ds split over tp; without
-        # SP: with it, GPT2Model's closing view(-1, seq, hidden) fails on the first stage's
-        # sequence shard
-        "hf_gpt2_pp2_tp2_traced": ("hf_gpt2", functools.partial(
-            traced_plan_dict, "hf_gpt2", pp=2, tp=2, schedule="1f1b", sequence_parallel=False,
-            optimizer=PARITY_OPTIMIZER)),
+        # GPT-2 with its own head: ln_f hands on the sequence shard as a DTensor, which
+        # GPT2Model's closing view(-1, seq, hidden) takes and lm_head gathers
+        "hf_gpt2_untied_dp2_tp2_zero3_traced": ("hf_gpt2_untied", functools.partial(
+            traced_plan_dict, "hf_gpt2_untied", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_dp2_tp2_zero1_traced": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_pp2_tp2_traced": ("hf_phi3", functools.partial(
