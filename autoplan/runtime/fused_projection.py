@@ -32,7 +32,8 @@ full-state gathers) goes through `in_model_layout`, and what comes back through
 The model's code reads head counts when it splits and reshapes (transformers 5's
 Phi3Attention: `self.config.num_attention_heads * self.head_dim` is where q ends,
 `self.num_key_value_heads * self.head_dim` the length of k; GPT2Attention cuts at
-`self.split_size`, the width of q). The module gets the rank's counts (and widths) instead, as torchtitan's parallelize_llama and PyTorch's fsdp_tp_example.py set
+`self.split_size`, the width of q). The module gets the rank's counts (and widths)
+instead, as torchtitan's parallelize_llama and PyTorch's fsdp_tp_example.py set
 `attention.n_heads = n_heads // tp_mesh.size()` (and n_kv_heads): its own head-count
 attributes, and a shallow copy of its `config` (shared by the whole model) with the rank's
 counts. The model's source is untouched. A count the runtime cannot see (a constant in the

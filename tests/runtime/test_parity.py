@@ -22,11 +22,12 @@ A wrong gradient fails clearly (checked by mutation): untying the tied embedding
 gives weights 6.8e-1, grad norms 3.5e-1, losses 6.2e-3; halving the EP gradient average
 gives losses 1.2e-4; splitting Phi-3's fused qkv_proj and gate_up_proj rows contiguously
 instead of each rank taking its share of every part gives weights 9.3e-1, grad norms 1.3e-1,
-losses 3.6e-3; GPT-2's Conv1D c_attn (tp2, and dp2 x tp2 ZeRO-3, its head tied to wte):
-correct, losses 1.7e-7, grad norms 8.0e-7, weights 4.4e-4 (pp2 x tp2 without SP: 1.7e-7,
-7.0e-7, 4.6e-4); its columns split contiguously,
-weights 1.3, grad norms 8.5e-2, losses 3.1e-3. A tie across pipeline stages (a copy of the embedding on the first stage,
-of the head on the last): correct, losses 2.6e-7, grad norms 2.4e-6, weights 4.1e-4 (the
+losses 3.6e-3; GPT-2's Conv1D c_attn under TP + SP (tp2 with its head tied to wte, and
+untied at dp2 x tp2 ZeRO-3): correct, losses 1.7e-7, grad norms 8.0e-7, weights 4.2e-4
+(untied 8.6e-8, 1.1e-7, 4.0e-4); its columns split contiguously, weights 1.3, grad norms
+8.5e-2, losses 3.1e-3; its ln_f handing on the plain sequence shard, GPT2Model's closing
+view(-1, seq, hidden) cannot take it and the plan is refused. A tie across pipeline stages
+(a copy of the embedding on the first stage, of the head on the last): correct, losses 2.6e-7, grad norms 2.4e-6, weights 4.1e-4 (the
 GPT-2's, 1.6e-5 for the Llama); without the sum of the copies' gradients losses 6.2e-3,
 grad norms 5.6e-1, weights 6.8e-1 (tied_pp2_1f1b, tied_pp2_dp2_zero3, tied_pp4_gpipe;
 hf_gpt2_tied_pp2 2.6e-3, 5.7e-1, 7.4e-1); counting both copies in the grad norm, grad norms

@@ -343,6 +343,8 @@ def test_gpt2_conv1d_attention_is_split_per_rank_and_the_runtime_applies_it():
         "attn.c_attn": f"colwise_qkv:{heads},{heads}", "attn.c_proj": "rowwise",
         "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
     assert graph.tp_styles[""]["lm_head"] == "vocab_head" and graph.tp_unsplit == []
+    # ln_f hands on the whole sequence's shape: GPT2Model's view(-1, seq, hidden) follows it
+    assert graph.tp_styles[""]["transformer.ln_f"] == "final_norm"
     blocks = {f"transformer.h.{i}" for i in range(model.config.n_layer)}
     assert "tp" in probe_plans(graph, 32, blocks) and "tp" not in graph.refused
     # pipeline stages under TP + SP: GPT2Model's closing view(-1, seq, hidden) meets the first
@@ -390,6 +392,7 @@ def test_per_head_q_k_norms_are_sharded_with_their_heads():
     styles = graph.tp_styles["model.layers.*"]
     assert styles["self_attn.q_norm"] == styles["self_attn.k_norm"] == "head_norm"
     assert styles["input_layernorm"] == "sequence_parallel" and graph.tp_unsplit == []
+    assert graph.tp_styles[""]["model.norm"] == "final_norm"  # after the last block
     assert "tp" not in graph.refused  # the runtime applied them at tp=2 on the fake process group
 
 
