@@ -177,7 +177,7 @@ def renamed_optimizer_keys(states: dict, names: dict[str, str]) -> dict:
     return out
 
 
-def _row_orders(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+def _row_orders(parts: list[nn.Module]) -> dict[str, tuple[torch.Tensor, int]]:
     return {fqn: order for part in parts for fqn, order in fused_row_orders(part).items()}
 
 

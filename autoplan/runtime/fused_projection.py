@@ -20,6 +20,10 @@ q part being larger than k and v; (2) with FSDP2 on top (fully_shard on the dp m
 parameter becomes (_StridedShard(0, sf=2), _StridedShard(0, sf=2)) and its full_tensor()
 is not the original weight (measured on a 2x2 gloo mesh), so the checkpoint would be wrong.
 
+GPT-2's c_attn is a transformers Conv1D (transposed_linear.py): its output rows are its
+weight's columns, so there the weight's columns are permuted (dim 1, the bias dim 0) and it
+becomes an ordinary Shard(1) DTensor; every order below goes with the dim it permutes.
+
 The price of the permutation is that torch's state-dict functions see the permuted weight.
 Everything that leaves the runtime (DCP checkpoints, the optimizer states saved with them,
 full-state gathers) goes through `in_model_layout`, and what comes back through
@@ -27,8 +31,9 @@ full-state gathers) goes through `in_model_layout`, and what comes back through
 
 The model's code reads head counts when it splits and reshapes (transformers 5's
 Phi3Attention: `self.config.num_attention_heads * self.head_dim` is where q ends,
-`self.num_key_value_heads * self.head_dim` the length of k). The module gets the rank's
-counts instead, as torchtitan's parallelize_llama and PyTorch's fsdp_tp_example.py set
+`self.num_key_value_heads * self.head_dim` the length of k; GPT2Attention cuts at
+`self.split_size`, the width of q). The module gets the rank's counts (and widths)
+instead, as torchtitan's parallelize_llama and PyTorch's fsdp_tp_example.py set
 `attention.n_heads = n_heads // tp_mesh.size()` (and n_kv_heads): its own head-count
 attributes, and a shallow copy of its `config` (shared by the whole model) with the rank's
 counts. The model's source is untouched. A count the runtime cannot see (a constant in the
@@ -48,6 +53,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autoplan.errors import UserError
+from autoplan.runtime.transposed_linear import (TransposedColwiseParallel, is_transposed_linear,
+                                                output_dim, output_features)
 from autoplan.runtime.tying import model_fqn
 
 # the attribute a parallelised fused projection keeps its row order in (rank-major order of
@@ -107,10 +114,11 @@ class FusedColwiseParallel(ParallelStyle):
         self.style = style
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise UserError(f"the fused style {self.style} applies to an nn.Linear, not "
-                            f"{type(module).__name__}")
-        rows, tp = module.out_features, device_mesh.size()
+        transposed = is_transposed_linear(module)
+        if not isinstance(module, nn.Linear) and not transposed:
+            raise UserError(f"the fused style {self.style} applies to an nn.Linear or a Conv1D, "
+                            f"not {type(module).__name__}")
+        rows, tp = output_features(module), device_mesh.size()
         problem = fused_split_problem(self.style, rows, tp)
         if problem:
             raise UserError(f"tensor parallelism cannot split the fused projection: {problem}.")
@@ -118,28 +126,35 @@ class FusedColwiseParallel(ParallelStyle):
         order = rank_major_order(rows, parts, tp)
         with torch.no_grad():  # every rank holds the same full weight before ColwiseParallel
             for name, param in list(module.named_parameters(recurse=False)):
-                module.register_parameter(name, nn.Parameter(param[order.to(param.device)],
-                                                             requires_grad=param.requires_grad))
+                moved = param.index_select(output_dim(module, name), order.to(param.device))
+                module.register_parameter(name, nn.Parameter(moved, requires_grad=param.requires_grad))
         setattr(module, ROW_ORDER, order)
-        return ColwiseParallel()._apply(module, device_mesh)
+        colwise = TransposedColwiseParallel() if transposed else ColwiseParallel()
+        return colwise._apply(module, device_mesh)
 
 
 def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: int,
-                         local_kv: int | None = None) -> None:
+                         local_kv: int | None = None, q_width: int = 0) -> None:
     """Give `attention` (and a shallow copy of its `config`) the rank's head counts: every
     integer attribute named for heads (not a head's size) that holds the model's q or k/v
     head count becomes the rank's (heads/tp; kv_heads/tp, or `local_kv` where K/V heads are
-    replicated, kv_replication.py), and one named for groups holding q heads per K/V head
-    (transformers' `num_key_value_groups`) the rank's ratio (module docstring)."""
+    replicated, kv_replication.py), one named for groups holding q heads per K/V head
+    (transformers' `num_key_value_groups`) the rank's ratio, and one named for a split
+    holding the fused projection's q width (`q_width`; GPT-2's `split_size`) the rank's
+    width (module docstring)."""
     local_kv = kv_heads // tp if local_kv is None else local_kv
     local = {heads: heads // tp, kv_heads: local_kv}
     groups = {heads // kv_heads: heads // tp // local_kv}
 
     def localise(owner) -> None:
         for name, value in list(vars(owner).items()):
-            if type(value) is not int or any(w in name for w in ("dim", "size")):
+            if type(value) is not int:
                 continue
-            if "head" in name and value in local:
+            if "split" in name and q_width and value == q_width:
+                setattr(owner, name, q_width // tp)
+            elif any(w in name for w in ("dim", "size")):
+                continue
+            elif "head" in name and value in local:
                 setattr(owner, name, local[value])
             elif "group" in name and value in groups:
                 setattr(owner, name, groups[value])
@@ -152,9 +167,10 @@ def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: in
         attention.config = config
 
 
-def fused_row_orders(part: nn.Module) -> dict[str, torch.Tensor]:
+def fused_row_orders(part: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     """Parameter FQN (as torch's state-dict functions name it: no DDP or checkpoint-wrapper
-    prefix) -> its rank-major row order, for each fused projection of this part."""
+    prefix) -> (its rank-major row order, the dim it permutes), for each fused projection of
+    this part."""
     orders = {}
     for path, module in part.named_modules():
         order = getattr(module, ROW_ORDER, None)
@@ -162,11 +178,11 @@ def fused_row_orders(part: nn.Module) -> dict[str, torch.Tensor]:
             continue
         path = model_fqn(path)
         for name, _ in module.named_parameters(recurse=False):
-            orders[f"{path}.{name}" if path else name] = order
+            orders[f"{path}.{name}" if path else name] = (order, output_dim(module, name))
     return orders
 
 
-def _order_of(key: str, orders: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def _order_of(key: str, orders: dict) -> tuple[torch.Tensor, int] | None:
     """The row order of a state-dict key: a parameter FQN or a flattened optimizer state
     ("state.<fqn>.exp_avg")."""
     if key in orders:
@@ -176,25 +192,25 @@ def _order_of(key: str, orders: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return None
 
 
-def _reorder(value: torch.Tensor, order: torch.Tensor, to_model: bool) -> torch.Tensor:
+def _reorder(value: torch.Tensor, order: tuple[torch.Tensor, int], to_model: bool) -> torch.Tensor:
     """`value` (runtime layout when `to_model`, else model layout) in the other layout; a
     DTensor keeps its mesh and placements (its full rows are gathered to move them)."""
     if isinstance(value, DTensor):
         moved = _reorder(value.full_tensor(), order, to_model)
         return distribute_tensor(moved, value.device_mesh, value.placements, src_data_rank=None)
-    order = order.to(value.device)
+    rows, dim = order
+    rows = rows.to(value.device)
     if not to_model:
-        return value[order]
-    out = torch.empty_like(value)
-    out[order] = value
-    return out
+        return value.index_select(dim, rows)
+    return torch.empty_like(value).index_copy_(dim, rows, value)
 
 
-def _is_row_state(value, order: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == order.numel()
+def _is_row_state(value, order: tuple[torch.Tensor, int]) -> bool:
+    rows, dim = order
+    return isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] == rows.numel()
 
 
-def in_model_layout(state: dict, orders: dict[str, torch.Tensor]) -> dict:
+def in_model_layout(state: dict, orders: dict[str, tuple[torch.Tensor, int]]) -> dict:
     """`state` (a model or flattened optimizer state dict) with every fused projection's
     tensors in the model's own row order: new tensors for those, the others as they are."""
     out = dict(state)
@@ -205,7 +221,7 @@ def in_model_layout(state: dict, orders: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def into_runtime_layout(loaded: dict, state: dict, orders: dict[str, torch.Tensor]) -> None:
+def into_runtime_layout(loaded: dict, state: dict, orders: dict[str, tuple[torch.Tensor, int]]) -> None:
     """Copy the fused projections' tensors of `loaded` (model layout, as `in_model_layout`
     gave them and DCP filled them) into the tensors of `state` (runtime layout), in place."""
     for key, value in loaded.items():

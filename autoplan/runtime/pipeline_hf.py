@@ -62,9 +62,11 @@ class _OtherStageLayer(nn.Module):
         return hidden_states
 
 
-class _NoPositions(nn.Module):
+class _NoPositions(StageGap):
     """A learned position embedding on a stage after the first, whose input already holds
-    them: adds a zero (0-dim, so the hidden states keep their dtype)."""
+    them: adds a zero (0-dim, so the hidden states keep their dtype). A gap, so that a style
+    the plan gives the embedding (a vocab_embedding where the positions number the
+    vocabulary) is not applied to it."""
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), device=position_ids.device)

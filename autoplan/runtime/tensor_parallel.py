@@ -4,7 +4,8 @@ Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, 
 sequence parallelism one reduce-scatter + all-gather, per pair). A fused [q | k | v] or
 [gate | up] column gives each rank its share of every part and its attention the rank's head
 counts (fused_projection.py); k and v projections of fewer K/V heads than ranks give each
-rank the K/V head of its q heads (kv_replication.py). Between blocks the residual
+rank the K/V head of its q heads (kv_replication.py). transformers' Conv1D (GPT-2) takes
+the same styles in its transposed form (transposed_linear.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -36,6 +37,7 @@ from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_k
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
+from autoplan.runtime.transposed_linear import for_module, output_features
 from autoplan.runtime.tying import retie, tied_groups
 
 
@@ -194,6 +196,10 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "sequence_parallel":  # a plain shard out: after a post-norm (BERT) it is the
         # residual, added to a row-parallel linear's plain output
         return SequenceParallel(use_local_output=True) if sequence_parallel else None
+    if name == "final_norm":  # after the last block, as torchtitan's norm: a sequence-sharded
+        # DTensor of the whole sequence's shape, which the model's closing code can view and
+        # slice (GPT-2's view(-1, seq, hidden)) and the vocab head gathers
+        return SequenceParallel() if sequence_parallel else None
     if name == "head_norm":  # a norm over each head's features, on (batch, seq, this rank's heads, head_dim):
         # its weight is replicated and its gradient summed over the ranks' heads
         return SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -255,7 +261,7 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
             continue
         style = style_for(name, sequence_parallel)
         if style is not None:
-            plan[path] = style
+            plan[path] = for_module(style, modules[path])
     if plan:
         groups = tied_groups(model)
         parallelize_module(model, tp_mesh, plan)
@@ -271,10 +277,13 @@ def _localise_attention(modules: dict[str, nn.Module], plan: dict[str, ParallelS
     for path, style in plan.items():
         name = getattr(style, "style", "")
         found = head_counts_of(name, "colwise_qkv", KV_STYLE, "colwise_heads")
-        if found:
-            counts[path.rpartition(".")[0]] = found
-    for path, (heads, kv_heads) in counts.items():
-        localise_head_counts(modules[path], heads, kv_heads, tp, local_kv_heads(kv_heads, tp))
+        if found:  # a fused projection's q part is heads / (heads + 2 kv_heads) of its rows
+            heads, kv_heads = found
+            fused = head_counts_of(name, "colwise_qkv") is not None
+            q_width = output_features(modules[path]) * heads // (heads + 2 * kv_heads) if fused else 0
+            counts[path.rpartition(".")[0]] = (heads, kv_heads, q_width)
+    for path, (heads, kv_heads, q_width) in counts.items():
+        localise_head_counts(modules[path], heads, kv_heads, tp, local_kv_heads(kv_heads, tp), q_width)
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:

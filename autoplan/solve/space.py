@@ -137,11 +137,14 @@ def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: 
     return None
 
 
-def pp_reason(graph: ModelGraph, pp: int, vpp: int) -> str | None:
+def pp_reason(graph: ModelGraph, pp: int, vpp: int, tp: int = 1) -> str | None:
     if pp * vpp > max(graph.num_layers, 1):
         return f"pp*vpp={pp * vpp} exceeds the {graph.num_layers} blocks"
     if pp > 1 and "pp" in graph.refused:
         return f"autoplan's runtime cannot split this model into pipeline stages: {graph.refused['pp']}"
+    if pp > 1 and tp > 1 and "pp_tp" in graph.refused:
+        return ("autoplan's runtime cannot run this model's pipeline stages under tensor "
+                f"parallelism: {graph.refused['pp_tp']}")
     return None
 
 
@@ -181,7 +184,7 @@ def outer_configs(graph: ModelGraph, request: Request) -> Iterator[ParallelConfi
             if (n // tp) % cp or cp_reason(graph, cp, tp, request.seq_len, request.gpus_per_node):
                 continue
             for pp in pick("pp", divisors(n // (tp * cp))):
-                if (n // (tp * cp)) % pp or pp_reason(graph, pp, 1):
+                if (n // (tp * cp)) % pp or pp_reason(graph, pp, 1, tp):
                     continue
                 dp = n // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
@@ -262,7 +265,7 @@ def check_fixed(graph: ModelGraph, request: Request) -> None:
     if not reason and "cp" in fixed:
         reason = cp_reason(graph, fixed["cp"], fixed.get("tp", 1), request.seq_len, request.gpus_per_node)
     if not reason and "pp" in fixed:
-        reason = pp_reason(graph, fixed["pp"], fixed.get("vpp", 1))
+        reason = pp_reason(graph, fixed["pp"], fixed.get("vpp", 1), fixed.get("tp", 1))
     if not reason and "ep" in fixed and fixed["ep"] > 1:
         if not any(b.experts for b in graph.blocks):
             reason = f"ep={fixed['ep']} but the model has no MoE layers"

@@ -1,9 +1,10 @@
 """The capability contract: which parallel axes autoplan's runtime can apply to this model.
 
 Facts read off the graph say where an axis could apply; this probe asks the runtime itself.
-For each axis the graph offers (tp, cp, ep, pp; and "tp_kv", tp over more ranks than a
-grouped-query attention's K/V heads, whose k and v run another code path) it builds the
-smallest plan using that axis alone, applies `autoplan.runtime.apply_plan` to a copy of
+For each axis the graph offers (tp, cp, ep, pp; "tp_kv", tp over more ranks than a
+grouped-query attention's K/V heads, whose k and v run another code path; and "pp_tp",
+pipeline stages split by TP, whose first stage hands on a sequence shard) it builds the
+smallest plan using that axis alone (or that pair), applies `autoplan.runtime.apply_plan` to a copy of
 the meta model on torch's "fake" process group (one process stands for every rank:
 collectives return at once, torch's `torch.testing._internal.distributed.fake_pg`) and runs
 one forward and backward on meta tensors. The first exception is the reason the axis is
@@ -98,6 +99,11 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
         half = len(paths) // 2
         plans["pp"] = base.with_(world_size=2, gpus_per_node=2, pp=2, global_batch=2,
                                  blocks=tuple(paths), stage_layers=(half, len(paths) - half))
+        if tp:  # a first stage hands on the residual's sequence shard under SP, which the
+            # model's own code past its last block may reshape by the whole sequence (GPT-2)
+            plans["pp_tp"] = plans["pp"].with_(world_size=2 * tp, gpus_per_node=2 * tp, tp=tp,
+                                               sequence_parallel=plans["tp"].parallel.sequence_parallel,
+                                               tp_styles=plans["tp"].tp_styles)
     return plans
 
 
@@ -393,14 +399,17 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         run = bool(plans) and _run_on_fake_group(model, single, args, kwargs, routing) is None
         _CACHE[key] = {}
         for axis, plan in plans.items():
+            if axis == "pp_tp" and (_CACHE[key].get("tp") or _CACHE[key].get("pp")):
+                continue  # each refused alone: the pair says nothing more
             # an EP step moves tokens by exchanged counts, which balanced values cannot model
             run_axis = run and not (axis == "ep" and routing is not None)
             reason = (_position_bias(model, plan.cp_modules, _attention_heads(graph)) if plan.cp > 1
                       else None) or \
                 _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
                                    _attention_heads(graph) if plan.tp > 1 else frozenset())
-            degree = axis.partition("_")[0]
-            _CACHE[key][axis] = reason and f"(probed at {degree}={getattr(plan, degree)}) {reason}"
+            degrees = ("pp", "tp") if axis == "pp_tp" else (axis.partition("_")[0],)
+            probed = " ".join(f"{d}={getattr(plan, d)}" for d in degrees)
+            _CACHE[key][axis] = reason and f"(probed at {probed}) {reason}"
     return dict(_CACHE[key])
 
 

@@ -16,15 +16,15 @@ row-parallel, when the split is legal:
 A fused projection (one Linear for q,k,v or gate,up) is split when its layout is known:
 laid out head by head (GPT-NeoX's query_key_value), a contiguous row slice holds whole heads
 ("colwise"); cut along its last dim into [all q | all k | all v] of whole heads or into
-[gate | up] halves (Phi-3's qkv_proj and gate_up_proj), each rank holds its share of every
-part ("colwise_qkv:<heads>,<kv_heads>", "colwise_gate_up"; runtime/fused_projection.py), as
+[gate | up] halves (Phi-3's qkv_proj and gate_up_proj; GPT-2's c_attn, a transformers Conv1D
+that the trace takes for a linear), each rank holds its share of every part
+("colwise_qkv:<heads>,<kv_heads>", "colwise_gate_up"; runtime/fused_projection.py), as
 Megatron/torchtitan re-order a fused weight per rank.
 
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
 model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
-other fused layouts (timm's (..., 3, heads, head_dim) view, GPT-2's Conv1D split, a fused
-k/v beside a separate q: a ColwiseParallel row slice would mix the parts) and
-`nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
+other fused layouts (timm's (..., 3, heads, head_dim) view, a fused k/v beside a separate
+q: a ColwiseParallel row slice would mix the parts) and `nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
 """
 
 from __future__ import annotations
@@ -212,9 +212,16 @@ def _last_dim_parts(feeder: str, region: set[str], by_name: dict, inputs: dict,
     """Widths of the parts a column's output is cut into along its last dim by the ops
     reading it (slices `out[..., a:b]`, or one chunk/split into equal parts), in graph
     order; [] when something else reads it (a reshape to (..., 3, heads, head_dim))."""
-    out = by_name[feeder].output_shape
-    readers = sorted((n for n in region if feeder in inputs.get(n, ())), key=order.index)
-    cuts = [by_name[n] for n in readers]
+    def readers(name: str) -> list[str]:
+        return sorted((n for n in region if name in inputs.get(n, ())), key=order.index)
+
+    out, cut = by_name[feeder].output_shape, readers(feeder)
+    # a view regrouping only the leading dims (GPT-2's Conv1D runs addmm on (tokens, in) and
+    # views the result back to (batch, seq, out)) leaves the parts where they were
+    while len(cut) == 1 and by_name[cut[0]].target in ("view", "reshape") and out \
+            and by_name[cut[0]].output_shape[-1:] == out[-1:] and _numel(by_name[cut[0]].output_shape) == _numel(out):
+        out, cut = by_name[cut[0]].output_shape, readers(cut[0])
+    cuts = [by_name[n] for n in cut]
     if not out or not cuts or any(tuple(op.output_shape[:-1]) != tuple(out[:-1]) for op in cuts
                                   if op.output_shape):
         return []
@@ -227,14 +234,21 @@ def _last_dim_parts(feeder: str, region: set[str], by_name: dict, inputs: dict,
     return []
 
 
+def _numel(shape) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel
+
+
 def _fused_style(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict,
                  order: list[str]) -> str | None:
     """The runtime's style for a fused column it splits per rank (runtime/fused_projection.py):
     "colwise_qkv:<heads>,<kv_heads>" for one projection cut into [all q | all k | all v]
     whose q is the attention's heads and k, v whole heads each (Phi-3's qkv_proj, GQA
     too); "colwise_gate_up" for an MLP projection cut into two equal halves (Phi-3's
-    gate_up_proj). None for other layouts (timm's (..., 3, heads, head_dim) view, GPT-2's
-    Conv1D, a fused k/v beside a separate q), which stay unsplit."""
+    gate_up_proj). None for other layouts (timm's (..., 3, heads, head_dim) view, a fused
+    k/v beside a separate q), which stay unsplit."""
     if len(feeders) != 1:
         return None
     feeder = next(iter(feeders))
@@ -519,7 +533,9 @@ def _pre_post_styles(mg: ModelGraph, model: nn.Module, ops: list[OpInfo],
                      first_path: dict[str, str]) -> dict[str, str]:
     styles = {}
     in_block = tuple(p + "." for p in first_path.values())
-    for op in ops:
+    block_ops = [i for i, op in enumerate(ops) if op.name.startswith(in_block)]
+    after_blocks = block_ops[-1] if block_ops else len(ops)
+    for index, op in enumerate(ops):
         if op.name.startswith(in_block) or not op.module:
             continue
         module = model.get_submodule(op.module)
@@ -527,7 +543,10 @@ def _pre_post_styles(mg: ModelGraph, model: nn.Module, ops: list[OpInfo],
             styles[op.module] = "vocab_embedding"
         elif op.kind == "embedding":  # positions, token types: added whole to the token embedding
             styles[op.module] = "whole_embedding"
-        elif op.kind == "norm":
+        elif op.kind == "norm" and index > after_blocks:  # the model's closing code reads its
+            # output's shape (GPT-2's view(-1, seq, hidden)); nothing adds a plain residual to it
+            styles[op.module] = "final_norm"
+        elif op.kind == "norm":  # its output is (or is added to) the residual stream
             styles[op.module] = "sequence_parallel"
         elif op.kind == "linear" and getattr(module, "out_features", 0) == mg.vocab:
             styles[op.module] = "vocab_head"

@@ -9,6 +9,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoplan.runtime.transposed_linear import is_transposed_linear
+
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _VIEW_FUNCS = {"view", "reshape", "transpose", "permute", "contiguous", "size", "flatten",
@@ -49,7 +51,7 @@ def classify(node: fx.Node, target: str, module: nn.Module | None) -> str:
     """Kind of one fx node: linear, matmul, conv, attention, embedding, norm, elementwise, loss, view."""
     if node.op == "call_module":
         sub = module.get_submodule(str(node.target)) if module is not None else None
-        if isinstance(sub, nn.Linear):
+        if isinstance(sub, nn.Linear) or is_transposed_linear(sub):
             return "linear"
         if isinstance(sub, nn.Embedding):
             return "embedding"

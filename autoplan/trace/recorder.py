@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoplan.trace.fallback import expert_matrices, moe_facts, routes_tokens
 from autoplan.trace.graph import OpInfo
+from autoplan.runtime.transposed_linear import is_transposed_linear
 from autoplan.trace.ops import function_kind, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.routing import RoutingContext
 
@@ -111,6 +112,8 @@ class FunctionRecorder(TorchFunctionMode):
         self.op_of: dict[int, str] = {}
         self.names: dict[str, int] = {}
         self.params = {id(p): n for n, p in model.named_parameters()}
+        # GPT-2's Conv1D runs addmm on its transposed weight: a linear, as TP sees it
+        self.transposed = {id(m.weight) for m in model.modules() if is_transposed_linear(m)}
         self.buffers = {id(b): n for n, b in model.named_buffers()}
         self.seen_params: set[int] = set()
         self.op_params: dict[str, int] = {}
@@ -159,6 +162,8 @@ class FunctionRecorder(TorchFunctionMode):
         kind = function_kind(name, module_type)
         if kind in ("linear", "matmul") and self._reads_expert_weights(inputs):
             kind = "expert"  # routed experts: EP shards them, TP never does
+        elif kind == "matmul" and any(id(t) in self.transposed for t in inputs):
+            kind = "linear"
         # the call a layer module makes on its own weights is named by the layer's class,
         # as an fx call_module node is (facts read "Linear", "Embedding")
         target = name

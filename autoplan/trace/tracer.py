@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
+from autoplan.runtime.transposed_linear import is_transposed_linear
 from autoplan.trace.ops import classify, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.blocks import build_segments, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
@@ -56,7 +57,7 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         full = self._full(qualname)
-        if full in self.leaves:
+        if full in self.leaves or is_transposed_linear(m):  # GPT-2's Conv1D: a linear, as TP sees it
             return True
         # fx keeps torch.nn modules whole; one holding blocks (nn.TransformerEncoder) is
         # traced into, or its blocks would never be costed

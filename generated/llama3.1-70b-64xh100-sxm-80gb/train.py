@@ -102,7 +102,7 @@ PLAN = {
         'layers.21-48': 'selective', 'layers.49-79': 'none',
     },
     'tp_styles': {
-        '': {'embed_tokens': 'vocab_embedding', 'norm': 'sequence_parallel', 'lm_head': 'vocab_head'},
+        '': {'embed_tokens': 'vocab_embedding', 'norm': 'final_norm', 'lm_head': 'vocab_head'},
         'layers.*': {
             'self_attn.q_proj': 'colwise', 'self_attn.k_proj': 'colwise_kv:64,8',
             'self_attn.v_proj': 'colwise_kv:64,8', 'self_attn.o_proj': 'rowwise',

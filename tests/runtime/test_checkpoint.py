@@ -162,6 +162,22 @@ def test_fused_projection_checkpoint_is_in_the_models_own_layout(torchrun, tmp_p
 
 
 @pytest.mark.slow
+def test_gpt2_conv1d_checkpoint_is_in_the_models_own_layout(torchrun, tmp_path):
+    """GPT-2 at tp=2 holds c_attn's weight columns rank-major (its Conv1D weight is (in, out));
+    the checkpoint holds them, and their Adam states, in the model's own (in, out) layout and
+    resumes without TP (dp=2) on the reference's losses, its head still tied."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tp2 = _write(tmp_path, "tp2.json", traced_plan_dict("hf_gpt2", tp=2))
+    dp2 = _write(tmp_path, "dp2.json", plan_dict("hf_gpt2", dp=2))
+    _save_then_resume(torchrun, tmp_path, 2, tp2, [("dp2", dp2)], kind="hf_gpt2")
+    saved = FileSystemReader(str(tmp_path / "ckpt" / "step_000005")).read_metadata().state_dict_metadata
+    c_attn = "transformer.h.0.attn.c_attn.weight"
+    assert tuple(saved[f"model.{c_attn}"].size) == (64, 192)
+    assert tuple(saved[f"optim.state.{c_attn}.exp_avg"].size) == (64, 192)
+
+
+@pytest.mark.slow
 def test_replicated_kv_checkpoint_is_in_the_models_layout_and_resumes_at_another_tp(torchrun, tmp_path):
     """hf_llama's 2 K/V heads over tp=4 ranks: each rank computes one from k and v weights
     held whole (runtime/kv_replication.py); the checkpoint holds them, and their Adam states,

@@ -36,11 +36,11 @@ def test_state_leaves_in_the_models_order_and_comes_back_in_the_runtimes():
     model = torch.arange(8.0).unsqueeze(1).repeat(1, 3)
     runtime = {"w": model[order].clone(), "state.w.exp_avg": model[order].clone() * 2,
                "state.w.step": torch.tensor(3.0), "other": torch.ones(2)}
-    saved = in_model_layout(runtime, {"w": order})
+    saved = in_model_layout(runtime, {"w": (order, 0)})
     assert torch.equal(saved["w"], model) and torch.equal(saved["state.w.exp_avg"], model * 2)
     assert saved["other"] is runtime["other"] and saved["state.w.step"] is runtime["state.w.step"]
     loaded = {key: value + 1 if value.dim() else value for key, value in saved.items()}
-    into_runtime_layout(loaded, runtime, {"w": order})  # in place
+    into_runtime_layout(loaded, runtime, {"w": (order, 0)})  # in place
     assert torch.equal(runtime["w"], (model + 1)[order])
     assert torch.equal(runtime["state.w.exp_avg"], (model * 2 + 1)[order])
 

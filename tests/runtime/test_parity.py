@@ -22,8 +22,12 @@ A wrong gradient fails clearly (checked by mutation): untying the tied embedding
 gives weights 6.8e-1, grad norms 3.5e-1, losses 6.2e-3; halving the EP gradient average
 gives losses 1.2e-4; splitting Phi-3's fused qkv_proj and gate_up_proj rows contiguously
 instead of each rank taking its share of every part gives weights 9.3e-1, grad norms 1.3e-1,
-losses 3.6e-3. A tie across pipeline stages (a copy of the embedding on the first stage,
-of the head on the last): correct, losses 2.6e-7, grad norms 2.4e-6, weights 4.1e-4 (the
+losses 3.6e-3; GPT-2's Conv1D c_attn under TP + SP (tp2 with its head tied to wte, and
+untied at dp2 x tp2 ZeRO-3): correct, losses 1.7e-7, grad norms 8.0e-7, weights 4.2e-4
+(untied 8.6e-8, 1.1e-7, 4.0e-4); its columns split contiguously, weights 1.3, grad norms
+8.5e-2, losses 3.1e-3; its ln_f handing on the plain sequence shard, GPT2Model's closing
+view(-1, seq, hidden) cannot take it and the plan is refused. A tie across pipeline stages
+(a copy of the embedding on the first stage, of the head on the last): correct, losses 2.6e-7, grad norms 2.4e-6, weights 4.1e-4 (the
 GPT-2's, 1.6e-5 for the Llama); without the sum of the copies' gradients losses 6.2e-3,
 grad norms 5.6e-1, weights 6.8e-1 (tied_pp2_1f1b, tied_pp2_dp2_zero3, tied_pp4_gpipe;
 hf_gpt2_tied_pp2 2.6e-3, 5.7e-1, 7.4e-1); counting both copies in the grad norm, grad norms
@@ -153,6 +157,9 @@ CONFIGS = {
         # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # GPT-2's Conv1D c_attn ([all q | all k | all v] along weight dim 1), its head tied
+        "hf_gpt2_tp2_traced": ("hf_gpt2", functools.partial(
+            traced_plan_dict, "hf_gpt2", tp=2, optimizer=PARITY_OPTIMIZER)),
         # one K/V head, tp=2: each rank computes it from a replicated k/v weight
         "hf_gemma_mqa_tp2_traced": ("hf_gemma_mqa", functools.partial(
             traced_plan_dict, "hf_gemma_mqa", tp=2, optimizer=PARITY_OPTIMIZER)),
@@ -251,6 +258,10 @@ CONFIGS = {
             traced_plan_dict, "hf_gptneox", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_dp2_tp2_zero3_traced": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        # GPT-2 with its own head: ln_f hands on the sequence shard as a DTensor, which
+        # GPT2Model's closing view(-1, seq, hidden) takes and lm_head gathers
+        "hf_gpt2_untied_dp2_tp2_zero3_traced": ("hf_gpt2_untied", functools.partial(
+            traced_plan_dict, "hf_gpt2_untied", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_dp2_tp2_zero1_traced": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_pp2_tp2_traced": ("hf_phi3", functools.partial(

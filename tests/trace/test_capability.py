@@ -159,6 +159,10 @@ def test_t5_tensor_parallelism_is_probed_on_the_blocks_the_copy_keeps():
     ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
     graph = trace_model(model, (), example_kwargs={"input_ids": ids, "decoder_input_ids": ids.clone()})
     assert "encoder.block.3" in graph.tp_styles  # keyed per block path
+    # the encoder's last norm feeds the decoder's cross-attention, which gathers a plain
+    # shard; the decoder's is the model's last, before its head
+    assert graph.tp_styles[""]["encoder.final_layer_norm"] == "sequence_parallel"
+    assert graph.tp_styles[""]["decoder.final_layer_norm"] == "final_norm"
     # each rank takes its heads of the relative position bias; ring attention cannot add it
     assert "tp" not in graph.refused, graph.refused["tp"]
     assert graph.tp_styles["encoder.block.0"]["layer.0.SelfAttention.relative_attention_bias"] == "head_embedding"

@@ -272,6 +272,8 @@ CORPUS_PAIRS = {
     # each rank holds its share of every part (runtime/fused_projection.py)
     "phi3": ({("attention", ("self_attn.qkv_proj",), "self_attn.o_proj"),
               ("mlp", ("mlp.gate_up_proj",), "mlp.down_proj")}, set()),
+    # transformers' Conv1D (a transposed linear); c_attn cut by width into [q | k | v]
+    "gpt2": ({("attention", ("attn.c_attn",), "attn.c_proj"), ("mlp", ("mlp.c_fc",), "mlp.c_proj")}, set()),
     "vit_b16": (set(), {"attn.qkv"}),
     "swin_t": (set(), {"attn.qkv"}),
     "transformer_encoder": (set(), {"self_attn"}),
@@ -326,6 +328,33 @@ def test_moe_models_given_positional_ids_get_the_attention_pair(name):
     assert "tp" in probe_plans(graph, 32, {"model.layers.0", "model.layers.1"}) and graph.refused == {}
 
 
+def test_gpt2_conv1d_attention_is_split_per_rank_and_the_runtime_applies_it():
+    # Conv1D holds its weight as (in, out); c_attn's output is cut by `split_size` into
+    # [all q | all k | all v], so each rank takes its share of every part (fused_projection.py)
+    from autoplan.trace.capability import probe_plans
+    from tests import corpus
+
+    with torch.device("meta"):
+        model = corpus.ENTRIES["gpt2"].build("tiny")
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    heads = model.config.n_head
+    styles = graph.tp_styles["transformer.h.*"]
+    assert {k: styles[k] for k in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")} == {
+        "attn.c_attn": f"colwise_qkv:{heads},{heads}", "attn.c_proj": "rowwise",
+        "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+    assert graph.tp_styles[""]["lm_head"] == "vocab_head" and graph.tp_unsplit == []
+    # ln_f hands on the whole sequence's shape: GPT2Model's view(-1, seq, hidden) follows it
+    assert graph.tp_styles[""]["transformer.ln_f"] == "final_norm"
+    blocks = {f"transformer.h.{i}" for i in range(model.config.n_layer)}
+    assert "tp" in probe_plans(graph, 32, blocks) and "tp" not in graph.refused
+    # pipeline stages under TP + SP: GPT2Model's closing view(-1, seq, hidden) meets the first
+    # stage's sequence shard, so the planner offers pp with tp no longer
+    from autoplan.solve.space import pp_reason
+
+    assert "reshape with -1" in graph.refused["pp_tp"] and "pp" not in graph.refused
+    assert "tensor parallelism" in pp_reason(graph, 2, 1, tp=2) and pp_reason(graph, 2, 1) is None
+
+
 def test_the_shared_expert_mlp_of_qwen2_moe_is_no_pair():
     # Its gate/up -> down data flow looks like a SwiGLU pair; inside the MoE layer, which the
     # runtime runs whole on each rank's sequence shard, a colwise gate would meet a
@@ -363,6 +392,7 @@ def test_per_head_q_k_norms_are_sharded_with_their_heads():
     styles = graph.tp_styles["model.layers.*"]
     assert styles["self_attn.q_norm"] == styles["self_attn.k_norm"] == "head_norm"
     assert styles["input_layernorm"] == "sequence_parallel" and graph.tp_unsplit == []
+    assert graph.tp_styles[""]["model.norm"] == "final_norm"  # after the last block
     assert "tp" not in graph.refused  # the runtime applied them at tp=2 on the fake process group
 
 
