@@ -75,6 +75,8 @@ FP32 = (1e-5, 1e-4, 2e-3)
 QWEN2_MOE_FP32 = (1e-4, 1e-3, 2e-2)
 LOW_PRECISION = (5e-3, 3e-1, 5e-1)
 FP8 = (5e-3, 5e-1, 5e-1)
+# torchao's weight scaling granularity per recipe (rowwise scales each row: "axiswise")
+SCALING = {"tensorwise": "tensorwise", "rowwise": "axiswise"}
 # A constant learning rate (no warm-up; a cosine over 10**9 steps is flat to 1 ulp here), so
 # every step's gradient moves the weights as much as the first one does.
 PARITY_STEPS = 8
@@ -150,6 +152,9 @@ CONFIGS = {
         "fp8_ddp": ("llama", P(dp=2, precision="fp8", recompute=EAGER_BLOCKS)),
         "fp8_tp2": ("llama", P(tp=2, precision="fp8", recompute=EAGER_BLOCKS)),
         "fp8_pp2": ("llama", P(pp=2, schedule="1f1b", precision="fp8")),
+        # torchao's rowwise recipe (a power-of-2 scale per row) on TP-sharded weights
+        "fp8_rowwise_tp2": ("llama", P(tp=2, precision="fp8", float8_recipe="rowwise",
+                                       recompute=EAGER_BLOCKS)),
         # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
@@ -202,7 +207,9 @@ CONFIGS = {
         "ep4": ("mixtral", P("mixtral", dp=4, ep=4)),
         "ep2_of_dp4": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2)),
         "bf16_zero3": ("llama", P(dp=4, zero_stage=3, precision="bf16")),
-        "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", recompute=EAGER_BLOCKS)),
+        # the weights gathered in float8 (torchao's FSDP float8 all-gather, as uint8 on gloo)
+        "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", float8_all_gather=True,
+                                 recompute=EAGER_BLOCKS)),
         "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
         "pp2_dp2_ep2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         # experts as FSDP units on their replicas' mesh: of one rank under a pipeline, of one
@@ -334,7 +341,7 @@ def token_file(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str, data_path=None, float8: bool = False, micro_batch: int | None = None):
+def reference(kind: str, data_path=None, float8: str | None = None, micro_batch: int | None = None):
     return reference_training(kind, PARITY_STEPS, data_path=data_path,
                               optimizer=KIND_OPTIMIZER.get(kind, PARITY_OPTIMIZER), float8=float8,
                               micro_batch=micro_batch)
@@ -430,7 +437,8 @@ def test_loss_parity(results, token_file, world, name):
     assert name in got, f"{name} did not finish:\n{got.get('__failure__', '')}"
     kind, plan = case(world, name)
     fp8 = plan.get("precision") == "fp8"  # against torchao's own single-process float8 run
-    ref = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None, float8=fp8,
+    recipe = plan.get("float8_recipe", "tensorwise") if fp8 else None
+    ref = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None, float8=recipe,
                     micro_batch=plan.get("micro_batch", 1) if fp8 else None)
     if name in TOKEN_FILE_CONFIGS:  # learnable data: the run must actually learn
         assert got[name]["losses"][-1] < got[name]["losses"][0] - 0.1
@@ -452,6 +460,9 @@ def test_loss_parity(results, token_file, world, name):
     assert got[name]["replica_spread"] == 0.0, f"{name}: replicas differ by {got[name]['replica_spread']}"
     if fp8:  # rank 0's blocks' linears are torchao's (half of them on a pipeline's first stage)
         assert got[name]["float8_linears"] == float8_linears(kind) // plan.get("pp", 1), got[name]
+        assert got[name]["float8_scaling"] == [SCALING[recipe]], got[name]
+        gathered = got[name]["float8_linears"] if plan.get("float8_all_gather") else 0
+        assert got[name]["float8_gathered"] == gathered, got[name]
     if plan.get("compile"):  # rank 0 holds every block (no pipeline in these cases)
         assert got[name]["compiled_modules"] == len(plan["recompute"]), got[name]["compiled_modules"]
     assert worst_loss <= loss_rtol, f"{name}: losses {losses} vs reference {ref.losses}"
