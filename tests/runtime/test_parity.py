@@ -50,11 +50,14 @@ check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
 fp8 plans (torchao's float8 linears in the blocks, emulated on CPU, bf16 elsewhere) are
 compared with torchao's own single-process float8 run over the plan's micro-batches (each
-forward casts with its own tensorwise scales, so a reference over the whole batch would be
-cast differently); the parity worker also counts the Float8Linears each run trained with.
-They differ by bf16's rounding, as bf16 runs do: measured losses 3.1e-4 to 1.7e-3, grad
-norms 4.6e-2 to 2.9e-1 (tp2), weights 3.7e-2 to 2.7e-1; tolerances 5e-3, 5e-1, 5e-1. A run
-that trained without the float8 linears fails on their count (0 of 28).
+forward casts with its own scales, so a reference over the whole batch would be cast
+differently), with the plan's recipe; the parity worker also counts the Float8Linears each
+run trained with, their weight scaling (tensorwise, or rowwise's "axiswise") and the weights
+FSDP gathers in float8. They differ by bf16's rounding, as bf16 runs do: measured losses
+3.1e-4 to 1.7e-3, grad norms 4.6e-2 to 3.3e-1 (ZeRO-3 with the float8 all-gather), weights
+3.7e-2 to 2.7e-1; rowwise tp2 1.6e-3, 1.9e-1, 2.0e-1; tolerances 5e-3, 5e-1, 5e-1. A run
+that trained without the float8 linears fails on their count (0 of 28), one with the wrong
+recipe on its scaling, one without the float8 all-gather on its gathered count (0 of 28).
 """
 
 from __future__ import annotations
