@@ -45,12 +45,15 @@ def full_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], float]:
 
 
 def float8_facts(trainer: Trainer) -> dict:
-    """How rank 0's Float8Linears scale their weights (torchao's granularity per linear) and
-    how many weights FSDP gathers in float8 (torchao's WeightWithDynamicFloat8CastTensor)."""
+    """How rank 0's Float8Linears scale their weights (torchao's granularity per linear), how
+    many weights FSDP gathers in float8 (torchao's WeightWithDynamicFloat8CastTensor) and how
+    many of those hold a scale precomputed after the last optimizer step."""
     linears = [m for part in trainer.par.parts for m in part.modules() if type(m).__name__ == "Float8Linear"]
     weights = [getattr(m.weight, "_local_tensor", m.weight) for m in linears]
+    gathered = [w for w in weights if type(w).__name__ == "WeightWithDynamicFloat8CastTensor"]
     return {"float8_scaling": sorted({m.config.cast_config_weight.scaling_granularity.value for m in linears}),
-            "float8_gathered": sum(type(w).__name__ == "WeightWithDynamicFloat8CastTensor" for w in weights)}
+            "float8_gathered": len(gathered),
+            "float8_precomputed": sum(w._precomputed_scale is not None for w in gathered)}
 
 
 def main() -> None:
