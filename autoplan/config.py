@@ -13,6 +13,11 @@ from dataclasses import dataclass, field, replace
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# torchao's float8 training recipes (Float8LinearConfig.from_recipe_name): one scale per tensor,
+# or per row with power-of-2 scales. Not its rowwise_with_gw_hp: under autocast (autoplan's bf16
+# compute without FSDP) torchao 0.18's high-precision weight-gradient GEMM multiplies a bf16
+# input by an fp32 gradient and fails ("expected m1 and m2 to have the same dtype").
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 OFFLOAD = ("none", "optimizer", "params", "both")
 # tensor-parallel styles of a plan's tp_styles (autoplan.runtime.tensor_parallel applies them)
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "final_norm", "prepare_input",
@@ -81,6 +86,11 @@ class ParallelConfig:
     # each TransformerBlock"), so Inductor fuses its memory-bound ops (cost.compute); the embedding,
     # final norm, head and loss stay eager
     compile: bool = False
+    # fp8 plans only: torchao's scaling recipe, and whether ZeRO-3 all-gathers the float8
+    # linears' weights already cast to float8 (torchao's enable_fsdp_float8_all_gather,
+    # tensorwise only: 1 byte a parameter instead of 2)
+    float8_recipe: str = "tensorwise"
+    float8_all_gather: bool = False
     recompute: str = "none"
     stage_layers: tuple[int, ...] | None = None
     stage_recompute: tuple[tuple[int, int], ...] | None = field(default=None)
@@ -100,6 +110,24 @@ class ParallelConfig:
 
     def with_(self, **changes) -> "ParallelConfig":
         return replace(self, **changes)
+
+
+FLOAT8_KEYS = ("float8_recipe", "float8_all_gather")  # a plan file holds them when it is fp8
+
+
+def float8_problem(precision: str, zero_stage: int, recipe: str, all_gather: bool) -> str | None:
+    """Why these float8 settings cannot go together, or None. The float8 all-gather is
+    torchao's for FSDP's ZeRO-3 gathers, and casts a weight with one scale before gathering
+    it, which only the tensorwise recipe does (torchao Float8LinearConfig refuses
+    enable_fsdp_float8_all_gather with rowwise scaling; torchtitan likewise)."""
+    if precision != "fp8" and (recipe != "tensorwise" or all_gather):
+        return f"float8_recipe and float8_all_gather apply to fp8 plans only (precision is {precision})"
+    if all_gather and zero_stage != 3:
+        return f"float8_all_gather needs ZeRO-3, whose FSDP gathers the weights (zero_stage is {zero_stage})"
+    if all_gather and recipe != "tensorwise":
+        return (f"float8_all_gather needs the tensorwise recipe: torchao casts a weight to float8 "
+                f"with one scale before FSDP gathers it, and {recipe} scales each row")
+    return None
 
 
 # Fields that say how blocks are split and recomputed, rather than one number for the step.

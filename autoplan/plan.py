@@ -25,7 +25,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-from autoplan.config import PER_BLOCK, SCHEDULES, ParallelConfig  # noqa: F401 (the runtime imports SCHEDULES from here)
+from autoplan.config import FLOAT8_KEYS, PER_BLOCK, SCHEDULES, ParallelConfig  # noqa: F401 (the runtime imports SCHEDULES from here)
 from autoplan.limits import MAX_LAYERS
 from autoplan.plan_schema import field_problems
 
@@ -125,8 +125,9 @@ class Plan:
         """The plan file's JSON object: the config's fields flat, blocks written by path."""
         out: dict[str, Any] = {}
         for name, value in asdict(self).items():
-            if name == "parallel":
-                out.update((key, value[key]) for key in DEGREES)
+            if name == "parallel":  # the float8 settings only in an fp8 plan's file
+                out.update((key, value[key]) for key in DEGREES
+                           if key not in FLOAT8_KEYS or self.precision == "fp8")
             elif name == "blocks":
                 out["stages"] = self.stages
                 out["recompute"] = recompute_runs(self.recompute)

@@ -12,7 +12,8 @@ import math
 import re
 from typing import Any
 
-from autoplan.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, TP_STYLE_FORMS, tp_style_known
+from autoplan.config import (FLOAT8_RECIPES, OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, TP_STYLE_FORMS,
+                             float8_problem, tp_style_known)
 from autoplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 
 MODEL_SOURCES = ("catalog", "config", "transformers", "file")
@@ -118,9 +119,10 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
     for name, allowed in (("offload", OFFLOAD), ("precision", PRECISIONS), ("schedule", SCHEDULES)):
         if data.get(name, allowed[0]) not in allowed:
             problems.append(f"{name} must be one of {list(allowed)}, got {_shown(data.get(name))}")
-    for flag, default in (("sequence_parallel", True), ("compile", False)):
+    for flag, default in (("sequence_parallel", True), ("compile", False), ("float8_all_gather", False)):
         if not isinstance(data.get(flag, default), bool):
             problems.append(f"{flag} must be true or false, got {_shown(data.get(flag))}")
+    problems += _float8_problems(data)
     stages = data.get("stages", [])
     if not isinstance(stages, list) or not all(_is_str_list(stage) for stage in stages):
         problems.append("stages must be a list of lists of block module paths")
@@ -129,6 +131,17 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
         problems.append(f"recompute must map block paths to one of {list(RECOMPUTE)}, "
                         f"got {_shown(recompute)}")
     return problems
+
+
+def _float8_problems(data: dict[str, Any]) -> list[str]:
+    recipe = data.get("float8_recipe", FLOAT8_RECIPES[0])
+    if recipe not in FLOAT8_RECIPES:
+        return [f"float8_recipe must be one of {list(FLOAT8_RECIPES)}, got {_shown(recipe)}"]
+    all_gather, zero = data.get("float8_all_gather", False), data.get("zero_stage", 0)
+    if not isinstance(all_gather, bool) or not is_int(zero):
+        return []  # said above
+    problem = float8_problem(data.get("precision", "bf16"), zero, recipe, all_gather)
+    return [problem] if problem else []
 
 
 def _module_problems(data: dict[str, Any]) -> list[str]:

@@ -30,6 +30,12 @@ EXAMPLE = json.loads((Path(__file__).resolve().parents[1] / "generated" / "tiny-
     ({"stages": [["layers.0", 1]]}, "stages must be a list of lists"),
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr must be a finite number > 0"),
     ({"model": {"source": "web", "name": "x"}}, "model.source must be one of"),
+    ({"precision": "fp8", "float8_recipe": "blockwise"}, "float8_recipe must be one of"),
+    ({"precision": "fp8", "float8_all_gather": "yes"}, "float8_all_gather must be true or false"),
+    ({"float8_recipe": "rowwise"}, "float8_recipe and float8_all_gather apply to fp8 plans only"),
+    ({"precision": "fp8", "float8_all_gather": True}, "float8_all_gather needs ZeRO-3"),
+    ({"precision": "fp8", "zero_stage": 3, "float8_all_gather": True, "float8_recipe": "rowwise"},
+     "float8_all_gather needs the tensorwise recipe"),
 ])
 def test_wrong_fields_are_named(changes, message):
     with pytest.raises(PlanFormatError, match=message.replace("(", r"\(").replace("{", r"\{")):
@@ -44,6 +50,15 @@ def test_every_wrong_field_is_reported_at_once():
 
 def test_the_example_plan_loads():
     assert Plan.from_dict(EXAMPLE).world_size == 4
+
+
+def test_an_fp8_plan_file_keeps_its_float8_settings_and_others_have_none():
+    fp8 = {**EXAMPLE, "precision": "fp8", "zero_stage": 3, "float8_all_gather": True}
+    plan = Plan.from_dict(fp8)
+    assert (plan.float8_recipe, plan.float8_all_gather) == ("tensorwise", True)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert {"float8_recipe": "tensorwise", "float8_all_gather": True}.items() <= plan.to_dict().items()
+    assert not {"float8_recipe", "float8_all_gather"} & set(Plan.from_dict(EXAMPLE).to_dict())
 
 
 # ---------------------------------------------------------------- the model a plan names

@@ -141,7 +141,21 @@ def megatron_notes(plan: Plan) -> list[str]:
     if plan.offload in ("params", "both"):
         notes.append(f"offload {plan.offload}: Megatron-LM offloads the optimizer only "
                      "(--optimizer-cpu-offload); parameters stay on the GPU.")
+    notes += _float8_notes(plan)
     notes += _recompute_notes(plan)
+    return notes
+
+
+def _float8_notes(plan: Plan) -> list[str]:
+    if plan.precision != "fp8":
+        return []
+    notes = []
+    if plan.float8_recipe != "tensorwise":
+        notes.append(f"float8 recipe {plan.float8_recipe} (torchao's): Transformer Engine's FP8 recipes are "
+                     "its own; its default scaling is the nearest.")
+    if plan.float8_all_gather:
+        notes.append("float8 weight all-gather (torchao's, with FSDP): Megatron-LM's --fp8-param-gather keeps "
+                     "the parameters themselves in FP8 to gather them so; not written, weights gathered in bf16.")
     return notes
 
 

@@ -7,7 +7,9 @@ enable_sequence_parallel, pipeline_parallel_degree, pipeline_parallel_schedule,
 module_fqns_per_model_part, pipeline_parallel_microbatch_size, context_parallel_degree,
 expert_parallel_degree; [training] local_batch_size, global_batch_size, seq_len,
 mixed_precision_param, enable_cpu_offload, max_norm, steps; [activation_checkpoint] mode,
-selective_ac_option; [model] name, flavor, converters; [compile] enable, components.
+selective_ac_option; [model] name, flavor, converters; [compile] enable, components;
+[quantize.linear.float8] recipe_name, enable_fsdp_float8_all_gather,
+precompute_float8_dynamic_scale_for_fsdp.
 
 torchtitan up to 0.2 reads the file itself (`--job.config_file torchtitan.toml`); 0.3 takes the
 same keys as command-line overrides (`--parallelism.tensor_parallel_degree 2`) on top of a
@@ -80,6 +82,8 @@ def torchtitan_config(plan: Plan, version: str = CURRENT_VERSION) -> dict[str, d
         if plan.precision == "fp8":
             config["model"]["converters"] = ["float8"]
     config["training"] = training
+    if plan.precision == "fp8":
+        config[FLOAT8_SECTION] = float8_section(plan)
     config["parallelism"] = _parallelism(plan, version)
     # said either way: some config_registry functions (DeepSeek-V3's) compile by default
     config["compile"] = {"enable": plan.compile}
@@ -92,6 +96,19 @@ def torchtitan_config(plan: Plan, version: str = CURRENT_VERSION) -> dict[str, d
                            "weight_decay": float(opt.get("weight_decay", 0.0))}
     config["lr_scheduler"] = {"warmup_steps": int(opt.get("warmup_steps", 0))}
     return config
+
+
+FLOAT8_SECTION = "quantize.linear.float8"
+
+
+def float8_section(plan: Plan) -> dict[str, Any]:
+    """torchtitan's [quantize.linear.float8] (Float8Linear in job_config.py, 0.2): the tensorwise
+    recipe is the one without a recipe_name, and the only one taking the FSDP float8
+    all-gather (its converter asserts so), with the scales precomputed after each step."""
+    if plan.float8_recipe != "tensorwise":
+        return {"recipe_name": plan.float8_recipe}
+    return {"enable_fsdp_float8_all_gather": plan.float8_all_gather,
+            "precompute_float8_dynamic_scale_for_fsdp": plan.float8_all_gather}
 
 
 def _local_batch(plan: Plan) -> int:
@@ -250,6 +267,9 @@ def torchtitan_toml(plan: Plan, version: str = CURRENT_VERSION) -> str:
         header.append(f"run: torchrun ... -m torchtitan.train {module} followed by the overrides of "
                       "[training], [parallelism], [compile] and [activation_checkpoint] below:")
         header.append(shlex.join(torchtitan_overrides(config)))
+        if plan.precision == "fp8":
+            header.append(f"fp8: torchtitan {version} sets its float8 converter in the config_registry "
+                          f"function (Float8LinearConverter.Config): give it the [{FLOAT8_SECTION}] settings below")
     if _needs_cuda_graphs_off(plan, version):
         header.append("changed from torchtitan's defaults for this plan: [training] disable_cuda_graphs = true "
                       "(torchtitan 0.3 refuses CUDA graphs with pipeline or expert parallelism)")

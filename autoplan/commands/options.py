@@ -23,7 +23,7 @@ def at_most(limit: int):
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")
 MAX_TOP = 50  # runners-up a table can show; each costs search time
 FIX_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero", "micro-batch", "schedule", "vpp", "offload", "recompute",
-            "precision")
+            "precision", "float8_recipe")
 
 model_argument = click.argument("model", metavar="MODEL")
 seq_len_option = click.option("--seq-len", type=int, default=None, callback=at_most(MAX_SEQ_LEN),

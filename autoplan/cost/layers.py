@@ -225,14 +225,16 @@ def ep_comm_s(graph: ModelGraph, block: BlockInfo, config: ParallelConfig, fabri
 
 
 def zero3_comm_s(params: memory.BlockParams, config: ParallelConfig, fabric: comm.Fabric,
-                 groups: comm.Groups, fwd_s: float, bwd_s: float, gathers: int = 2) -> tuple[float, float]:
+                 groups: comm.Groups, fwd_s: float, bwd_s: float, gathers: int = 2,
+                 block_kind: str = "dense") -> tuple[float, float]:
     """(total, exposed) ZeRO-3 per micro-batch: all-gather weights in forward and, but for
     FSDP's root unit, again in backward (`gathers`, volume.fsdp_gathers), reduce-scatter
     gradients (Rajbhandari et al. 2020 §5.3), each prefetched under the block's own compute
-    (FSDP); what compute cannot hide is exposed."""
+    (FSDP); what compute cannot hide is exposed. A block's weights go in float8 with the
+    float8 all-gather (memory.fsdp_gather_bytes_per_param)."""
     if config.zero_stage < 3:
         return 0.0, 0.0
-    w = memory.weight_bytes_per_param(config.precision)
+    w = memory.fsdp_gather_bytes_per_param(config, block_kind)
     g = memory.grad_reduce_bytes_per_param(config.precision)
     gather = comm.dp_allgather_time_s(params.dense, params.expert, w, groups, fabric)
     scatter = comm.dp_allgather_time_s(params.dense, params.expert, g, groups, fabric)
@@ -482,7 +484,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     # cannot hide is exposed. Without PP there is no other micro-batch to hide it under.
     exposed["ep"] = max(0.0, ep - fwd_s - bwd_s) if config.pp > 1 else ep
     z_total, z_exposed = zero3_comm_s(params, config, fabric, groups, fwd_s + recompute_s,
-                                      bwd_s, volume.fsdp_gathers(block, runtime.fsdp_root_regathered))
+                                      bwd_s, volume.fsdp_gathers(block, runtime.fsdp_root_regathered),
+                                      block.kind)
     if runtime.zero3_flat_gather:
         z_total, z_exposed = zero3_flat_comm_s(params, config, fabric, groups, rc, fwd_s,
                                                recompute_s, bwd_s)

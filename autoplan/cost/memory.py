@@ -41,6 +41,23 @@ def weight_bytes_per_param(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+FLOAT8_BYTES = 1
+
+
+def fsdp_gather_bytes_per_param(config: ParallelConfig, block_kind: str) -> int:
+    """Bytes per parameter a ZeRO-3 (FSDP) all-gather of a `block_kind` block moves: 1 for a
+    repeated block of an fp8 plan with the float8 all-gather, else the 16-bit (or fp32)
+    weight. torchao's enable_fsdp_float8_all_gather "cast[s] Float8Linear.weight from high
+    precision to float8 before FSDP all-gather so we can communicate in float8 to save
+    bandwidth" (torchtitan docs/float8.md; torchao float8/fsdp_utils.py
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather). The embedding and head ("pre",
+    "post") stay 16-bit, as do a block's norms, a small share of its parameters, counted as
+    float8 here."""
+    if config.precision == "fp8" and config.float8_all_gather and block_kind not in ("pre", "post"):
+        return FLOAT8_BYTES
+    return weight_bytes_per_param(config.precision)
+
+
 def grad_reduce_bytes_per_param(precision: str) -> int:
     """Gradients are reduced across data-parallel ranks in fp32 by default: Megatron-LM's fp32
     main_grad buffers, PyTorch FSDP MixedPrecision(reduce_dtype=float32) as torchtitan

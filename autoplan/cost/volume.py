@@ -51,6 +51,8 @@ def dtype_name(nbytes: int, precision: str) -> str:
     """torch's name of a floating dtype of `nbytes` under `precision` (16 bits: the training's)."""
     if nbytes == 4:
         return "float32"
+    if nbytes == 1:  # the float8 all-gather's weights (torchao casts them to e4m3)
+        return "float8_e4m3fn"
     return "float16" if precision == "fp16" else "bfloat16"
 
 
@@ -319,10 +321,11 @@ def fsdp_gathers(block: BlockInfo, root_regathered: bool = False) -> int:
 
 def zero3_traffic(params: memory.BlockParams, block: BlockInfo, config: ParallelConfig,
                   root_regathered: bool = False) -> list[Traffic]:
-    """All-gather the 16-bit weights, reduce-scatter the gradients in the reduce dtype."""
+    """All-gather the 16-bit (or float8, memory.fsdp_gather_bytes_per_param) weights,
+    reduce-scatter the gradients in the reduce dtype."""
     if config.zero_stage < 3:
         return []
-    return _dp_traffic("all_gather", params, memory.weight_bytes_per_param(config.precision), config,
+    return _dp_traffic("all_gather", params, memory.fsdp_gather_bytes_per_param(config, block.kind), config,
                        MICROBATCH, fsdp_gathers(block, root_regathered)) + \
         _dp_traffic("reduce_scatter", params, memory.grad_reduce_bytes_per_param(config.precision), config, MICROBATCH)
 

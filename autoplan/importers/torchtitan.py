@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from autoplan.config import ParallelConfig
+from autoplan.config import FLOAT8_RECIPES, ParallelConfig
 from autoplan.errors import UserError
 from autoplan.textfile import read_text
 from autoplan.importers import (ImportedConfig, check_batch, check_ep, data_parallel, finish_seq_len, pick,
@@ -82,6 +82,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
         vpp, per_stage = len(stage_layers) // pp, None
     recompute, every = _ac(data.get("activation_checkpoint"), notes)
     precision = _precision(data, training, notes, unsupported)
+    recipe, all_gather = _float8(data, precision, zero, source, notes, unsupported)
     offload = "both" if training.get("enable_cpu_offload") else "none"
     if offload != "none":
         notes.append("training.enable_cpu_offload: FSDP offloads parameters, gradients and optimizer state")
@@ -95,7 +96,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
         offload=offload, micro_batch=micro, recompute=recompute if every is None else "full", schedule=schedule,
         vpp=vpp, precision=precision, sequence_parallel=tp > 1 and bool(par.get("enable_sequence_parallel", True)),
         dp_replicate=replicate if shard > 1 else 1, stage_layers=stage_layers,
-        compile=_compiles_model(data, training))
+        compile=_compiles_model(data, training), float8_recipe=recipe, float8_all_gather=all_gather)
     if every is not None:
         notes.append(f"selective_ac_option {every}: every {every}-th block fully recomputed (placed per stage "
                      "once the model's block count is known; until then every block)")
@@ -210,6 +211,31 @@ def _ac(section: Any, notes: list[str]) -> tuple[str, int | None]:
     if not option.isdigit() or int(option) < 1:
         raise UserError(f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}")
     return ("full", None) if int(option) == 1 else ("full", int(option))
+
+
+def _float8(data: dict[str, Any], precision: str, zero: int, source: str, notes: list[str],
+            unsupported: list[str]) -> tuple[str, bool]:
+    """(recipe, FSDP float8 all-gather) of [quantize.linear.float8] (torchtitan 0.2) or [float8]
+    (before): no recipe_name is tensorwise, whose all-gather ZeRO-3 uses (its converter
+    enables it only where FSDP shards, and refuses it with a recipe_name)."""
+    nested = data.get("quantize", {})
+    for key in ("linear", "float8"):
+        nested = nested.get(key, {}) if isinstance(nested, dict) else {}
+    section = nested or data.get("float8") or {}
+    if precision != "fp8" or not isinstance(section, dict):
+        return "tensorwise", False
+    recipe = section.get("recipe_name") or "tensorwise"
+    if recipe == "rowwise_with_gw_hp":
+        unsupported.append("float8 recipe_name rowwise_with_gw_hp: modelled as rowwise")
+        recipe = "rowwise"
+    if recipe not in FLOAT8_RECIPES:
+        raise UserError(f"{source}: float8 recipe_name must be one of {', '.join(FLOAT8_RECIPES)}, got {recipe!r}")
+    all_gather = bool(section.get("enable_fsdp_float8_all_gather")) and recipe == "tensorwise"
+    if all_gather and zero != 3:
+        notes.append("enable_fsdp_float8_all_gather below ZeRO-3: autoplan models the float8 all-gather "
+                     "with ZeRO-3's per-block gathers only; read as the 16-bit all-gather")
+        all_gather = False
+    return recipe, all_gather
 
 
 def _precision(data, training, notes, unsupported) -> str:

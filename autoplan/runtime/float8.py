@@ -1,9 +1,10 @@
 """FP8 training with torchao's float8 linears (torchtitan's "float8" model converter).
 
 A plan with precision "fp8" swaps each nn.Linear inside the blocks whose dimensions are
-multiples of 16 (what FP8 GEMMs take: torch._scaled_mm) for torchao's Float8Linear, with
-tensorwise dynamic scaling (`Float8LinearConfig.from_recipe_name("tensorwise")`):
-inputs, weights and output gradients are cast to e4m3/e5m2 with one scale each per step.
+multiples of 16 (what FP8 GEMMs take: torch._scaled_mm) for torchao's Float8Linear, with the
+plan's recipe (`Float8LinearConfig.from_recipe_name(plan.float8_recipe)`): tensorwise casts
+inputs, weights and output gradients to e4m3/e5m2 with one dynamic scale each per forward,
+rowwise to e4m3 with one power-of-2 scale per row.
 The embedding, the head and the modules outside the blocks stay in 16 bits, as torchtitan
 leaves its output projection out. Everything else computes as bf16 does (autocast or
 FSDP2's parameter cast).
@@ -14,6 +15,14 @@ same rounding, without the speed. The swap runs after the pipeline split and bef
 the stage modules and the TP styles act on the Float8Linears; with a DTensor weight the
 scale's amax is the whole weight's (DTensor reduces it), so every TP rank casts alike.
 torchao is needed only on training nodes running an FP8 plan.
+
+With `plan.float8_all_gather` (tensorwise, ZeRO-3) the Float8Linears' weights are torchao's
+WeightWithDynamicFloat8CastTensor: FSDP2 casts each shard to float8 with the whole weight's
+scale (an amax all-reduce) and all-gathers 1 byte a parameter, not bf16's 2; after each
+optimizer step `precompute_scales` computes every weight's scale in one all-reduce
+(torchtitan's precompute_float8_dynamic_scale_for_fsdp). gloo has no float8 types (its
+all-gather raises "Invalid scalar type"), so on CPU the gathers go as the same bytes viewed
+as uint8 (`ByteAllGather`).
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # FSDP2's all-gather hook (torch 2.13)
 
 from autoplan.errors import UserError
 
@@ -48,8 +59,10 @@ def convertible(module: nn.Module) -> bool:
             and module.out_features % FP8_GEMM_MULTIPLE == 0)
 
 
-def apply_float8(part: nn.Module, blocks: list[str]) -> None:
-    """Swap the convertible linears inside `blocks` of this (stage) module for Float8Linear.
+def apply_float8(part: nn.Module, blocks: list[str], recipe: str = "tensorwise",
+                 all_gather: bool = False) -> None:
+    """Swap the convertible linears inside `blocks` of this (stage) module for Float8Linear
+    with torchao's `recipe`; `all_gather`: FSDP gathers their weights in float8 (tensorwise).
     Not on fake or meta parameters (the dry run and the plan-time
     probe measure the bf16 block, as the cost model's FP8 rows assume)."""
     params = list(part.parameters())
@@ -57,10 +70,42 @@ def apply_float8(part: nn.Module, blocks: list[str]) -> None:
         return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
-                                 emulate=not fp8_gemms_available(params[0].device))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
+                                 emulate=not fp8_gemms_available(params[0].device),
+                                 enable_fsdp_float8_all_gather=all_gather)
 
     def in_a_block(module: nn.Module, fqn: str) -> bool:
         return convertible(module) and any(fqn == b or fqn.startswith(b + ".") for b in blocks)
 
     convert_to_float8_training(part, module_filter_fn=in_a_block, config=config)
+
+
+def gather_float8_as_bytes(fsdp_modules: list[nn.Module]) -> None:
+    """On gloo, let each FSDP unit all-gather its float8 weight shards as uint8 (ByteAllGather).
+    FSDP2 does so itself where a unit mixes float8 with other dtypes; a unit holding float8
+    weights only would hand gloo float8 tensors."""
+    for module in fsdp_modules:
+        module.set_custom_all_gather(ByteAllGather())
+
+
+def precompute_scales(parts: list[nn.Module]) -> None:
+    """The float8 all-gather's weight scales for the next step, one all-reduce for all weights
+    (torchao's precompute_float8_dynamic_scale_for_fsdp), after the optimizer step."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in parts:
+        precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+class ByteAllGather(AllGather):
+    """FSDP2's default all-gather (dist.all_gather_single), with 1-byte (float8) buffers
+    viewed as uint8: the same bytes, in a dtype gloo has."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        if output_tensor.element_size() == 1:
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)

@@ -38,7 +38,7 @@ from autoplan.runtime.checkpoint import (CheckpointWriteError, latest_checkpoint
 from autoplan.runtime.data import check_same_data, check_token_file, data_record, zigzag_positions
 from autoplan.runtime.data_parallel import Zero1, allreduce_grads
 from autoplan.runtime.expert_parallel import sync_expert_grads
-from autoplan.runtime.float8 import require_torchao
+from autoplan.runtime.float8 import precompute_scales, require_torchao
 from autoplan.runtime.faults import (STOP, RunStopped, StepVerdict, agree_on_step,
                                      checkpoint_write_stop, clear_exit_file, earlier_stop,
                                      non_finite_stop, preempted_stop, write_exit_file)
@@ -280,6 +280,8 @@ class Trainer:
         elif not skip:
             for opt in self.optimizers:
                 opt.step()
+            if plan.float8_all_gather:  # the next step's float8 weight scales, as torchtitan
+                precompute_scales(self.par.parts)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return math.nan if verdict.bad else self._global_loss(loss)

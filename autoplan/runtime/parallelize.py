@@ -3,7 +3,8 @@
   1. PP split   - cut at the plan's block boundaries (fx), keep this rank's stage modules;
                   a parameter several stages use is a copy per stage (pipeline.StageTie),
                   also where two of them are on this rank (untie_on_one_rank).
-     fp8        - torchao's Float8Linear for the blocks' linears when the plan is fp8 (float8.py).
+     fp8        - torchao's Float8Linear for the blocks' linears when the plan is fp8, with the
+                  plan's recipe and, at ZeRO-3, its float8 all-gather (float8.py).
   2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage.
   3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
                   experts sharded over the ep axis.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from autoplan.config import TP_STYLE_FORMS, tp_style_known
 from autoplan.errors import UserError
@@ -29,7 +31,7 @@ from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
 from autoplan.runtime.batch_norm import sync_batch_norms
 from autoplan.runtime.compiling import apply_compile
-from autoplan.runtime.float8 import apply_float8
+from autoplan.runtime.float8 import apply_float8, gather_float8_as_bytes
 from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
@@ -131,7 +133,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
     result = Parallelized(parts=parts, stage_ids=ids, stage_ties=ties)
     for part in parts:
         if plan.precision == "fp8":  # before TP, so the styles shard the Float8Linears
-            apply_float8(part, list(plan.blocks))
+            apply_float8(part, list(plan.blocks), plan.float8_recipe, plan.float8_all_gather)
         # 2. Tensor (+ sequence) parallelism.
         if plan.tp > 1:
             result.tp_token_local += apply_tensor_parallel(part, plan.tp_styles, mesh.axis("tp"),
@@ -165,6 +167,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
                 offload_params=plan.offload in ("params", "both") and not device_is_cpu,
                 experts=experts)
             result.fsdp = True
+            if plan.float8_all_gather and device_is_cpu:
+                gather_float8_as_bytes([m for m in parts[index].modules() if isinstance(m, FSDPModule)
+                                        and not any(m is e for e in experts)])
         elif dp_cp > 1 and (plan.pp > 1 or not ddp or (dp_mod.has_dtensor_params(part)
                                             and not _only(part, ignored))):
             # DDP cannot wrap DTensor (TP) modules, and its bucket rebuild breaks when a

@@ -291,11 +291,20 @@ def _smallest_fitting_count(job) -> list[str]:
 SMALLEST_COUNT_LIMIT_S = 20.0
 
 
+def _float8_note(c) -> str:
+    """An fp8 plan's recipe, and its float8 weight all-gather where ZeRO-3 uses it."""
+    if c.precision != "fp8":
+        return ""
+    return f" ({c.float8_recipe}" + (", weights all-gathered in float8)" if c.float8_all_gather else ")")
+
+
 def candidate_json(cand: Candidate, best: Candidate | None = None) -> dict[str, Any]:
     c = cand.config
     out = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
            "offload": c.offload, "micro_batch": c.micro_batch, "num_microbatches": c.num_microbatches,
            "schedule": c.schedule, "vpp": c.vpp, "precision": c.precision, "compile": c.compile,
+           **({"float8_recipe": c.float8_recipe, "float8_all_gather": c.float8_all_gather}
+              if c.precision == "fp8" else {}),
            "stage_layers": list(c.stage_layers or []),
            "recompute": {m: sum(1 for x in (c.layer_recompute or ()) if x == m) for m in ("none", "selective", "full")},
            "step_time_s": cand.step_time_s, "mfu": cand.estimate.mfu,
@@ -346,7 +355,7 @@ def render_job(job, explanation: list[str], console) -> None:
                  f"{c.schedule} vpp={c.vpp}, blocks per stage {list(c.stage_layers or [])}")
     rc = {m: sum(1 for x in (c.layer_recompute or ()) if x == m) for m in ("selective", "full")}
     head.add_row("recompute", f"{rc['full']} blocks full, {rc['selective']} selective")
-    head.add_row("precision", c.precision + (", blocks under torch.compile" if c.compile else ""))
+    head.add_row("precision", c.precision + _float8_note(c) + (", blocks under torch.compile" if c.compile else ""))
     head.add_row("step time", f"{e.step_time_s:.3f} s")
     head.add_row("tokens/s per GPU", f"{e.tokens_per_s_per_gpu:,.0f}")
     head.add_row("MFU / HFU", f"{e.mfu * 100:.1f}% / {e.hfu * 100:.1f}%")

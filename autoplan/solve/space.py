@@ -21,13 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from autoplan.config import PRECISIONS, ParallelConfig
+from autoplan.config import FLOAT8_RECIPES, PRECISIONS, ParallelConfig
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int,
            "micro_batch": int, "mb": int, "vpp": int, "schedule": str, "offload": str,
-           "recompute": str, "precision": str}
+           "recompute": str, "precision": str, "float8_recipe": str}
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,18 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
                                 offload=offload, micro_batch=mb, schedule=schedule, vpp=vpp,
                                 precision=precision, sequence_parallel=sequence_parallel(graph, tp),
                                 compile=request.compile, recompute=fixed.get("recompute", "none"),
+                                **float8_settings(precision, zero, fixed),
                             )
+
+
+def float8_settings(precision: str, zero: int, fixed: dict) -> dict:
+    """An fp8 configuration's recipe (tensorwise unless fixed) and, at ZeRO-3 with tensorwise
+    scaling, FSDP's float8 all-gather: torchtitan's recommended tensorwise setting, half the
+    bytes of each weight gather."""
+    if precision != "fp8":
+        return {}
+    recipe = fixed.get("float8_recipe", "tensorwise")
+    return {"float8_recipe": recipe, "float8_all_gather": zero == 3 and recipe == "tensorwise"}
 
 
 def _schedule_options(pp: int, m: int, layers: int, fixed: dict) -> list[tuple[str, int]]:
@@ -277,6 +288,8 @@ def check_fixed(graph: ModelGraph, request: Request) -> None:
         reason = f"zero={fixed['zero']} is not a ZeRO stage (0-3)"
     if not reason and "precision" in fixed and fixed["precision"] not in PRECISIONS:
         reason = f"precision {fixed['precision']!r} is not one of {', '.join(PRECISIONS)}"
+    if not reason and "float8_recipe" in fixed and fixed["float8_recipe"] not in FLOAT8_RECIPES:
+        reason = f"float8_recipe {fixed['float8_recipe']!r} is not one of {', '.join(FLOAT8_RECIPES)}"
     if not reason:
         product = 1
         for key in ("dp", "tp", "pp", "cp"):

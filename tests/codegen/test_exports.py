@@ -78,6 +78,7 @@ def same_configuration(plan: Plan, config) -> dict[str, tuple]:
                    (list(config.stage_layers) if config.stage_layers else [BLOCKS // (config.pp * config.vpp)]
                     * (config.pp * config.vpp)) if config.pp > 1 else None),
         "recompute": (plan_recompute(plan), stage_recompute(config, counts)),
+        "float8": ((plan.float8_recipe, plan.float8_all_gather), (config.float8_recipe, config.float8_all_gather)),
     }
     return {axis: pair for axis, pair in pairs.items() if pair[0] != pair[1]}
 
@@ -105,6 +106,8 @@ CASES = [
     ("fp32", dict(precision="fp32"), {}),
     ("fp16", dict(precision="fp16"), {"torchtitan": "precision"}),
     ("fp8", dict(precision="fp8"), {}),
+    ("fp8-all-gather", dict(precision="fp8", float8_all_gather=True), {"megatron": "float8"}),
+    ("fp8-rowwise", dict(precision="fp8", float8_recipe="rowwise"), {"megatron": "float8"}),
     ("offload-all", dict(offload="both"), {"megatron": "offload"}),
     ("offload-optimizer", dict(offload="optimizer"), {"torchtitan": "offload"}),
     ("recompute-full", dict(modes=["full"] * BLOCKS), {}),

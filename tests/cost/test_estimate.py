@@ -168,3 +168,23 @@ def test_a_tied_embedding_under_a_pipeline_adds_its_gradients_all_reduce_to_the_
     assert tied_est.comm_breakdown_s["tied"] == pytest.approx(expected) and expected > 0
     assert "tied" not in untied_est.comm_breakdown_s
     assert "tied" not in estimate(graph, _config(dp=8, tp=2, pp=1), cluster).comm_breakdown_s
+
+
+def test_the_float8_all_gather_moves_a_byte_per_block_weight(make_gpt_graph, h100_cluster):
+    """torchao's FSDP float8 all-gather: a block's weights go in float8 (1 byte, not bf16's 2);
+    the gradients' fp32 reduce-scatter and the embedding's 16-bit gather are unchanged."""
+    from autoplan.cost import memory, volume
+
+    graph = make_gpt_graph(layers=4, hidden=1024, seq=1024)
+    cluster = h100_cluster(8)
+    plain = _config(global_batch=8, dp=8, tp=1, pp=1, zero_stage=3, precision="fp8")
+    float8 = plain.with_(float8_all_gather=True)
+    block = graph.blocks[0]
+    gathers = [next(t for t in volume.zero3_traffic(memory.BlockParams(1e6, 0.0), block, c)
+                    if t.kind == "all_gather") for c in (plain, float8)]
+    assert gathers[1].bytes == gathers[0].bytes / 2 and gathers[1].dtype == "float8_e4m3fn"
+    assert memory.fsdp_gather_bytes_per_param(float8, "pre") == 2
+    costs = [layer_cost(block, graph, c, cluster).comm_total_s["zero3"] for c in (plain, float8)]
+    # AG forward + AG backward (2 B/param, then 1) + RS of fp32 gradients (4 B/param): the
+    # bandwidth terms go from 8 to 6 units; each collective's latency does not shrink
+    assert (2 * 1 + 4) / (2 * 2 + 4) < costs[1] / costs[0] < 1

@@ -44,6 +44,18 @@ def full_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], float]:
     return merged, spread
 
 
+def float8_facts(trainer: Trainer) -> dict:
+    """How rank 0's Float8Linears scale their weights (torchao's granularity per linear), how
+    many weights FSDP gathers in float8 (torchao's WeightWithDynamicFloat8CastTensor) and how
+    many of those hold a scale precomputed after the last optimizer step."""
+    linears = [m for part in trainer.par.parts for m in part.modules() if type(m).__name__ == "Float8Linear"]
+    weights = [getattr(m.weight, "_local_tensor", m.weight) for m in linears]
+    gathered = [w for w in weights if type(w).__name__ == "WeightWithDynamicFloat8CastTensor"]
+    return {"float8_scaling": sorted({m.config.cast_config_weight.scaling_granularity.value for m in linears}),
+            "float8_gathered": len(gathered),
+            "float8_precomputed": sum(w._precomputed_scale is not None for w in gathered)}
+
+
 def main() -> None:
     configs = json.load(open(sys.argv[1]))
     init_distributed()
@@ -63,7 +75,8 @@ def main() -> None:
                                    "replica_spread": spread, "seconds": time.perf_counter() - start,
                                    "compiled_modules": compiled,
                                    "float8_linears": sum(type(m).__name__ == "Float8Linear"
-                                                         for part in trainer.par.parts for m in part.modules())}
+                                                         for part in trainer.par.parts for m in part.modules()),
+                                   **float8_facts(trainer)}
         if dist.get_rank() == 0:
             print(f"{config['name']}: {time.perf_counter() - start:.1f}s {losses} {trainer.grad_norms}", flush=True)
             Path(sys.argv[3]).mkdir(parents=True, exist_ok=True)

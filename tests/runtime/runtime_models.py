@@ -7,6 +7,7 @@ when the runtime's data order, loss averaging, clipping or LR schedule drift.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import NamedTuple
@@ -297,9 +298,9 @@ class Reference(NamedTuple):
     state: dict[str, torch.Tensor]  # the model's state_dict after the last step
 
 
-def float8_reference(model: torch.nn.Module) -> None:
+def float8_reference(model: torch.nn.Module, recipe: str = "tensorwise") -> None:
     """torchao's own single-process float8 training of `model`: every linear inside a block
-    ("layers.N" / "blocks.N") with dimensions that are multiples of 16, tensorwise scaling,
+    ("layers.N" / "blocks.N") with dimensions that are multiples of 16, torchao's `recipe`,
     emulated (CPU)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -307,14 +308,15 @@ def float8_reference(model: torch.nn.Module) -> None:
         return (re.search(r"(^|\.)(layers|blocks)\.\d+\.", fqn) is not None
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    convert_to_float8_training(model, module_filter_fn=in_a_block, config=Float8LinearConfig(emulate=True))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    convert_to_float8_training(model, module_filter_fn=in_a_block, config=config)
 
 
 def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_path=None,
-                       optimizer: dict = OPTIMIZER, float8: bool = False,
+                       optimizer: dict = OPTIMIZER, float8: str | None = None,
                        micro_batch: int | None = None) -> Reference:
-    """Single-process fp32 training on the full global batch; with `float8`, torchao's float8
-    linears in the blocks under bf16 autocast (what an fp8 plan runs), the batch accumulated in
+    """Single-process fp32 training on the full global batch; with `float8` (a recipe name),
+    torchao's float8 linears in the blocks under bf16 autocast (what an fp8 plan runs), the batch accumulated in
     chunks of `micro_batch` sequences (FP8's tensorwise scales are per forward: a plan's
     micro-batches are cast with their own).
 
@@ -337,7 +339,7 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
         model.init_weights()
     vocab = 256
     if float8:
-        float8_reference(model)
+        float8_reference(model, float8)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": optimizer["weight_decay"]},
@@ -368,7 +370,7 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
         for chunk in chunks:
             inputs = chunk[:, :-1]
             # HF returns a ModelOutput; an encoder-decoder reads the same tokens on both sides
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=float8):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(float8)):
                 logits = model(inputs, decoder_input_ids=inputs) if kind == "hf_t5" else model(inputs)
                 logits = getattr(logits, "logits", logits)
                 part = F.cross_entropy(logits.reshape(-1, vocab), chunk[:, 1:].reshape(-1)) / len(chunks)

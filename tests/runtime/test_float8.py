@@ -7,8 +7,11 @@ import copy
 import pytest
 import torch
 
+import torch.distributed as dist
+
+from autoplan.config import FLOAT8_RECIPES
 from autoplan.errors import UserError
-from autoplan.runtime.float8 import apply_float8, require_torchao
+from autoplan.runtime.float8 import ByteAllGather, apply_float8, require_torchao
 from runtime_models import builder, float8_reference
 
 pytest.importorskip("torchao.float8", reason="torchao is not installed (the test extra installs it)")
@@ -23,11 +26,15 @@ def _llama() -> torch.nn.Module:
     return model
 
 
-def test_the_runtime_converts_the_blocks_linears_as_torchao_does():
+@pytest.mark.parametrize("recipe", FLOAT8_RECIPES)
+def test_the_runtime_converts_the_blocks_linears_as_torchao_does(recipe):
     ours, theirs = _llama(), None
     theirs = copy.deepcopy(ours)
-    apply_float8(ours, [f"layers.{i}" for i in range(4)])
-    float8_reference(theirs)
+    apply_float8(ours, [f"layers.{i}" for i in range(4)], recipe)
+    float8_reference(theirs, recipe)
+    granularity = {m.config.cast_config_input.scaling_granularity.value for m in ours.modules()
+                   if type(m).__name__ == "Float8Linear"}
+    assert granularity == {"tensorwise" if recipe == "tensorwise" else "axiswise"}
     kinds = lambda m: [(name, type(mod).__name__) for name, mod in m.named_modules()]  # noqa: E731
     assert kinds(ours) == kinds(theirs)
     assert sum(kind == "Float8Linear" for _, kind in kinds(ours)) == 28  # 7 per block
@@ -46,6 +53,29 @@ def test_only_the_listed_blocks_are_converted():
     apply_float8(model, ["layers.1"])
     converted = {name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
     assert converted and all(name.startswith("layers.1.") for name in converted)
+
+
+def test_the_float8_all_gather_makes_the_weights_torchaos_fsdp_cast_tensors():
+    model = _llama()
+    apply_float8(model, ["layers.0"], "tensorwise", all_gather=True)
+    weights = {type(m.weight).__name__ for m in model.modules() if type(m).__name__ == "Float8Linear"}
+    assert weights == {"WeightWithDynamicFloat8CastTensor"}  # what FSDP gathers in float8
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_float8_shards_go_through_gloo_as_their_bytes(one_rank_gloo):
+    shard = torch.tensor([1.5, -2.0, 448.0]).to(torch.float8_e4m3fn)
+    gathered = torch.empty(3, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="Invalid scalar type"):  # gloo has no float8 types
+        dist.all_gather_single(gathered, shard, group=one_rank_gloo)
+    ByteAllGather()(gathered, shard, one_rank_gloo)
+    assert gathered.view(torch.uint8).equal(shard.view(torch.uint8))
 
 
 def test_a_node_without_torchao_is_told_how_to_get_it(monkeypatch):

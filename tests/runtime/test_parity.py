@@ -54,11 +54,14 @@ check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
 fp8 plans (torchao's float8 linears in the blocks, emulated on CPU, bf16 elsewhere) are
 compared with torchao's own single-process float8 run over the plan's micro-batches (each
-forward casts with its own tensorwise scales, so a reference over the whole batch would be
-cast differently); the parity worker also counts the Float8Linears each run trained with.
-They differ by bf16's rounding, as bf16 runs do: measured losses 3.1e-4 to 1.7e-3, grad
-norms 4.6e-2 to 2.9e-1 (tp2), weights 3.7e-2 to 2.7e-1; tolerances 5e-3, 5e-1, 5e-1. A run
-that trained without the float8 linears fails on their count (0 of 28).
+forward casts with its own scales, so a reference over the whole batch would be cast
+differently), with the plan's recipe; the parity worker also counts the Float8Linears each
+run trained with, their weight scaling (tensorwise, or rowwise's "axiswise") and the weights
+FSDP gathers in float8. They differ by bf16's rounding, as bf16 runs do: measured losses
+3.1e-4 to 1.7e-3, grad norms 4.6e-2 to 3.3e-1 (ZeRO-3 with the float8 all-gather), weights
+3.7e-2 to 2.7e-1; rowwise tp2 1.6e-3, 1.9e-1, 2.0e-1; tolerances 5e-3, 5e-1, 5e-1. A run
+that trained without the float8 linears fails on their count (0 of 28), one with the wrong
+recipe on its scaling, one without the float8 all-gather on its gathered count (0 of 28).
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ FP32 = (1e-5, 1e-4, 2e-3)
 QWEN2_MOE_FP32 = (1e-4, 1e-3, 2e-2)
 LOW_PRECISION = (5e-3, 3e-1, 5e-1)
 FP8 = (5e-3, 5e-1, 5e-1)
+# torchao's weight scaling granularity per recipe (rowwise scales each row: "axiswise")
+SCALING = {"tensorwise": "tensorwise", "rowwise": "axiswise"}
 # A constant learning rate (no warm-up; a cosine over 10**9 steps is flat to 1 ulp here), so
 # every step's gradient moves the weights as much as the first one does.
 PARITY_STEPS = 8
@@ -154,6 +159,9 @@ CONFIGS = {
         "fp8_ddp": ("llama", P(dp=2, precision="fp8", recompute=EAGER_BLOCKS)),
         "fp8_tp2": ("llama", P(tp=2, precision="fp8", recompute=EAGER_BLOCKS)),
         "fp8_pp2": ("llama", P(pp=2, schedule="1f1b", precision="fp8")),
+        # torchao's rowwise recipe (a power-of-2 scale per row) on TP-sharded weights
+        "fp8_rowwise_tp2": ("llama", P(tp=2, precision="fp8", float8_recipe="rowwise",
+                                       recompute=EAGER_BLOCKS)),
         # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
@@ -209,7 +217,9 @@ CONFIGS = {
         "ep4": ("mixtral", P("mixtral", dp=4, ep=4)),
         "ep2_of_dp4": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2)),
         "bf16_zero3": ("llama", P(dp=4, zero_stage=3, precision="bf16")),
-        "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", recompute=EAGER_BLOCKS)),
+        # the weights gathered in float8 (torchao's FSDP float8 all-gather, as uint8 on gloo)
+        "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", float8_all_gather=True,
+                                 recompute=EAGER_BLOCKS)),
         "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
         "pp2_dp2_ep2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         # experts as FSDP units on their replicas' mesh: of one rank under a pipeline, of one
@@ -330,7 +340,7 @@ def token_file(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str, data_path=None, float8: bool = False, micro_batch: int | None = None):
+def reference(kind: str, data_path=None, float8: str | None = None, micro_batch: int | None = None):
     return reference_training(kind, PARITY_STEPS, data_path=data_path,
                               optimizer=KIND_OPTIMIZER.get(kind, PARITY_OPTIMIZER), float8=float8,
                               micro_batch=micro_batch)
@@ -426,7 +436,8 @@ def test_loss_parity(results, token_file, world, name):
     assert name in got, f"{name} did not finish:\n{got.get('__failure__', '')}"
     kind, plan = case(world, name)
     fp8 = plan.get("precision") == "fp8"  # against torchao's own single-process float8 run
-    ref = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None, float8=fp8,
+    recipe = plan.get("float8_recipe", "tensorwise") if fp8 else None
+    ref = reference(kind, token_file if name in TOKEN_FILE_CONFIGS else None, float8=recipe,
                     micro_batch=plan.get("micro_batch", 1) if fp8 else None)
     if name in TOKEN_FILE_CONFIGS:  # learnable data: the run must actually learn
         assert got[name]["losses"][-1] < got[name]["losses"][0] - 0.1
@@ -448,6 +459,9 @@ def test_loss_parity(results, token_file, world, name):
     assert got[name]["replica_spread"] == 0.0, f"{name}: replicas differ by {got[name]['replica_spread']}"
     if fp8:  # rank 0's blocks' linears are torchao's (half of them on a pipeline's first stage)
         assert got[name]["float8_linears"] == float8_linears(kind) // plan.get("pp", 1), got[name]
+        assert got[name]["float8_scaling"] == [SCALING[recipe]], got[name]
+        gathered = got[name]["float8_linears"] if plan.get("float8_all_gather") else 0
+        assert got[name]["float8_gathered"] == got[name]["float8_precomputed"] == gathered, got[name]
     if plan.get("compile"):  # rank 0 holds every block (no pipeline in these cases)
         assert got[name]["compiled_modules"] == len(plan["recompute"]), got[name]["compiled_modules"]
     assert worst_loss <= loss_rtol, f"{name}: losses {losses} vs reference {ref.losses}"

@@ -56,11 +56,22 @@ def test_fix_is_respected(run_cli):
     assert plan["tp_styles"] and len(plan["stages"]) == 2
 
 
+@pytest.mark.parametrize("recipe,all_gather", [("tensorwise", True), ("rowwise", False)])
+def test_an_fp8_zero3_plan_gathers_its_weights_in_float8_with_the_tensorwise_recipe(run_cli, recipe, all_gather):
+    code, out, err = run_cli("plan", "tiny-gpt", "--gpu", "h100-sxm-80gb", "--gpus", "4", "--global-batch", "8",
+                             "--seq-len", "64", "--precision", "fp8", "--fix", "zero=3", "--fix", "dp=4",
+                             "--fix", f"float8_recipe={recipe}", "--json")
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert (plan["float8_recipe"], plan["float8_all_gather"]) == (recipe, all_gather)
+
+
 @pytest.mark.parametrize("extra", [
     ["--fix", "tp=8"],  # more than the heads of tiny-gpt and than the GPUs
     ["--fix", "tp=2", "--fix", "tp=4"],  # contradictory
     ["--fix", "banana=3"],
     ["--fix", "zero=7"],
+    ["--fix", "float8_recipe=blockwise"],
 ])
 def test_bad_fix_exit_2(run_cli, extra):
     code, _, err = run_cli("plan", *ARGS, *extra)
