@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 NAMES = sorted(corpus.ENTRIES)
 # text models whose attention is not an SDPA call ring attention can replace
-NO_SDPA = {"transformer_encoder"}  # nn.MultiheadAttention
+NO_SDPA = {"transformer_encoder", "nn_transformer"}  # nn.MultiheadAttention
 _FULL: dict[str, tuple] = {}
 
 
