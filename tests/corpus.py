@@ -497,10 +497,10 @@ class Seq2SeqTransformer(nn.Module):
         return self.head(y)
 
 
-def rotary_table(seq: int, head_dim: int, theta: float, device) -> torch.Tensor:
+def rotary_table(seq: int, head_dim: int, theta: float) -> torch.Tensor:
     """Llama reference `precompute_freqs_cis`: complex64 rotations, always float32."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), freqs)
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), freqs)
     return torch.polar(torch.ones_like(angles), angles)
 
 
@@ -518,20 +518,20 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 class RopeAttention(nn.Module):
     """Llama reference attention (wq/wk/wv/wo, grouped K/V heads) with fp32 rotary."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, theta: float) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.repeats = dim // heads, theta, heads // kv_heads
+        self.head_dim, self.repeats = dim // heads, heads // kv_heads
         self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim)  # heads as -1: a rank's share under TP
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        q, k = apply_rotary_emb(q, k, rotary_table(t, self.head_dim, self.theta, x.device))
+        q, k = apply_rotary_emb(q, k, freqs_cis)
         k, v = (y.repeat_interleave(self.repeats, dim=2) for y in (k, v))
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True)
@@ -550,36 +550,40 @@ class RopeFeedForward(nn.Module):
 
 
 class RopeBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, theta: float) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
-        self.attention = RopeAttention(dim, heads, kv_heads, theta)
+        self.attention = RopeAttention(dim, heads, kv_heads)
         self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
         self.feed_forward = RopeFeedForward(dim, ffn)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class RopeFp32LM(nn.Module):
-    """Meta's Llama reference `model.py` (Llama-2-7B sizes), trainable: what sets it apart
-    from the transformers Llama is its rotary embedding, complex float32 numbers built in the
-    forward (`torch.polar`, `view_as_complex`) whatever the compute dtype, the rotated q and k
-    cast back with `.type_as` before SDPA; no buffers, no position ids."""
+    """Meta's Llama reference `model.py` (Llama-2-7B sizes), trainable. What sets it apart
+    from the transformers Llama is its rotary embedding: a complex64 table `freqs_cis`
+    (`torch.polar`, float32 whatever the compute dtype; a buffer, as torchtitan keeps it, for
+    twice the context) that the root slices to the sequence and hands to every block as an
+    argument; q and k are rotated as complex float32 numbers and cast back with `.type_as`
+    before SDPA. No position ids."""
 
     def __init__(self, vocab=32000, dim=4096, heads=32, kv_heads=32, ffn=11008, layers=32,
-                 theta=10000.0) -> None:
+                 theta=10000.0, max_seq=4096) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(RopeBlock(dim, heads, kv_heads, ffn, theta) for _ in range(layers))
+        self.layers = nn.ModuleList(RopeBlock(dim, heads, kv_heads, ffn) for _ in range(layers))
         self.norm = nn.RMSNorm(dim, eps=1e-5)
         self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("freqs_cis", rotary_table(2 * max_seq, dim // heads, theta), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(input_ids)
+        freqs_cis = self.freqs_cis[: input_ids.shape[1]]
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, freqs_cis)
         return self.output(self.norm(x))
 
 
@@ -851,7 +855,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in [
                  attention=("transformer.encoder.layers.0.self_attn", "transformer.decoder.layers.0.self_attn",
                             "transformer.decoder.layers.0.multihead_attn")),
     _torch_entry("rope_fp32", lambda: RopeFp32LM(),
-                 lambda: RopeFp32LM(vocab=256, dim=64, heads=4, kv_heads=2, ffn=128, layers=2),
+                 lambda: RopeFp32LM(vocab=256, dim=64, heads=4, kv_heads=2, ffn=128, layers=2, max_seq=256),
                  inputs="tokens", stacks={"layers": 32}, vocab=_VOCAB, attention=("layers.0.attention",)),
 ]}
 
