@@ -264,6 +264,60 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt block: depthwise 7x7 conv, LayerNorm over channels-last, an inverted
+    bottleneck (dim -> 4 dim -> dim) of Linears, a learned per-channel layer scale."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))  # channels-last for the LayerNorm
+        y = self.gamma * self.pwconv2(self.act(self.pwconv1(y)))
+        return x + y.permute(0, 3, 1, 2)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of a channels-first (B, C, H, W) map."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtStage(nn.Module):
+    def __init__(self, in_dim: int, dim: int, depth: int) -> None:
+        super().__init__()
+        self.downsample = nn.Identity() if in_dim == dim else nn.Sequential(
+            LayerNorm2d(in_dim, eps=1e-6), nn.Conv2d(in_dim, dim, 2, stride=2))
+        self.blocks = nn.Sequential(*[ConvNeXtBlock(dim) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+class ConvNeXt(nn.Module):
+    """timm `convnext_tiny` layout: a 4x4 patchify stem, four stages (a LayerNorm + 2x2
+    strided conv between them, then blocks), global pooling, norm, classifier."""
+
+    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), classes=1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, dims[0], 4, stride=4), LayerNorm2d(dims[0], eps=1e-6))
+        self.stages = nn.Sequential(*[ConvNeXtStage(dims[max(i - 1, 0)], dims[i], depths[i])
+                                      for i in range(len(dims))])
+        self.norm = nn.LayerNorm(dims[-1], eps=1e-6)
+        self.head = nn.Linear(dims[-1], classes)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(pixel_values))
+        return self.head(self.norm(x.mean(dim=(2, 3))))
+
+
 # ---------------------------------------------------------------- hand-written token models
 
 class EncoderLM(nn.Module):
@@ -419,6 +473,120 @@ class NeoXLM(nn.Module):
         return self.embed_out(self.final_layer_norm(x))
 
 
+class Seq2SeqTransformer(nn.Module):
+    """A translation model on `nn.Transformer` (encoder-decoder, the "Attention Is All You
+    Need" base sizes): one token embedding shared by source and target, learned positions,
+    a causal decoder, a vocabulary head. Inputs are seq2seq, as T5's."""
+
+    def __init__(self, vocab=37000, dim=512, heads=8, ffn=2048, layers=6, max_seq=4096) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_seq, dim)
+        self.transformer = nn.Transformer(dim, heads, layers, layers, ffn, dropout=0.0,
+                                          batch_first=True, norm_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        t = decoder_input_ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=decoder_input_ids.device)
+        y = self.transformer(self._embed(input_ids), self._embed(decoder_input_ids),
+                             tgt_mask=mask, tgt_is_causal=True)
+        return self.head(y)
+
+
+def rotary_table(seq: int, head_dim: int, theta: float) -> torch.Tensor:
+    """Llama reference `precompute_freqs_cis`: complex64 rotations, always float32."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    """Llama reference: q and k rotated as complex float32 numbers, then cast back to the
+    projections' dtype (`.type_as`), so SDPA sees the compute dtype, not float32."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[None, :, None, :]  # (1, seq, 1, head_dim / 2)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class RopeAttention(nn.Module):
+    """Llama reference attention (wq/wk/wv/wo, grouped K/V heads) with fp32 rotary."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.head_dim, self.repeats = dim // heads, heads // kv_heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim)  # heads as -1: a rank's share under TP
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        k, v = (y.repeat_interleave(self.repeats, dim=2) for y in (k, v))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class RopeFeedForward(nn.Module):
+    def __init__(self, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RopeBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.attention = RopeAttention(dim, heads, kv_heads)
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.feed_forward = RopeFeedForward(dim, ffn)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class RopeFp32LM(nn.Module):
+    """Meta's Llama reference `model.py` (Llama-2-7B sizes), trainable. What sets it apart
+    from the transformers Llama is its rotary embedding: a complex64 table `freqs_cis`
+    (`torch.polar`, float32 whatever the compute dtype; a buffer, as torchtitan keeps it, for
+    twice the context) that the root slices to the sequence and hands to every block as an
+    argument; q and k are rotated as complex float32 numbers and cast back with `.type_as`
+    before SDPA. No position ids."""
+
+    def __init__(self, vocab=32000, dim=4096, heads=32, kv_heads=32, ffn=11008, layers=32,
+                 theta=10000.0, max_seq=4096) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(RopeBlock(dim, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("freqs_cis", rotary_table(2 * max_seq, dim // heads, theta), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(input_ids)
+        freqs_cis = self.freqs_cis[: input_ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x, freqs_cis)
+        return self.output(self.norm(x))
+
+
 # ---------------------------------------------------------------- Hugging Face transformers
 
 def _hf_config(cls_name: str, **fields):
@@ -431,8 +599,9 @@ def _hf_model(model_cls: str, config_cls: str, fields: dict, tiny: dict, size: s
     import transformers
 
     values = {**fields, **(tiny if size == "tiny" else {})}
+    attention = values.pop("attn_implementation", "sdpa")  # "eager" where there is no attention
     config = _hf_config(config_cls, **values)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     return getattr(transformers, model_cls)(config)
 
 
@@ -490,6 +659,62 @@ HF_MODELS: dict[str, tuple[str, str, dict, dict]] = {
         num_heads=12),
         dict(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
              num_heads=4)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(  # Qwen/Qwen3-8B config.json
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(  # allenai/OLMo-2-1124-7B config.json
+        vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=100277, bos_token_id=None, eos_token_id=100257),
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+             pad_token_id=0, eos_token_id=0)),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", dict(  # ibm-granite/granite-3.0-2b-base
+        vocab_size=49155, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+        rope_theta=10000.0, rms_norm_eps=1e-5, embedding_multiplier=12.0, logits_scaling=8.0,
+        residual_multiplier=0.22, attention_multiplier=0.015625, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0),
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             attention_multiplier=0.25)),
+    # deepseek-ai/DeepSeek-V3 config.json (without its YaRN rope scaling, which changes only
+    # the rotary frequencies): MLA (low-rank q and kv projections, a decoupled rotary part),
+    # the first 3 layers dense, then 256 routed experts (8 per token, chosen within 4 of 8
+    # groups) plus a shared expert
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
+        norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        tie_word_embeddings=False),
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+             n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+             first_k_dense_replace=1, max_position_embeddings=256)),
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(  # state-spaces/mamba-130m-hf (tied head)
+        vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, expand=2,
+        conv_kernel=4, time_step_rank=48, tie_word_embeddings=True, use_cache=False,
+        attn_implementation="eager"),
+        dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8, time_step_rank=8)),
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(  # EleutherAI/gpt-j-6b
+        vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048,
+        tie_word_embeddings=False),
+        dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256,
+             bos_token_id=0, eos_token_id=0)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(  # mistralai/Mistral-7B-v0.1
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096, tie_word_embeddings=False),
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
 }
 
 
@@ -508,6 +733,9 @@ class Entry:
     image_size: int = 0  # full size; tiny uses `tiny_image_size`
     tiny_image_size: int = 0
     vocab: dict[str, int] = field(default_factory=lambda: {"full": 0, "tiny": 0})
+    # whether the suite traces and plans the full size (tests/trace/test_corpus.py); off where
+    # that costs more than 5 s of CPU and the tiny size exercises the same code
+    full_tests: bool = True
 
     def build(self, size: str = "tiny") -> nn.Module:
         """The model at `size` ("tiny" or "full"); call under torch.device("meta") for full."""
@@ -568,6 +796,27 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in [
     _hf_entry("t5", inputs="seq2seq", stacks={"encoder.block": 12, "decoder.block": 12},
               attention=("encoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.0.SelfAttention",
                          "decoder.block.0.layer.1.EncDecAttention")),
+    # full_tests=False: the full-size trace + 64-GPU plan cost more than 5 s (CPU seconds,
+    # then wall seconds with --durations on the shared machine): qwen3 6.4, mamba 30 (its
+    # selective scan a Python loop over the tokens), deepseek_v3 6.0; olmo2 2.8/12, granite
+    # 3.7/13, mistral 2.3/12.5, gptj 2.7/32, convnext 3.0/36. Their tiny sizes (exact
+    # parameters and FLOPs) run the same code; nn_transformer (1.6/7) and rope_fp32 (2.5/11)
+    # keep theirs
+    _hf_entry("qwen3", inputs="tokens", stacks={"model.layers": 36},
+              attention=("model.layers.0.self_attn",), full_tests=False),
+    _hf_entry("olmo2", inputs="tokens", stacks={"model.layers": 32},
+              attention=("model.layers.0.self_attn",), full_tests=False),
+    _hf_entry("granite", inputs="tokens", stacks={"model.layers": 40},
+              attention=("model.layers.0.self_attn",), full_tests=False),
+    # the first block is dense at both sizes (first_k_dense_replace): the routed experts
+    # named are the tiny model's second block (the full size's is dense; full_tests is off)
+    _hf_entry("deepseek_v3", inputs="tokens", stacks={"model.layers": 61},
+              attention=("model.layers.0.self_attn",), moe=("model.layers.1.mlp",), full_tests=False),
+    _hf_entry("mamba", inputs="tokens", stacks={"backbone.layers": 24}, full_tests=False),
+    _hf_entry("gptj", inputs="tokens", stacks={"transformer.h": 28},
+              attention=("transformer.h.0.attn",), full_tests=False),
+    _hf_entry("mistral", inputs="tokens", stacks={"model.layers": 32},
+              attention=("model.layers.0.self_attn",), full_tests=False),
     _torch_entry("vit_b16", lambda: VisionTransformer(),
                  lambda: VisionTransformer(image_size=32, patch=8, dim=64, depth=2, heads=4, classes=10),
                  inputs="image", image_size=224, tiny_image_size=32, stacks={"blocks": 12},
@@ -594,6 +843,20 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in [
                  lambda: NeoXLM(vocab=256, dim=64, heads=4, layers=2),
                  inputs="tokens", stacks={"layers": 24}, vocab={"full": 50304, "tiny": 256},
                  attention=("layers.0.attention",)),
+    _torch_entry("convnext", lambda: ConvNeXt(),
+                 lambda: ConvNeXt(depths=(2, 2), dims=(16, 32), classes=10),
+                 inputs="image", image_size=224, tiny_image_size=32,
+                 stacks={"stages.0.blocks": 3, "stages.1.blocks": 3, "stages.2.blocks": 9,
+                         "stages.3.blocks": 3}, full_tests=False),
+    _torch_entry("nn_transformer", lambda: Seq2SeqTransformer(),
+                 lambda: Seq2SeqTransformer(vocab=256, dim=64, heads=4, ffn=128, layers=2, max_seq=256),
+                 inputs="seq2seq", stacks={"transformer.encoder.layers": 6, "transformer.decoder.layers": 6},
+                 vocab={"full": 37000, "tiny": 256},
+                 attention=("transformer.encoder.layers.0.self_attn", "transformer.decoder.layers.0.self_attn",
+                            "transformer.decoder.layers.0.multihead_attn")),
+    _torch_entry("rope_fp32", lambda: RopeFp32LM(),
+                 lambda: RopeFp32LM(vocab=256, dim=64, heads=4, kv_heads=2, ffn=128, layers=2, max_seq=256),
+                 inputs="tokens", stacks={"layers": 32}, vocab=_VOCAB, attention=("layers.0.attention",)),
 ]}
 
 def tiny_stacks(entry: Entry) -> dict[str, int]:
@@ -602,6 +865,8 @@ def tiny_stacks(entry: Entry) -> dict[str, int]:
         return {"layer1": 2, "layer2": 2}
     if entry.name == "swin_t":
         return {"layers.0.blocks": 2, "layers.1.blocks": 2}
+    if entry.name == "convnext":
+        return {"stages.0.blocks": 2, "stages.1.blocks": 2}
     return {path: 2 for path in entry.stacks}
 
 
@@ -664,7 +929,10 @@ def reference_flops(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
     else:  # the math SDPA kernel, whose matmuls FlopCounterMode counts (CPU flash has no formula)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        # with grad on: under no_grad a view of a weight (Mamba's conv weight handed to a
+        # kernels-hub module) requires grad without a grad_fn, and the counter's module
+        # tracker cannot hook it ("Expected gradient function to be set")
+        with counter, sdpa_kernel(SDPBackend.MATH):
             model(**inputs)
     return counter.get_total_flops()
 

@@ -184,15 +184,21 @@ class LocalPositions(RuntimeError):
 class _LocalPositionsGuard(TorchFunctionMode):
     """Under CP each rank holds `local` of the sequence's tokens (a zig-zag share). A
     `torch.arange(local)` inside forward numbers them 0..local-1, the positions of the
-    first shard, on every rank: the job would run with wrong positions and no error (rotary
-    or learned positions computed in forward). Models taking `position_ids` get each rank's
-    positions from the runtime, and position tables kept in buffers are re-indexed."""
+    first shard, on every rank, and so does a position table (a buffer) cut to its first
+    `local` rows: the job would run with wrong positions and no error (rotary or learned
+    positions computed in forward). Models taking `position_ids` get each rank's positions
+    from the runtime, and position tables named in the plan's cp_buffers are re-indexed."""
 
-    def __init__(self, local: int, full: int) -> None:
+    def __init__(self, local: int, full: int, tables: dict[int, str]) -> None:
         super().__init__()
-        self.local, self.full = local, full
+        self.local, self.full, self.tables = local, full, tables  # id(buffer) -> its name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and id(args[0]) in self.tables and self._first_rows(args[1]):
+            raise LocalPositions(
+                f"it cuts the buffer {self.tables[id(args[0])]} to its first {self.local} rows, the "
+                f"first shard's positions (of {self.full}): under context parallelism every rank would "
+                "use them (the trace finds no slice of it to re-index). Take `position_ids` in forward")
         out = func(*args, **(kwargs or {}))
         if func is torch.arange and out.dim() == 1 and out.numel() == self.local \
                 and (len(args) < 2 or args[0] == 0) and (len(args) < 3 or args[2] == 1):
@@ -202,6 +208,10 @@ class _LocalPositionsGuard(TorchFunctionMode):
                 "first shard's positions. Take `position_ids` in forward (the runtime passes each "
                 "rank's positions) or keep the position table in a buffer")
         return out
+
+    def _first_rows(self, index) -> bool:
+        return isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1) \
+            and index.stop == self.local
 
 
 class LocalHeads(RuntimeError):
@@ -239,10 +249,15 @@ def _heads_guard(plan: Plan, heads: frozenset):
     return _LocalHeadsGuard(heads, plan.tp)
 
 
+def _position_tables(part: nn.Module, full: int) -> dict[int, str]:
+    """The part's buffers with a row per position of the sequence at least (id -> name)."""
+    return {id(buf): name for name, buf in part.named_buffers() if buf.dim() >= 1 and buf.shape[0] >= full}
+
+
 def _positions_guard(part: nn.Module, plan: Plan):
     if plan.cp == 1 or plan.cp_buffers or "position_ids" in model_call(part).accepted:
         return contextlib.nullcontext()
-    return _LocalPositionsGuard(plan.seq_len // plan.cp, plan.seq_len)
+    return _LocalPositionsGuard(plan.seq_len // plan.cp, plan.seq_len, _position_tables(part, plan.seq_len))
 
 
 def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict, heads: frozenset = frozenset()) -> None:
