@@ -117,6 +117,8 @@ CONFIGS = {
         "cp2_zero2_recompute": ("llama", P(cp=2, zero_stage=2, recompute={"layers.0": "full"})),
         "ep2": ("mixtral", P("mixtral", dp=2, ep=2)),
         "ep2_zero3": ("mixtral", P("mixtral", dp=2, ep=2, zero_stage=3)),
+        # a user's nn.ModuleList MoE with a Python routing loop (runtime/expert_list.py)
+        "loop_moe_ep2": ("loop_moe", P("loop_moe", dp=2, ep=2)),
         "zero2_recompute": ("llama", P(dp=2, zero_stage=2, recompute={
             "layers.0": "full", "layers.1": "selective"})),
         "fp16_ddp": ("llama", P(dp=2, precision="fp16")),
