@@ -51,6 +51,8 @@ def test_tensor_parallelism_splitting_each_head_instead_of_the_heads_is_refused(
     graph = _graph("split_heads.py")
     reason = graph.refused["tp"]
     assert "layers.0.attn" in reason and "runs 4 heads of size 8 per rank at tp=2, not 2 of size 16" in reason
+    # the cause (the model's head count on a rank's share) in the probe's words, not an exception's
+    assert "view(batch, seq, -1, head_dim)" in reason and "LocalHeads" not in reason
     assert set(graph.refused) == {"tp"}
 
 
