@@ -203,6 +203,8 @@ CONFIGS = {
         "pp4_gpipe": ("llama", P(pp=4, schedule="gpipe", micro_batch=2)),
         "ep4": ("mixtral", P("mixtral", dp=4, ep=4)),
         "ep2_of_dp4": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2)),
+        # each of a ModuleList MoE's experts an FSDP unit sharded over its two replicas
+        "loop_moe_ep2_of_dp4_zero3": ("loop_moe", P("loop_moe", dp=4, ep=2, zero_stage=3)),
         "bf16_zero3": ("llama", P(dp=4, zero_stage=3, precision="bf16")),
         "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", recompute=EAGER_BLOCKS)),
         "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
