@@ -1,6 +1,6 @@
 """Expert parallelism: each ep rank keeps num_experts/ep experts of every MoE layer.
 
-Two expert layouts are sharded, both stacked (E, ...) so that EP slices dim 0:
+Three expert layouts are sharded, the first two stacked (E, ...) so that EP slices dim 0:
   autoplan.models.moe.MoE      GroupedExperts w_gate/w_up/w_down; the layer dispatches itself
                                once `ep_group` is set.
   Hugging Face fused experts   an `experts` module holding `gate_up_proj` (E, 2I, H) and
@@ -19,17 +19,19 @@ Other layouts (a ModuleDict, biased or interleaved fused weights) are refused wi
 
 The stacked expert weights become DTensors sharded on dim 0 over the ep axis, so DCP saves
 them by expert index (reshardable to another EP degree) and grad-norm clipping counts each
-expert once; a list's experts stay plain tensors, one rank's each, so the gradient norm
-sums their squares over the ep axis (precision.grad_norm). Their gradient already sums the contributions of the whole ep group (the
-all-to-all backward brings them home), so it needs summing only over the ranks that hold
-the same experts (dp_replicate x ep_rest), divided by dp*cp: the same average the DP wrappers
-give every other parameter.
-  ZeRO-2/3: each layer's `experts` module is an FSDP unit of its own on that expert-replica
-            mesh (ParallelMesh.expert_dp_mesh, as torchtitan's fully_shard on its dp-mod-ep
-            mesh; data_parallel.apply_fsdp): FSDP casts the weights once per gather, reduce-
-            scatters the gradients with divide factor dp*cp, and the optimizer steps the
-            fp32 shards.
-  ZeRO-0/1: kept out of DDP (whose C++ reducer cannot hold DTensors); `sync_expert_grads`
+expert once; a list's experts stay plain tensors, each on its own rank, so the gradient
+norm sums their squares over the ep axis (precision.grad_norm). Either way an expert's
+gradient already sums the contributions of the whole ep group (the all-to-all backward
+brings them home), so it needs summing only over the ranks that hold the same experts
+(dp_replicate x ep_rest), divided by dp*cp: the same average the DP wrappers give every
+other parameter.
+  ZeRO-2/3: each layer's `experts` module (each local expert of a list) is an FSDP unit of
+            its own on that expert-replica mesh (ParallelMesh.expert_dp_mesh, as torchtitan's
+            fully_shard on its dp-mod-ep mesh; data_parallel.apply_fsdp): FSDP casts the
+            weights once per gather, reduce-scatters the gradients with divide factor dp*cp,
+            and the optimizer steps the fp32 shards.
+  ZeRO-0/1: kept out of DDP (whose C++ reducer cannot hold DTensors, nor parameters that
+            differ across its ranks); `sync_expert_grads`
             all-reduces their gradients after backward.
 """
 
