@@ -1,6 +1,6 @@
 """Expert parallelism: each ep rank keeps num_experts/ep experts of every MoE layer.
 
-Two expert layouts are sharded, both stacked (E, ...) so that EP slices dim 0:
+Three expert layouts are sharded, the first two stacked (E, ...) so that EP slices dim 0:
   autoplan.models.moe.MoE      GroupedExperts w_gate/w_up/w_down; the layer dispatches itself
                                once `ep_group` is set.
   Hugging Face fused experts   an `experts` module holding `gate_up_proj` (E, 2I, H) and
@@ -11,21 +11,27 @@ Two expert layouts are sharded, both stacked (E, ...) so that EP slices dim 0:
                                dispatch (all-to-all to the owning rank and back), computing
                                each expert as transformers does: act(gate) * up, down, times
                                the routing weight, summed per token.
-Other layouts (per-expert nn.ModuleList loops, biased or interleaved fused weights) are
-refused with a reason (`expert_parallel_supported`), so the planner can leave ep at 1.
+  per-expert nn.ModuleList     called by the layer's own Python loop: each ep rank keeps its
+                               experts' modules (same names) and the layer's forward runs the
+                               user's loop around one all-to-all (expert_list.py).
+Other layouts (a ModuleDict, biased or interleaved fused weights) are refused with a reason
+(`expert_parallel_supported`), so the planner can leave ep at 1.
 
 The stacked expert weights become DTensors sharded on dim 0 over the ep axis, so DCP saves
 them by expert index (reshardable to another EP degree) and grad-norm clipping counts each
-expert once. Their gradient already sums the contributions of the whole ep group (the
-all-to-all backward brings them home), so it needs summing only over the ranks that hold
-the same experts (dp_replicate x ep_rest), divided by dp*cp: the same average the DP wrappers
-give every other parameter.
-  ZeRO-2/3: each layer's `experts` module is an FSDP unit of its own on that expert-replica
-            mesh (ParallelMesh.expert_dp_mesh, as torchtitan's fully_shard on its dp-mod-ep
-            mesh; data_parallel.apply_fsdp): FSDP casts the weights once per gather, reduce-
-            scatters the gradients with divide factor dp*cp, and the optimizer steps the
-            fp32 shards.
-  ZeRO-0/1: kept out of DDP (whose C++ reducer cannot hold DTensors); `sync_expert_grads`
+expert once; a list's experts stay plain tensors, each on its own rank, so the gradient
+norm sums their squares over the ep axis (precision.grad_norm). Either way an expert's
+gradient already sums the contributions of the whole ep group (the all-to-all backward
+brings them home), so it needs summing only over the ranks that hold the same experts
+(dp_replicate x ep_rest), divided by dp*cp: the same average the DP wrappers give every
+other parameter.
+  ZeRO-2/3: each layer's `experts` module (each local expert of a list) is an FSDP unit of
+            its own on that expert-replica mesh (ParallelMesh.expert_dp_mesh, as torchtitan's
+            fully_shard on its dp-mod-ep mesh; data_parallel.apply_fsdp): FSDP casts the
+            weights once per gather, reduce-scatters the gradients with divide factor dp*cp,
+            and the optimizer steps the fp32 shards.
+  ZeRO-0/1: kept out of DDP (whose C++ reducer cannot hold DTensors, nor parameters that
+            differ across its ranks); `sync_expert_grads`
             all-reduces their gradients after backward.
 """
 
@@ -42,6 +48,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import UserError
 from autoplan.models.moe import MoE, compute_weight, dispatch_to_owners
+from autoplan.runtime.expert_list import apply_list_expert_parallel, module_list_problem
+from autoplan.runtime.mesh import local_part
 from autoplan.runtime.tying import shares_outside, tied_groups
 
 _FUSED_PARAMS = ("gate_up_proj", "down_proj")
@@ -78,6 +86,8 @@ def _fused_layout_problem(experts: nn.Module) -> str | None:
 def num_experts_of(module: nn.Module) -> int:
     if isinstance(module, MoE):
         return module.num_experts
+    if isinstance(module.experts, nn.ModuleList):
+        return len(module.experts)
     return module.experts.gate_up_proj.shape[0]
 
 
@@ -86,10 +96,11 @@ def expert_parallel_supported(module: nn.Module) -> str | None:
     if isinstance(module, MoE):
         return None
     experts = getattr(module, "experts", None)
-    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
-        return ("its experts are a per-expert nn.ModuleList run by a Python loop; expert "
-                "parallelism shards stacked (E, ...) expert weights (autoplan.models.moe.MoE or "
-                "transformers' fused gate_up_proj/down_proj)")
+    if isinstance(experts, nn.ModuleList):
+        return module_list_problem(experts)
+    if isinstance(experts, nn.ModuleDict):
+        return ("its experts are an nn.ModuleDict; expert parallelism shards an nn.ModuleList "
+                "of experts or stacked (E, ...) expert weights")
     if not isinstance(experts, nn.Module):
         return "it has no `experts` submodule (not an MoE layer the runtime knows)"
     return _fused_layout_problem(experts)
@@ -164,7 +175,8 @@ def _fused_expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup)
 
 
 def apply_expert_parallel(model: nn.Module, ep_modules: list[str], ep_mesh: DeviceMesh) -> list[nn.Module]:
-    """Shard the experts of this (stage) module; returns the `experts` modules holding them."""
+    """Shard the experts of this (stage) module; returns the modules holding this rank's
+    experts (each layer's `experts`, or each local expert of a list)."""
     axis = ep_mesh["ep"]
     modules = dict(model.named_modules())
     sharded = []
@@ -175,6 +187,9 @@ def apply_expert_parallel(model: nn.Module, ep_modules: list[str], ep_mesh: Devi
         if isinstance(moe, MoE):
             moe.ep_group = axis.get_group()
             _shard(moe.experts, ("w_gate", "w_up", "w_down"), axis)
+        elif isinstance(moe.experts, nn.ModuleList):  # each local expert is a unit of its own
+            sharded += apply_list_expert_parallel(moe, axis, path)
+            continue
         else:
             _shard(moe.experts, _FUSED_PARAMS, axis)
             # an instance attribute: the class (and every other model) keeps its own forward
@@ -189,7 +204,9 @@ def expert_fsdp_placement(experts: nn.Module, shard_ranks: int):
     padded; then dim 1, as torchtitan does, when it divides evenly (FSDP2 shards dims > 0
     only evenly). None keeps FSDP's default, dim 0."""
     params = list(experts.parameters())
-    local_experts = params[0].to_local().shape[0] if params else 0
+    if not params or not isinstance(params[0], DTensor):  # one expert of a list: FSDP's dim 0
+        return None
+    local_experts = params[0].to_local().shape[0]
     if shard_ranks <= 1 or local_experts % shard_ranks == 0:
         return None
     if all(p.ndim > 1 and p.shape[1] % shard_ranks == 0 for p in params):
@@ -202,7 +219,7 @@ def sync_expert_grads(params: list[nn.Parameter], ep_mesh: DeviceMesh, dp_cp: in
     for param in params:
         if param.grad is None:
             continue
-        grad = param.grad.to_local()
+        grad = local_part(param.grad)
         for axis in ("dp_replicate", "ep_rest"):
             if ep_mesh[axis].size() > 1:
                 dist.all_reduce(grad, group=ep_mesh[axis].get_group())

@@ -149,6 +149,7 @@ class Trainer:
         self.aliases = stage_aliases(self.par.stage_ties, self.par.stage_ids)  # checkpoint keys
         uncounted = {id(c.param) for c in self.tied if not c.counted}
         self.norm_params = [p for p in self.params if id(p) not in uncounted]  # each tie once
+        self.one_rank_experts = self._one_rank_experts()
         self.optimizers = [self._optimizer(part) for part in self.par.parts]
         self.scaler = DynamicLossScaler(plan.precision == "fp16")
         self.loss_parallel = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
@@ -168,6 +169,12 @@ class Trainer:
         self.skipped_steps: list[int] = []  # non-finite steps skipped (--skip-bad-steps)
 
     # -- construction -------------------------------------------------------------
+    def _one_rank_experts(self) -> tuple[set[int], dist.ProcessGroup] | None:
+        """(ids, ep group) of the expert parameters each ep rank holds different ones of, for
+        the gradient norm; read after DP wrapped them (FSDP replaces parameters)."""
+        params = [p for m in self.par.one_rank_experts for p in m.parameters()]
+        return ({id(p) for p in params}, self.mesh.ep_mesh["ep"].get_group()) if params else None
+
     def _optimizer(self, part: nn.Module):
         return make_optimizer(part, self.plan, self.mesh, self.par.expert_params)
 
@@ -272,7 +279,7 @@ class Trainer:
         skip = self.scaler.unscale_and_check(self.params)
         self.last_grad_norm = clip_grads(self.params, float(plan.optimizer.get("grad_clip", 0.0) or 0.0),
                                          self.mesh.group("pp") if plan.pp > 1 else None,
-                                         counted=self.norm_params)
+                                         counted=self.norm_params, one_rank=self.one_rank_experts)
         verdict = agree_on_step(loss, self.last_grad_norm, skip, self.device)
         self.stop_requested = verdict.stop
         if verdict.bad:

@@ -51,6 +51,8 @@ class Parallelized:
     stage_ids: list[int]
     stage_ties: list[StageTie] = field(default_factory=list)  # parameters stages share
     expert_modules: list[nn.Module] = field(default_factory=list)  # each MoE layer's experts
+    # the experts of nn.ModuleList MoEs: plain parameters, different ones on each ep rank
+    one_rank_experts: list[nn.Module] = field(default_factory=list)
     # expert parameters the loop syncs itself (sync_expert_grads) and ZeRO-1 shards over their
     # replicas: below ZeRO-2 only; FSDP reduces them at ZeRO-2/3
     expert_params: list[nn.Parameter] = field(default_factory=list)
@@ -143,7 +145,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
             apply_context_parallel(part, plan.cp_modules, plan.cp_buffers, mesh.group("cp"),
                                    plan.seq_len)
         if plan.ep > 1:
-            result.expert_modules += apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)
+            experts = apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)
+            result.expert_modules += experts
+            result.one_rank_experts += [m for m in experts if not dp_mod.has_dtensor_params(m)]
         # 4. Activation recomputation, then compilation of the checkpointed blocks.
         apply_recompute(part, plan.recompute)
         if plan.compile:

@@ -27,15 +27,30 @@ def autocast(device_type: str, precision: str, fsdp_casts: bool):
     return torch.autocast(device_type, dtype=dtype)
 
 
-def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None) -> torch.Tensor:
+def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None,
+              one_rank: tuple[set[int], dist.ProcessGroup] | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients, correct for DTensor (TP/FSDP/EP) and plain grads.
 
     DTensor grads are grouped by (mesh, placements); each group's norm is reduced by
     DTensor (`full_tensor`), which counts replicated shards once. Plain grads are either
     replicated (DDP) or already whole. Pipeline stages hold disjoint parameters (a shared
     one's copies on later stages are left out of `params` by the caller), so their squared
-    norms are summed over the pp group.
+    norms are summed over the pp group. `one_rank`: (ids, group) of parameters each rank of
+    `group` holds different ones of (an nn.ModuleList's experts under expert parallelism,
+    plain or FSDP-sharded on their replicas), whose squared norms are summed over `group`.
     """
+    ids, group = one_rank or (set(), None)
+    total_sq = _squared_norm([p for p in params if id(p) not in ids])
+    if ids:
+        own_sq = _squared_norm([p for p in params if id(p) in ids]).to(total_sq.device)
+        dist.all_reduce(own_sq, group=group)
+        total_sq = total_sq + own_sq
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
+
+
+def _squared_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
@@ -51,19 +66,18 @@ def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | No
         else:
             norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False).full_tensor()
         total_sq = total_sq.to(norm.device) + norm.float() ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
-    return total_sq.sqrt()
+    return total_sq
 
 
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float,
                pp_group: dist.ProcessGroup | None,
-               counted: list[torch.nn.Parameter] | None = None) -> float:
+               counted: list[torch.nn.Parameter] | None = None,
+               one_rank: tuple[set[int], dist.ProcessGroup] | None = None) -> float:
     """Scale every gradient of `params` so their global norm is at most `max_norm`; the norm
     is that of `counted` (default `params`): a parameter pipeline stages share is counted
     once, by its first stage's copy, as Megatron-LM's get_grad_norm_fp32 skips the `shared`
     embedding copy, while every copy is scaled."""
-    norm = float(grad_norm(params if counted is None else counted, pp_group))
+    norm = float(grad_norm(params if counted is None else counted, pp_group, one_rank))
     if max_norm and max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:

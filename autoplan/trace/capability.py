@@ -238,9 +238,17 @@ class _LocalHeadsGuard(TorchFunctionMode):
             share = " or ".join(f"{h // self.tp} of size {d}" for h, d in sorted(self.heads))
             raise LocalHeads(
                 f"its attention runs {query.shape[1]} heads of size {query.shape[-1]} per rank at "
-                f"tp={self.tp}, not {share}: its forward takes a head count or size from the whole "
-                "model that the runtime cannot set to the rank's, so it would train wrong silently")
+                f"tp={self.tp}, not {share}: {self._cause(query.shape[1])}")
         return func(*args, **(kwargs or {}))
+
+    def _cause(self, heads: int) -> str:
+        if heads in {h for h, _ in self.heads}:  # every head, each cut: the count came whole
+            return ("its forward views each rank's share of q, k and v as the model's head count "
+                    "(as `view(batch, seq, self.heads, -1)`), which the runtime leaves whole for "
+                    "plain column-sharded projections, so it would train wrong silently; view by "
+                    "the head size instead (`view(batch, seq, -1, head_dim)`)")
+        return ("its forward takes a head count or size from the whole model that the runtime "
+                "cannot set to the rank's, so it would train wrong silently")
 
 
 def _heads_guard(plan: Plan, heads: frozenset):
@@ -378,6 +386,9 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     except UserError as exc:  # the runtime's own words; name the module it ran if they do not
         where = next((p for p in reversed(running) if p), "")
         return f"{where}: {exc}" if where and where not in str(exc) else str(exc)
+    except (LocalHeads, LocalPositions) as exc:  # the probe's own guards say the cause
+        where = next((p for p in reversed(running) if p), "the root module")
+        return f"{where}: {exc}"
     except Exception as exc:  # the runtime's own failure is the fact to report
         where = next((p for p in reversed(running) if p), "the root module")
         known = known_failure(str(exc), type(exc).__name__)

@@ -90,6 +90,62 @@ class ManualAttentionBlock(GPTBlock):
         return x + self.out(F.gelu(self.fc(self.ln_2(x))))
 
 
+class LoopMoE(nn.Module):
+    """A hand-written top-2 MoE: a router and a Python loop over an nn.ModuleList of experts,
+    each called once per routing slot on the tokens that chose it (boolean masks)."""
+
+    def __init__(self, dim: int, ffn: int, experts: int, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, ffn), nn.SiLU(), nn.Linear(ffn, dim))
+                                     for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = F.softmax(self.gate(x), -1).topk(self.top_k, -1)
+        out = torch.zeros_like(x)
+        for k in range(self.top_k):
+            for e, expert in enumerate(self.experts):
+                hit = chosen[..., k] == e
+                out[hit] += weights[..., k][hit, None] * expert(x[hit])
+        return out
+
+
+class LoopMoELM(nn.Module):
+    """A user LM of pre-norm GPT attention blocks whose MLPs are LoopMoE layers."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 4, heads: int = 4,
+                 experts: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LoopMoEBlock(dim, heads, experts) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln_f(x))
+
+
+class LoopMoEBlock(GPTBlock):
+    def __init__(self, dim: int, heads: int, experts: int) -> None:
+        super().__init__(dim, heads)
+        del self.fc, self.out
+        # no bias: the key third's gradient is zero, leaving AdamW's steps on rounding noise
+        self.attn = nn.Linear(dim, 3 * dim, bias=False)
+        self.mlp = LoopMoE(dim, dim, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
 class TinyEncoder(nn.Module):
     """A user model around nn.TransformerEncoder (nn.MultiheadAttention inside)."""
 
@@ -132,6 +188,8 @@ def builder(kind: str):
         return lambda: TinyGPT(dropout=0.1)
     if kind == "manualgpt":
         return lambda: TinyGPT(manual_attention=True)
+    if kind == "loop_moe":
+        return LoopMoELM
     if kind in hf_models.CONFIGS:
         return lambda: hf_models.build(kind)
     if kind in IMAGE_KINDS:
@@ -324,7 +382,7 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
     gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses;
     the final weights catch a gradient of the wrong direction (an untied weight)."""
     torch.manual_seed(seed)
-    if kind in ("gpt", "encoder") or kind in IMAGE_KINDS:
+    if kind in ("gpt", "encoder", "loop_moe") or kind in IMAGE_KINDS:
         model = builder(kind)()
     elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
         with torch.device("meta"):

@@ -126,6 +126,8 @@ CONFIGS = {
         "cp2_zero2_recompute": ("llama", P(cp=2, zero_stage=2, recompute={"layers.0": "full"})),
         "ep2": ("mixtral", P("mixtral", dp=2, ep=2)),
         "ep2_zero3": ("mixtral", P("mixtral", dp=2, ep=2, zero_stage=3)),
+        # a user's nn.ModuleList MoE with a Python routing loop (runtime/expert_list.py)
+        "loop_moe_ep2": ("loop_moe", P("loop_moe", dp=2, ep=2)),
         "zero2_recompute": ("llama", P(dp=2, zero_stage=2, recompute={
             "layers.0": "full", "layers.1": "selective"})),
         "fp16_ddp": ("llama", P(dp=2, precision="fp16")),
@@ -216,6 +218,8 @@ CONFIGS = {
         "pp4_gpipe": ("llama", P(pp=4, schedule="gpipe", micro_batch=2)),
         "ep4": ("mixtral", P("mixtral", dp=4, ep=4)),
         "ep2_of_dp4": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2)),
+        # each of a ModuleList MoE's experts an FSDP unit sharded over its two replicas
+        "loop_moe_ep2_of_dp4_zero3": ("loop_moe", P("loop_moe", dp=4, ep=2, zero_stage=3)),
         "bf16_zero3": ("llama", P(dp=4, zero_stage=3, precision="bf16")),
         # the weights gathered in float8 (torchao's FSDP float8 all-gather, as uint8 on gloo)
         "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", float8_all_gather=True,

@@ -15,7 +15,9 @@ from autoplan.plan import Plan
 from autoplan.runtime.context_parallel import context_parallel_supported
 from autoplan.runtime.expert_parallel import expert_parallel_supported
 from autoplan.runtime.model_io import logits_of, model_call, without_fake_causal_mask
-from autoplan.runtime.parallelize import validate_plan
+from autoplan.runtime.mesh import build_mesh
+from autoplan.runtime.parallelize import apply_plan, validate_plan
+from autoplan.trace.fake_group import fake_process_group
 from runtime_models import TinyEncoder, TinyGPT, plan_dict
 
 
@@ -40,6 +42,13 @@ class ListExpertsMoE(nn.Module):
                 hit = chosen[..., k] == e
                 out[hit] += weights[..., k][hit, None] * expert(x[hit])
         return out
+
+
+class ExpertWeightReadingMoE(ListExpertsMoE):
+    """A loop that reads an expert's weight besides calling it."""
+
+    def forward(self, x):
+        return x * self.experts[0].weight.mean()
 
 
 def test_logits_of_every_output_convention():
@@ -92,7 +101,13 @@ def test_expert_parallel_supports_fused_hf_experts_and_names_what_it_refuses():
     mixtral, qwen = _meta("hf_mixtral"), _meta("hf_qwen2moe")
     assert expert_parallel_supported(mixtral.model.layers[0].mlp) is None
     assert expert_parallel_supported(qwen.model.layers[0].mlp) is None
-    assert "nn.ModuleList" in expert_parallel_supported(ListExpertsMoE())
+    assert expert_parallel_supported(ListExpertsMoE()) is None
+    uneven = ListExpertsMoE()
+    uneven.experts[3] = nn.Linear(16, 16, bias=False)
+    assert "same names and shapes" in expert_parallel_supported(uneven)
+    keyed = ListExpertsMoE()
+    keyed.experts = nn.ModuleDict({"a": nn.Linear(16, 16)})
+    assert "nn.ModuleDict" in expert_parallel_supported(keyed)
     assert "no `experts`" in expert_parallel_supported(mixtral.model.layers[0].self_attn)
     experts = mixtral.model.layers[0].mlp.experts
     experts.has_bias = True  # a layout variant whose math the EP forward does not do
@@ -101,9 +116,37 @@ def test_expert_parallel_supports_fused_hf_experts_and_names_what_it_refuses():
 
 def test_ep_plan_on_a_module_list_moe_exits_with_the_module_and_reason():
     model = nn.Sequential(nn.Embedding(8, 16), ListExpertsMoE())
+    model[1].experts[3] = nn.Linear(16, 16, bias=False)
     plan = Plan.from_dict(dict(plan_dict("llama", dp=2), ep=2, ep_modules=["1"]))
-    with pytest.raises(UserError, match=r"'1' \(ListExpertsMoE\).*nn\.ModuleList"):
+    with pytest.raises(UserError, match=r"'1' \(ListExpertsMoE\).*same names and shapes"):
         validate_plan(model, plan)
+
+
+def _list_ep(model: nn.Module):
+    """apply_plan's expert parallelism (dp=2, ep=2) on the current (fake) process group."""
+    plan = Plan.from_dict(dict(plan_dict("llama", dp=2), ep=2, ep_modules=["1"]))
+    validate_plan(model, plan)
+    return apply_plan(model, plan, build_mesh(plan, "cpu"), data_parallel=False)
+
+
+def test_module_list_ep_keeps_the_ranks_experts_under_their_names():
+    model = nn.Sequential(nn.Embedding(8, 16), ListExpertsMoE())
+    with fake_process_group(2, rank=1):
+        par = _list_ep(model)
+    experts = model[1].experts
+    assert [type(e).__name__ for e in experts] == ["RemoteExpert"] * 2 + ["Linear"] * 2
+    assert par.one_rank_experts == [experts[2], experts[3]] == par.expert_modules
+    assert sorted(k for k in model.state_dict() if "experts" in k) == [
+        "1.experts.2.bias", "1.experts.2.weight", "1.experts.3.bias", "1.experts.3.weight"]
+    assert type(model[1]).forward is ListExpertsMoE.forward  # the class keeps the user's code
+
+
+def test_module_list_ep_names_a_loop_that_reads_its_experts():
+    model = nn.Sequential(nn.Embedding(8, 16), ExpertWeightReadingMoE())
+    with fake_process_group(2):
+        _list_ep(model)
+        with pytest.raises(UserError, match=r"1's forward reads `weight` of expert 0"):
+            model(torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_pp_plan_on_an_unsplittable_hf_model_exits_with_the_reason():

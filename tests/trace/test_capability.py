@@ -22,11 +22,18 @@ def _graph(name: str):
     return trace_model(loaded.module, loaded.example_inputs(1, 32))
 
 
-def test_expert_parallelism_of_a_hand_written_moe_is_refused_naming_the_module():
-    graph = _graph("loop_moe.py")
+def test_expert_parallelism_of_a_hand_written_loop_moe_is_offered():
+    graph = _graph("loop_moe.py")  # its nn.ModuleList `experts` (runtime/expert_list.py)
+    assert [e["module"] for e in graph.expert_parallel] == ["layers.0.moe", "layers.1.moe"]
+    assert graph.refused == {}  # ep and pp apply; tp/cp are not offered by the facts
+
+
+def test_expert_parallelism_of_a_list_not_named_experts_is_refused_naming_the_module():
+    graph = _graph("ffns_moe.py")
     assert [e["module"] for e in graph.expert_parallel] == ["layers.0.moe", "layers.1.moe"]
     assert "layers.0.moe" in graph.refused["ep"] and "SparseMoE" in graph.refused["ep"]
-    assert set(graph.refused) == {"ep"}  # pp applies; tp/cp are not offered by the facts
+    assert "no `experts` submodule" in graph.refused["ep"]
+    assert set(graph.refused) == {"ep"}
 
 
 def test_tensor_parallelism_of_a_hard_coded_head_count_is_refused_naming_the_module():
@@ -44,6 +51,8 @@ def test_tensor_parallelism_splitting_each_head_instead_of_the_heads_is_refused(
     graph = _graph("split_heads.py")
     reason = graph.refused["tp"]
     assert "layers.0.attn" in reason and "runs 4 heads of size 8 per rank at tp=2, not 2 of size 16" in reason
+    # the cause (the model's head count on a rank's share) in the probe's words, not an exception's
+    assert "view(batch, seq, -1, head_dim)" in reason and "LocalHeads" not in reason
     assert set(graph.refused) == {"tp"}
 
 
@@ -80,17 +89,25 @@ def test_reference_llama_passes_every_probe():
 
 
 def test_search_never_picks_a_refused_axis(run_cli):
-    code, out, err = run_cli("plan", str(MODELS / "loop_moe.py"), *PLAN, "--fix", "dp=4", "--fix", "zero=3")
+    code, out, err = run_cli("plan", str(MODELS / "ffns_moe.py"), *PLAN, "--fix", "dp=4", "--fix", "zero=3")
     assert code == 0, err
     assert json.loads(out)["plan"]["ep"] == 1
 
 
+def test_fix_of_ep_on_a_loop_moe_plans_and_costs_it(run_cli):
+    code, out, err = run_cli("plan", str(MODELS / "loop_moe.py"), *PLAN, "--fix", "ep=2")
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert plan["ep"] == 2 and plan["ep_modules"] == ["layers.0.moe", "layers.1.moe"]
+    assert plan["estimate"]["comm_breakdown_s"]["ep"] > 0  # the all-to-all is costed
+
+
 def test_fix_of_a_refused_axis_exits_2_naming_module_and_reason(run_cli):
-    code, _, err = run_cli("plan", str(MODELS / "loop_moe.py"), *PLAN, "--fix", "ep=2")
+    code, _, err = run_cli("plan", str(MODELS / "ffns_moe.py"), *PLAN, "--fix", "ep=2")
     err = " ".join(err.split())  # the CLI wraps lines
     assert code == 2
     assert "layers.0.moe" in err and "expert parallelism cannot shard" in err
-    assert "nn.ModuleList" in err
+    assert "no `experts` submodule" in err
     assert "Traceback" not in err
     code, _, err = run_cli("plan", str(MODELS / "fixed_heads.py"), *PLAN, "--fix", "tp=2")
     err = " ".join(err.split())
