@@ -112,4 +112,11 @@ class TinyResNet(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
-BUILDERS = {"vit": TinyViT, "convnext": TinyConvNeXt, "resnet": TinyResNet}
+def timm_swin() -> nn.Module:
+    """The corpus's timm-style Swin (tests/corpus.py), tiny: fused qkv viewed as (..., 3,
+    heads, head_dim), `reshape(b, n, c)` with c read from the input, a per-head bias table."""
+    from tests import corpus
+    return corpus.ENTRIES["swin_t"].build("tiny")
+
+
+BUILDERS = {"vit": TinyViT, "convnext": TinyConvNeXt, "resnet": TinyResNet, "timm_swin": timm_swin}

@@ -174,6 +174,10 @@ CONFIGS = {
             traced_plan_dict, "image_vit", tp=2, optimizer=PARITY_OPTIMIZER)),
         "image_convnext_tp2": ("image_convnext", functools.partial(
             traced_plan_dict, "image_convnext", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # timm's fused qkv viewed as (..., 3, heads, head_dim), the full width read from the
+        # input: the attention runs on DTensors, its relative position bias sharded by heads
+        "timm_swin_tp2": ("timm_swin", functools.partial(
+            traced_plan_dict, "timm_swin", tp=2, optimizer=PARITY_OPTIMIZER)),
     },
     4: {
         "ddp": ("llama", P(dp=4)),
@@ -444,7 +448,7 @@ def test_loss_parity(results, token_file, world, name):
     worst_norm = max(_rel(a, b) for a, b in zip(norms, ref.grad_norms))
     differences = state_differences(torch.load(got[name]["state_path"]), ref.state)
     worst_param = max(differences, key=differences.get)
-    print(f"{name}: losses {worst_loss:.1e} grad norms {worst_norm:.1e} weights {differences[worst_param]:.1e}")
+    print(f"{name}: losses {worst_loss:.1e} grad norms {worst_norm:.1e} weights {differences[worst_param]:.1e} ({worst_param})")
     if kind in BATCH_NORM_KINDS:  # before rounding has been amplified
         first = (_rel(losses[0], ref.losses[0]), _rel(norms[0], ref.grad_norms[0]))
         print(f"{name}: first step: loss {first[0]:.1e} grad norm {first[1]:.1e}")
