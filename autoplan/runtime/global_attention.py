@@ -53,10 +53,10 @@ def shard_cpu_attention_by_heads() -> None:
     aten = torch.ops.aten
     heads = Shard(1)
 
-    def mask_layout(attn_mask):
+    def mask_layout(attn_mask):  # a mask of one slice per head is cut like q; others are whole
         if attn_mask is None:
             return None
-        return heads if attn_mask.ndim == 4 and attn_mask.shape[1] > 1 else None
+        return heads if attn_mask.ndim == 4 and attn_mask.shape[1] > 1 else Replicate()
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
     def forward(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):

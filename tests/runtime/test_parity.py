@@ -303,6 +303,9 @@ CONFIGS = {
         "image_resnet_zero3": ("image_resnet", P("image_resnet", dp=4, zero_stage=3, micro_batch=2)),
         "image_vit_dp2_tp2_zero3": ("image_vit", functools.partial(
             traced_plan_dict, "image_vit", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        # timm's ViT (class token, fused qkv run on DTensors) with FSDP2 over the tp shards
+        "timm_vit_zero3_tp2": ("timm_vit", functools.partial(
+            traced_plan_dict, "timm_vit", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
     },
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),
@@ -413,7 +416,8 @@ def _rel(a: float, b: float) -> float:
 # score of a query), so it holds AdamW's +-lr steps on rounding noise (measured 1.4 relative
 # in BERT); nn.MultiheadAttention's in_proj_bias holds that key bias in its middle third.
 NOISE_ONLY = ("attention.self.key.bias", "self_attn.in_proj_bias",
-              "attn.k.bias")  # the image ViT's (1.2e-3; its other tensors 4.8e-6 under TP)
+              "attn.k.bias",  # the image ViT's (1.2e-3; its other tensors 4.8e-6 under TP)
+              "attn.qkv.bias")  # timm's fused [q | k | v] bias, k in its middle third (1.5e-3)
 
 
 def state_differences(got: dict, want: dict) -> dict[str, float]:
