@@ -47,12 +47,15 @@ def test_plan_image_model_whatever_the_seq_len(run_cli, vit_file):
     assert code == 0, out
 
 
-def test_fixing_cp_on_an_image_model_says_a_sample_is_one_image(run_cli, vit_file):
-    # ViT calls SDPA, so "needs F.scaled_dot_product_attention" would be the wrong reason
+def test_fixing_cp_on_an_image_model_says_its_sequence_is_made_inside_forward(run_cli, vit_file):
+    # ViT calls SDPA, so "needs F.scaled_dot_product_attention" would be the wrong reason:
+    # its sequence (a class token and the 16 patches of a 32-pixel image) is made in forward
     code, _, err = run_cli("plan", vit_file, "--gpu", "h100", "--gpus", "8", "--global-batch", "64",
                            "--fix", "cp=2")
     assert code == 2 and "Traceback" not in err
-    assert "a sample of an image model is one image" in " ".join(err.split())
+    err = " ".join(err.split())
+    assert "makes its 17-token sequence inside forward" in err
+    assert "nor do its 17 tokens split evenly over cp=2 ranks" in err
 
 
 def test_generate_writes_a_job_for_an_image_classifier(run_cli, vit_file, tmp_path):

@@ -85,8 +85,9 @@ def head_counts_of(style: str, *forms: str) -> tuple[int, int] | None:
 
 def fused_parts(style: str, rows: int) -> tuple[tuple[int, ...], int]:
     """(parts in their units, (q, k, v) heads or (gate, up) rows; number of q heads (0 for
-    gate/up)) of a fused style over `rows` output rows: "colwise_qkv:H,KV" or "colwise_gate_up"."""
-    counts = head_counts_of(style, "colwise_qkv")
+    gate/up)) of a fused style over `rows` output rows: "colwise_qkv:H,KV" (or
+    "colwise_qkv_global:H,H", global_attention.py) or "colwise_gate_up"."""
+    counts = head_counts_of(style, "colwise_qkv", "colwise_qkv_global")
     if counts:
         heads, kv_heads = counts
         return (heads, kv_heads, kv_heads), heads

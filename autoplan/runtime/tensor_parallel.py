@@ -33,6 +33,7 @@ from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
+from autoplan.runtime.global_attention import GLOBAL_QKV, GlobalFusedColwiseParallel, shard_head_tables
 from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.model_io import without_fake_causal_mask
@@ -182,6 +183,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     seq = Shard(1) if sequence_parallel else Replicate()
     if name == "colwise":
         return ColwiseParallel()
+    if name.partition(":")[0] == GLOBAL_QKV:
+        return GlobalFusedColwiseParallel(name)
     if name.partition(":")[0] in ("colwise_qkv", "colwise_gate_up"):
         return FusedColwiseParallel(name)
     if name.partition(":")[0] == KV_STYLE:
@@ -267,6 +270,7 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         parallelize_module(model, tp_mesh, plan)
         retie(model, groups, "tensor parallelism")
     _localise_attention(modules, plan, tp_mesh.size())
+    _shard_global_attention_tables(modules, plan, tp_mesh)
     return token_local
 
 
@@ -284,6 +288,15 @@ def _localise_attention(modules: dict[str, nn.Module], plan: dict[str, ParallelS
             counts[path.rpartition(".")[0]] = (heads, kv_heads, q_width)
     for path, (heads, kv_heads, q_width) in counts.items():
         localise_head_counts(modules[path], heads, kv_heads, tp, local_kv_heads(kv_heads, tp), q_width)
+
+
+def _shard_global_attention_tables(modules: dict[str, nn.Module], plan: dict[str, ParallelStyle],
+                                   tp_mesh: DeviceMesh) -> None:
+    """The attention run on DTensors (global_attention.py) gets its per-head tables sharded."""
+    for path, style in plan.items():
+        counts = head_counts_of(getattr(style, "style", ""), GLOBAL_QKV)
+        if counts:
+            shard_head_tables(modules[path.rpartition(".")[0]], counts[0], tp_mesh)
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:

@@ -118,12 +118,31 @@ def sequence_parallel(graph: ModelGraph, tp: int) -> bool:
     return tp > 1 and not graph.image_size
 
 
+def image_cp_reason(graph: ModelGraph, cp: int) -> str:
+    """Why an image model gets no CP: the runtime shards the sequence a model is fed (token
+    ids), and an image model makes its token sequence inside forward; attention within
+    windows (Swin: windows folded into the batch) has no sample-long sequence at all."""
+    lengths = {op.output_shape[-2] for _, op in graph.graph.nodes(data="op")
+               if op.kind == "attention" and op.target == "scaled_dot_product_attention"
+               and len(op.output_shape) >= 3 and op.output_shape[0] == graph.batch_size}
+    if not lengths:
+        return ("context parallelism splits a sample's token sequence across ranks; this image "
+                "model's attention runs within windows folded into the batch, not over a sequence of the image")
+    tokens = max(lengths)
+    reason = (f"context parallelism shards the sequence a model is fed, and an image model is fed "
+              f"whole images: this one makes its {tokens}-token sequence inside forward, "
+              "which autoplan's runtime does not split (it would have to shard the sequence after "
+              "the patch embedding and gather it back for the classifier)")
+    if tokens % cp:  # attention over patches is not causal: equal shards, no zig-zag halves
+        reason += f"; nor do its {tokens} tokens split evenly over cp={cp} ranks"
+    return reason
+
+
 def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: int) -> str | None:
     if cp == 1:
         return None
     if not graph.context_parallel and graph.image_size:
-        return ("context parallelism splits a sample's token sequence across ranks; a sample of an "
-                "image model is one image, whose attention runs over its own patches or windows")
+        return image_cp_reason(graph, cp)
     if not graph.context_parallel:
         return ("context parallelism needs attention through F.scaled_dot_product_attention "
                 "over the token sequence")

@@ -348,7 +348,10 @@ KNOWN_FAILURES = (
      "which the runtime sets to the rank's) or into equal chunks (`chunk(3, dim=-1)`)"),
     ("mixed torch.Tensor and DTensor",
      "its forward combines a tensor-parallel output with a plain tensor outside a column/row "
-     "pair (a residual added to one branch, or attention and MLP run in parallel from one norm)"),
+     "pair (a residual added to one branch, or attention and MLP run in parallel from one norm), "
+     "or, in an attention that runs on DTensors (a fused qkv viewed as (..., 3, heads, head_dim)), "
+     "with a plain tensor made in its forward (a mask or rotary table other than a parameter "
+     "of one column per head)"),
     ("Attempting to broadcast a dimension",
      "its forward combines a split tensor with a whole one of the original size (position or "
      "token-type embeddings added to a sequence shard, a bias of all heads added to some)"),

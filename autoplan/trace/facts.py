@@ -19,12 +19,14 @@ laid out head by head (GPT-NeoX's query_key_value), a contiguous row slice holds
 [gate | up] halves (Phi-3's qkv_proj and gate_up_proj; GPT-2's c_attn, a transformers Conv1D
 that the trace takes for a linear), each rank holds its share of every part
 ("colwise_qkv:<heads>,<kv_heads>", "colwise_gate_up"; runtime/fused_projection.py), as
-Megatron/torchtitan re-order a fused weight per rank.
+Megatron/torchtitan re-order a fused weight per rank; viewed as (..., 3, heads, head_dim)
+(timm, whose forward reads the full width from its input) the same split with the attention
+run on DTensors ("colwise_qkv_global:<heads>,<heads>"; runtime/global_attention.py).
 
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
 model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
-other fused layouts (timm's (..., 3, heads, head_dim) view, a fused k/v beside a separate
-q: a ColwiseParallel row slice would mix the parts) and `nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
+other fused layouts (a fused k/v beside a separate q: a ColwiseParallel row slice would mix
+the parts) and `nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
 """
 
 from __future__ import annotations
@@ -241,14 +243,27 @@ def _numel(shape) -> int:
     return numel
 
 
+def _three_by_heads(feeder: str, region: set[str], by_name: dict, inputs: dict,
+                    heads: int, head_dim: int) -> bool:
+    """timm's layout: the column's output is read by one view to (..., 3, heads, head_dim)
+    with the attention's heads, so it is [all q | all k | all v] of whole heads."""
+    out = by_name[feeder].output_shape
+    readers = [by_name[n] for n in region if feeder in inputs.get(n, ())]
+    if not out or len(readers) != 1 or readers[0].kind != "view" or not readers[0].output_shape:
+        return False
+    shape = tuple(readers[0].output_shape)
+    return len(shape) >= 4 and shape[-3:] == (3, heads, head_dim) and tuple(shape[:-3]) == tuple(out[:-1])
+
+
 def _fused_style(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict,
                  order: list[str]) -> str | None:
     """The runtime's style for a fused column it splits per rank (runtime/fused_projection.py):
     "colwise_qkv:<heads>,<kv_heads>" for one projection cut into [all q | all k | all v]
     whose q is the attention's heads and k, v whole heads each (Phi-3's qkv_proj, GQA
     too); "colwise_gate_up" for an MLP projection cut into two equal halves (Phi-3's
-    gate_up_proj). None for other layouts (timm's (..., 3, heads, head_dim) view, a fused
-    k/v beside a separate q), which stay unsplit."""
+    gate_up_proj); "colwise_qkv_global:<heads>,<heads>" for one viewed as (..., 3, heads,
+    head_dim) (timm: its attention runs on DTensors, runtime/global_attention.py). None
+    for other layouts (a fused k/v beside a separate q), which stay unsplit."""
     if len(feeders) != 1:
         return None
     feeder = next(iter(feeders))
@@ -257,9 +272,13 @@ def _fused_style(kind: str, feeders: set[str], region: set[str], by_name: dict, 
         return "colwise_gate_up" if len(parts) == 2 and parts[0] == parts[1] else None
     sdpa = [by_name[n] for n in region if by_name[n].kind == "attention" and by_name[n].input_shapes
             and len(by_name[n].input_shapes[0]) == 4]
-    if len(parts) != 3 or len(sdpa) != 1:
+    if len(sdpa) != 1:
         return None
     heads, head_dim = int(sdpa[0].input_shapes[0][1]), int(sdpa[0].input_shapes[0][-1])
+    if _three_by_heads(feeder, region, by_name, inputs, heads, head_dim):
+        return f"colwise_qkv_global:{heads},{heads}"
+    if len(parts) != 3:
+        return None
     q, k, v = parts
     if q != heads * head_dim or k != v or k % head_dim or heads % (k // head_dim):
         return None
@@ -372,7 +391,7 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
                 facts["tp_flops"] += sum(a.flops for a in pair["attention"])
             widths = [by_name[n].output_shape[-1] for n in pair["column"]]
             style = pair.get("column_style", "colwise")
-            if head_dim and style.startswith("colwise_qkv:"):  # [all q | all k | all v]
+            if head_dim and style.partition(":")[0] in ("colwise_qkv", "colwise_qkv_global"):  # [all q | all k | all v]
                 facts["kv_heads"] = int(style.partition(":")[2].split(",")[1])
             elif head_dim:
                 # one column holds q, k and v head by head (_head_major): as many K/V heads as heads

@@ -112,4 +112,21 @@ class TinyResNet(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
-BUILDERS = {"vit": TinyViT, "convnext": TinyConvNeXt, "resnet": TinyResNet}
+def _corpus_model(name: str) -> nn.Module:
+    """A tiny corpus model (tests/corpus.py). The timm-style ViT and Swin view their fused
+    qkv as (..., 3, heads, head_dim) and merge the heads with `reshape(b, n, c)`, c read from
+    the input; Swin adds a per-head relative position bias table."""
+    from tests import corpus
+    return corpus.ENTRIES[name].build("tiny")
+
+
+def timm_swin() -> nn.Module:
+    return _corpus_model("swin_t")
+
+
+def timm_vit() -> nn.Module:
+    return _corpus_model("vit_b16")
+
+
+BUILDERS = {"vit": TinyViT, "convnext": TinyConvNeXt, "resnet": TinyResNet, "timm_swin": timm_swin,
+            "timm_vit": timm_vit}

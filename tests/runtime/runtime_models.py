@@ -27,7 +27,8 @@ TINY_TIED_LLAMA = dict(TINY_LLAMA, tie_word_embeddings=True)  # lm_head.weight i
 TINY_MQA_LLAMA = dict(TINY_LLAMA, num_key_value_heads=1)  # one K/V head: replicated under TP
 TINY_MIXTRAL = dict(TINY_LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 SEQ_LEN, GLOBAL_BATCH, STEPS, SEED = 32, 8, 5, 1234
-IMAGE_KINDS = {"image_vit": "vit", "image_convnext": "convnext", "image_resnet": "resnet"}  # kind -> image_models.BUILDERS
+IMAGE_KINDS = {"image_vit": "vit", "image_convnext": "convnext", "image_resnet": "resnet",
+               "timm_swin": "timm_swin", "timm_vit": "timm_vit"}  # kind -> image_models.BUILDERS
 IMAGE_INPUTS = {"kind": "images", "image_size": image_models.IMAGE_SIZE,
                 "channels": image_models.CHANNELS, "num_classes": image_models.CLASSES}
 OPTIMIZER = {"name": "adamw", "lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,

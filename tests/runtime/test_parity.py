@@ -191,6 +191,10 @@ CONFIGS = {
             traced_plan_dict, "image_vit", tp=2, optimizer=PARITY_OPTIMIZER)),
         "image_convnext_tp2": ("image_convnext", functools.partial(
             traced_plan_dict, "image_convnext", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # timm's fused qkv viewed as (..., 3, heads, head_dim), the full width read from the
+        # input: the attention runs on DTensors, its relative position bias sharded by heads
+        "timm_swin_tp2": ("timm_swin", functools.partial(
+            traced_plan_dict, "timm_swin", tp=2, optimizer=PARITY_OPTIMIZER)),
     },
     4: {
         "ddp": ("llama", P(dp=4)),
@@ -309,6 +313,9 @@ CONFIGS = {
         "image_convnext_zero3": ("image_convnext", P("image_convnext", dp=4, zero_stage=3)),
         # statistics over the DP ranks' micro-batches together: 4 x 2 = the reference's batch
         "image_resnet_ddp": ("image_resnet", P("image_resnet", dp=4, micro_batch=2)),
+        # timm's ViT (class token, fused qkv run on DTensors) with FSDP2 over the tp shards
+        "timm_vit_zero3_tp2": ("timm_vit", functools.partial(
+            traced_plan_dict, "timm_vit", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
     },
     8: {
         "pp2_dp2_tp2_zero3": ("llama", P(pp=2, dp=2, tp=2, zero_stage=3, schedule="1f1b")),
@@ -419,7 +426,8 @@ def _rel(a: float, b: float) -> float:
 # score of a query), so it holds AdamW's +-lr steps on rounding noise (measured 1.4 relative
 # in BERT); nn.MultiheadAttention's in_proj_bias holds that key bias in its middle third.
 NOISE_ONLY = ("attention.self.key.bias", "self_attn.in_proj_bias",
-              "attn.k.bias")  # the image ViT's (1.2e-3; its other tensors 4.8e-6 under TP)
+              "attn.k.bias",  # the image ViT's (1.2e-3; its other tensors 4.8e-6 under TP)
+              "attn.qkv.bias")  # timm's fused [q | k | v] bias, k in its middle third (1.5e-3)
 
 
 def state_differences(got: dict, want: dict) -> dict[str, float]:
@@ -455,7 +463,7 @@ def test_loss_parity(results, token_file, world, name):
     worst_norm = max(_rel(a, b) for a, b in zip(norms, ref.grad_norms))
     differences = state_differences(torch.load(got[name]["state_path"]), ref.state)
     worst_param = max(differences, key=differences.get)
-    print(f"{name}: losses {worst_loss:.1e} grad norms {worst_norm:.1e} weights {differences[worst_param]:.1e}")
+    print(f"{name}: losses {worst_loss:.1e} grad norms {worst_norm:.1e} weights {differences[worst_param]:.1e} ({worst_param})")
     if kind in BATCH_NORM_KINDS:  # before rounding has been amplified
         first = (_rel(losses[0], ref.losses[0]), _rel(norms[0], ref.grad_norms[0]))
         print(f"{name}: first step: loss {first[0]:.1e} grad norm {first[1]:.1e}")

@@ -45,6 +45,15 @@ def test_tensor_parallelism_of_a_hard_coded_head_count_is_refused_naming_the_mod
     assert set(graph.refused) == {"tp"}  # cp and pp run
 
 
+def test_timm_attention_mixing_a_mask_made_in_forward_is_refused_with_that_cause():
+    # its qkv gets colwise_qkv_global (the attention runs on DTensors); the plain mask it
+    # builds in forward cannot meet the DTensor scores
+    graph = _graph("timm_causal_mask.py")
+    assert graph.tp_styles["layers.*"]["attn.qkv"] == "colwise_qkv_global:4,4"
+    reason = graph.refused["tp"]
+    assert "layers.0.attn" in reason and "plain tensor made in its forward" in reason
+
+
 def test_tensor_parallelism_splitting_each_head_instead_of_the_heads_is_refused():
     # view(b, s, self.n, -1) runs on a column shard without an error, into all heads at half
     # their size: the probe checks each rank's attention runs its share of the heads

@@ -191,11 +191,14 @@ def test_styles_are_stated_once_per_block_class():
         "ffn": "prepare_input"}
 
 
-def test_timm_fused_qkv_leaves_the_model_unsplit_and_names_the_projection():
+def test_timm_fused_qkv_is_split_per_rank_with_its_attention_on_dtensors():
+    # the (..., 3, heads, head_dim) view makes the output [all q | all k | all v]; the
+    # forward reads the full width from its input, so the runtime keeps the model's shapes
     graph = _trace(TimmBlock)
-    assert graph.tensor_parallel == [] and graph.tp_styles == {}
-    reasons = {(u["block"], u["module"]): u["reason"] for u in graph.tp_unsplit}
-    assert "fused projection" in reasons[("layers", "attn.qkv")]
+    assert graph.tp_unsplit == []
+    assert ("attention", ("attn.qkv",), "attn.proj") in _pairs(graph)
+    assert graph.tp_styles["layers.*"]["attn.qkv"] == f"colwise_qkv_global:{HEADS},{HEADS}"
+    assert graph.blocks[0].kv_heads == HEADS
 
 
 def test_multihead_attention_is_left_unsplit_with_its_reason():
@@ -274,8 +277,9 @@ CORPUS_PAIRS = {
               ("mlp", ("mlp.gate_up_proj",), "mlp.down_proj")}, set()),
     # transformers' Conv1D (a transposed linear); c_attn cut by width into [q | k | v]
     "gpt2": ({("attention", ("attn.c_attn",), "attn.c_proj"), ("mlp", ("mlp.c_fc",), "mlp.c_proj")}, set()),
-    "vit_b16": (set(), {"attn.qkv"}),
-    "swin_t": (set(), {"attn.qkv"}),
+    # timm's qkv viewed as (..., 3, heads, head_dim): colwise_qkv_global (runtime/global_attention.py)
+    "vit_b16": ({("attention", ("attn.qkv",), "attn.proj"), ("mlp", ("mlp.fc1",), "mlp.fc2")}, set()),
+    "swin_t": ({("attention", ("attn.qkv",), "attn.proj"), ("mlp", ("mlp.fc1",), "mlp.fc2")}, set()),
     "transformer_encoder": (set(), {"self_attn"}),
 }
 
