@@ -17,9 +17,9 @@ OFFLOAD = ("none", "optimizer", "params", "both")
 # tensor-parallel styles of a plan's tp_styles (autoplan.runtime.tensor_parallel applies them)
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "prepare_input", "vocab_embedding",
              "whole_embedding", "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv",
-             "colwise_heads", "head_embedding")
+             "colwise_heads", "head_embedding", "mha_heads")
 # the styles that name their attention's head counts, "<style>:<heads>,<kv_heads>"
-HEAD_COUNTED = ("colwise_qkv", "colwise_kv", "colwise_heads")
+HEAD_COUNTED = ("colwise_qkv", "colwise_kv", "colwise_heads", "mha_heads")
 
 
 # the styles as a plan writes them (error messages)
@@ -32,7 +32,8 @@ def tp_style_known(style: str) -> bool:
     projection's of a grouped-query attention "colwise_kv:<heads>,<kv_heads>" (the runtime
     shards its K/V heads, or gives each rank the one its q heads use), and a plain q, k or v
     projection's "colwise_heads:<heads>,<kv_heads>" where its attention builds a tensor of
-    its head count in forward (T5's position bias: the runtime gives it the rank's count)."""
+    its head count in forward (T5's position bias: the runtime gives it the rank's count);
+    an nn.MultiheadAttention's "mha_heads:<heads>,<heads>" (split by heads as one module)."""
     name, colon, args = str(style).partition(":")
     if name in HEAD_COUNTED:
         counts = args.split(",")

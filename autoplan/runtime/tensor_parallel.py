@@ -4,7 +4,8 @@ Megatron pairs: column-wise q/k/v and gate/up, row-wise o/down (one all-reduce, 
 sequence parallelism one reduce-scatter + all-gather, per pair). A fused [q | k | v] or
 [gate | up] column gives each rank its share of every part and its attention the rank's head
 counts (fused_projection.py); k and v projections of fewer K/V heads than ranks give each
-rank the K/V head of its q heads (kv_replication.py). Between blocks the residual
+rank the K/V head of its q heads (kv_replication.py). An nn.MultiheadAttention is split by
+heads as one module (mha_parallel.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -34,6 +35,7 @@ from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
 from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
 from autoplan.runtime.mesh import local_part
+from autoplan.runtime.mha_parallel import MHA_STYLE, MultiheadAttentionParallel
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 from autoplan.runtime.tying import retie, tied_groups
@@ -178,14 +180,18 @@ def _on_first_input(transform):
 def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The DTensor ParallelStyle of one plan style; None where SP is off and nothing is needed."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    if name == "colwise":
-        return ColwiseParallel()
+    if name == "colwise":  # a plain input is a sequence shard under SP (a column written inline
+        # in its block, as nn.TransformerEncoderLayer's linear1), gathered here; one gathered
+        # by its module's "prepare_input" comes as a replicated DTensor and passes as it is
+        return ColwiseParallel(input_layouts=seq)
     if name.partition(":")[0] in ("colwise_qkv", "colwise_gate_up"):
         return FusedColwiseParallel(name)
     if name.partition(":")[0] == KV_STYLE:
         return KVColwiseParallel(name)
     if name.partition(":")[0] == "colwise_heads":
         return HeadCountedColwise(name)
+    if name.partition(":")[0] == MHA_STYLE:  # nn.MultiheadAttention, split by heads whole
+        return MultiheadAttentionParallel(sequence_parallel)
     if name == "head_embedding":  # a table of one column per head (T5's relative position
         # bias): each rank looks up its heads' columns
         return ColwiseParallel()

@@ -141,6 +141,9 @@ CONFIGS = {
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
         "hf_mamba_zero3": ("hf_mamba", P("hf_mamba", dp=2, zero_stage=3)),
+        # nn.MultiheadAttention through ring attention (not causal: an encoder's)
+        "encoder_cp2": ("encoder", P("encoder", cp=2, cp_buffers={}, cp_modules=[
+            "encoder.layers.0.self_attn", "encoder.layers.1.self_attn"])),
         # torch.compile per block (Inductor's CPU backend): under FSDP2 with a selectively
         # checkpointed block, and under DTensor TP + SP
         "compile_zero3_selective": ("llama", P(dp=2, zero_stage=3, compile=True, recompute={
@@ -288,6 +291,9 @@ CONFIGS = {
             traced_plan_dict, "hf_t5", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
+        # nn.MultiheadAttention split by heads (mha_heads) and its inline MLP, under FSDP2
+        "encoder_dp2_tp2_zero3_traced": ("encoder", functools.partial(
+            traced_plan_dict, "encoder", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "image_vit_ddp": ("image_vit", P("image_vit", dp=4)),
         "image_vit_zero3": ("image_vit", P("image_vit", dp=4, zero_stage=3)),
         "image_vit_pp2_dp2_zero3": ("image_vit", P("image_vit", pp=2, dp=2, zero_stage=3,
