@@ -123,12 +123,14 @@ class SequenceShardOutput(ParallelStyle):
     the model does, and hands on the rank's sequence shard, so that it adds to the
     vocab-parallel embedding's shard under sequence parallelism. The cut's backward
     all-gathers the shards' gradients: each rank's table gets the gradient of every token,
-    the same on every rank, as a replicated weight needs."""
+    the same on every rank, as a replicated weight needs. The sequence is the dim before the
+    features: (batch, seq, hidden) from (batch, seq) ids, (seq, hidden) from positions
+    `arange(seq)` that broadcast over the batch."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard(mod, args, out):
             whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
-            return whole.redistribute(device_mesh, [Shard(1)]).to_local()
+            return whole.redistribute(device_mesh, [Shard(out.dim() - 2)]).to_local()
 
         module.register_forward_hook(shard)
         return module

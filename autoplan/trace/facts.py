@@ -568,9 +568,12 @@ def _pre_post_styles(mg: ModelGraph, model: nn.Module, ops: list[OpInfo],
         if op.name.startswith(in_block) or not op.module:
             continue
         module = model.get_submodule(op.module)
-        if op.kind == "embedding" and getattr(module, "num_embeddings", 0) == mg.vocab:
+        if op.kind == "embedding" and getattr(module, "num_embeddings", 0) == mg.vocab \
+                and len(op.input_shapes[0] if op.input_shapes else ()) >= 2:
             styles[op.module] = "vocab_embedding"
         elif op.kind == "embedding":  # positions, token types: added whole to the token embedding
+            # (a table of vocabulary size looked up by `arange(seq)`, too: a (seq, hidden) output
+            # that a vocab-parallel lookup would cut along hidden)
             styles[op.module] = "whole_embedding"
         elif op.kind == "norm":
             styles[op.module] = "sequence_parallel"
