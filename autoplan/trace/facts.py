@@ -41,10 +41,11 @@ import torch.nn as nn
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
+from autoplan.trace.ops import MHA_TARGETS
 
 _STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv", "moe_router", "loss"}
 _SPLITS = {"split", "chunk", "split_with_sizes", "unbind", "tensor_split"}
-_MHA_TARGETS = {"MultiheadAttention", "multi_head_attention_forward"}
+_MHA_TARGETS = MHA_TARGETS
 _FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up) in a layout "
           "autoplan cannot split per rank (only [all q | all k | all v] or [gate | up] read by "
           "slicing its last dimension, or q, k and v head by head): sharding its output columns "
