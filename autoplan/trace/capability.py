@@ -287,6 +287,13 @@ def _attention_heads(graph: ModelGraph) -> frozenset:
                      and op.input_shapes and len(op.input_shapes[0]) == 4)
 
 
+def _mha_heads(model: nn.Module) -> frozenset:
+    """(heads, head size) of each nn.MultiheadAttention: its SDPA runs inside its call,
+    which the trace records as one op."""
+    return frozenset((m.num_heads, m.head_dim) for m in model.modules()
+                     if isinstance(m, nn.MultiheadAttention))
+
+
 def _position_bias(model: nn.Module, cp_modules, heads: frozenset) -> str | None:
     """Why ring attention cannot run an attention that adds a learned bias of one column per
     head to its scores (T5's relative position bias), or None. Checked before the run: it
@@ -395,10 +402,10 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         for axis, plan in plans.items():
             # an EP step moves tokens by exchanged counts, which balanced values cannot model
             run_axis = run and not (axis == "ep" and routing is not None)
-            reason = (_position_bias(model, plan.cp_modules, _attention_heads(graph)) if plan.cp > 1
-                      else None) or \
+            heads = _attention_heads(graph) | _mha_heads(model)
+            reason = (_position_bias(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \
                 _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
-                                   _attention_heads(graph) if plan.tp > 1 else frozenset())
+                                   heads if plan.tp > 1 else frozenset())
             degree = axis.partition("_")[0]
             _CACHE[key][axis] = reason and f"(probed at {degree}={getattr(plan, degree)}) {reason}"
     return dict(_CACHE[key])
