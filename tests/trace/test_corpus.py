@@ -20,7 +20,6 @@ pytest.importorskip("transformers")
 
 NAMES = sorted(corpus.ENTRIES)
 # text models whose attention is not an SDPA call ring attention can replace
-NO_SDPA = {"transformer_encoder"}  # nn.MultiheadAttention
 _FULL: dict[str, tuple] = {}
 
 
@@ -87,7 +86,7 @@ def _check_facts(entry: corpus.Entry, model, graph, reference, size: str) -> Non
         # a sample is one image: no token sequence for ring attention to split (Swin's
         # attention is within windows, ViT's over one image's patches)
         assert graph.context_parallel == []
-    elif entry.attention and entry.name not in NO_SDPA:
+    elif entry.attention:  # nn.MultiheadAttention's too: its SDPA call runs ring attention
         assert graph.context_parallel, "attention over the token sequence is context-parallel"
 
 

@@ -300,7 +300,9 @@ CORPUS_PAIRS = {
               ("mlp", ("mlp.gate_up_proj",), "mlp.down_proj")}, set()),
     "vit_b16": (set(), {"attn.qkv"}),
     "swin_t": (set(), {"attn.qkv"}),
-    "transformer_encoder": (set(), {"self_attn"}),
+    # nn.MultiheadAttention: a pair by itself, split by heads (runtime/mha_parallel.py)
+    "transformer_encoder": ({("attention", ("self_attn",), "self_attn"),
+                             ("mlp", ("linear1",), "linear2")}, set()),
 }
 
 
