@@ -44,7 +44,11 @@ gathering the sequence-sharded encoder output) 1.6e-7, 4.8e-7, 5.8e-6. BERT's po
 token-type tables cut to the rank's sequence shard without all-gathering their gradient give
 replicas that differ by 5.0e-2 (losses 4.9e-4, weights 4.5e-1); T5's cross-attention reading
 its rank's shard of the encoder output gives losses 2.5e-3, grad norms 3.4e-1, weights
-4.5e-1. bf16/fp16 runs
+4.5e-1. nn.MultiheadAttention split by heads (dp2 x tp2 ZeRO-3, traced styles): losses
+1.7e-7, grad norms 2.1e-7, weights 2.9e-6; its in_proj rows split contiguously instead of
+each rank taking its heads' q, k and v rows gives losses 2.4e-3, grad norms 1.1e-2, weights
+5.2e-1. Under ring attention (cp2, not causal) 2.5e-7, 1.0e-7, 4.5e-6; attending to its own
+shard only, 2.7e-3, 9.7e-3, 2.1e-1. bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
