@@ -22,9 +22,9 @@ OFFLOAD = ("none", "optimizer", "params", "both")
 # tensor-parallel styles of a plan's tp_styles (autoplan.runtime.tensor_parallel applies them)
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "final_norm", "prepare_input",
              "vocab_embedding", "whole_embedding", "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv",
-             "colwise_heads", "head_embedding", "colwise_qkv_global")
+             "colwise_heads", "head_embedding", "colwise_qkv_global", "mha_heads")
 # the styles that name their attention's head counts, "<style>:<heads>,<kv_heads>"
-HEAD_COUNTED = ("colwise_qkv", "colwise_kv", "colwise_heads", "colwise_qkv_global")
+HEAD_COUNTED = ("colwise_qkv", "colwise_kv", "colwise_heads", "colwise_qkv_global", "mha_heads")
 
 
 # the styles as a plan writes them (error messages)
@@ -38,9 +38,10 @@ def tp_style_known(style: str) -> bool:
     shards its K/V heads, or gives each rank the one its q heads use), and a plain q, k or v
     projection's "colwise_heads:<heads>,<kv_heads>" where its attention builds a tensor of
     its head count in forward (T5's position bias: the runtime gives it the rank's count),
-    and a fused q/k/v projection viewed as (..., 3, heads, head_dim) by an attention that
+    a fused q/k/v projection viewed as (..., 3, heads, head_dim) by an attention that
     reads the full width from its input (timm) "colwise_qkv_global:<heads>,<heads>" (the
-    attention runs on DTensors with the model's shapes)."""
+    attention runs on DTensors with the model's shapes), and an nn.MultiheadAttention's
+    "mha_heads:<heads>,<heads>" (split by heads as one module)."""
     name, colon, args = str(style).partition(":")
     if name in HEAD_COUNTED:
         counts = args.split(",")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.trace.graph import BlockInfo, ModelGraph
+from autoplan.trace.ops import MHA_TARGETS, mha_parts
 
 GEMM_KINDS = ("linear", "matmul", "conv")
 # Ops Inductor generates code for and fuses (pointwise, reductions, norms; views are index
@@ -113,7 +114,11 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
             # a fused LayerNorm/RMSNorm kernel (Apex, Transformer Engine) saves its input and
             # per-row statistics only; the decomposed reference saves upcast copies as well
             norm_excess += max(0.0, op.saved_bytes - _numel(op.input_shapes[0]) * graph.dtype_bytes)
-        if op.kind == "attention":
+        if op.kind == "attention" and op.target in MHA_TARGETS:  # projections + core in one op
+            core, projections = mha_parts(op)
+            attention += core
+            gemms.extend(Gemm(*g[:3], float(g[3])) for g in projections)
+        elif op.kind == "attention":
             attention += op.flops
             if op.output_shape:
                 head_dim = int(op.output_shape[-1])

@@ -259,14 +259,15 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
 def context_parallel_supported(module: nn.Module) -> str | None:
     """None when ring attention can replace this module's attention, else the reason.
 
-    Two ways a module reaches F.scaled_dot_product_attention: its own forward calls it, or it
+    Three ways a module reaches F.scaled_dot_product_attention: its own forward calls it, it
     is a Hugging Face attention module whose config selects the "sdpa" implementation (the
-    call then sits in transformers' sdpa_attention_forward). Ring attention runs causal
+    call then sits in transformers' sdpa_attention_forward), or it is an
+    nn.MultiheadAttention called with need_weights=False (F.multi_head_attention_forward,
+    or the head-parallel forward of mha_parallel.py, calls it). Ring attention runs causal
     attention and attention without a mask (an encoder's); a mask it cannot shard (padding,
     a relative position bias) is refused when the call passes one."""
-    if isinstance(module, nn.MultiheadAttention):
-        return ("nn.MultiheadAttention passes causality as a mask (or not at all) to its "
-                "attention, and ring attention is causal SDPA without a mask")
+    if isinstance(module, nn.MultiheadAttention):  # F.multi_head_attention_forward calls SDPA
+        return None
     config = getattr(module, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation is not None:
@@ -285,6 +286,20 @@ def context_parallel_supported(module: nn.Module) -> str | None:
     return None
 
 
+_MHA_PARAMETERS = list(inspect.signature(nn.MultiheadAttention.forward).parameters)[1:]
+
+
+def _check_mha_call(args: tuple, kwargs: dict) -> None:
+    """nn.MultiheadAttention reaches SDPA only when no attention weights are asked for
+    (need_weights=False; with weights it multiplies and softmaxes itself, over this rank's
+    keys alone)."""
+    bound = dict(zip(_MHA_PARAMETERS, args)) | kwargs
+    if bound.get("need_weights", True):
+        raise UserError("context parallelism runs nn.MultiheadAttention through ring attention, "
+                        "which returns no attention weights: call it with need_weights=False "
+                        "(as nn.TransformerEncoderLayer does), or use cp=1 for this model.")
+
+
 def check_cp_module(module: nn.Module, path: str) -> None:
     """Raise UserError naming the module when context parallelism cannot apply to it."""
     reason = context_parallel_supported(module)
@@ -300,12 +315,18 @@ def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: 
     modules = dict(model.named_modules())
 
     def enter(module, args, kwargs):
+        if isinstance(module, nn.MultiheadAttention):
+            _check_mha_call(args, kwargs)
         _ACTIVE.state = group
         return args, without_fake_causal_mask(module, kwargs)
 
     def leave(_module, _args, _out):
         _ACTIVE.state = None
 
+    if any(isinstance(modules.get(path), nn.MultiheadAttention) for path in cp_modules):
+        # the inference fast path of nn.MultiheadAttention and TransformerEncoderLayer runs
+        # a fused kernel, not SDPA: attention over this rank's tokens only
+        torch.backends.mha.set_fastpath_enabled(False)
     for path in cp_modules:
         if path in modules:
             modules[path].register_forward_pre_hook(enter, with_kwargs=True)

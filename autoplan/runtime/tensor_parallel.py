@@ -5,7 +5,8 @@ sequence parallelism one reduce-scatter + all-gather, per pair). A fused [q | k 
 [gate | up] column gives each rank its share of every part and its attention the rank's head
 counts (fused_projection.py); k and v projections of fewer K/V heads than ranks give each
 rank the K/V head of its q heads (kv_replication.py). transformers' Conv1D (GPT-2) takes
-the same styles in its transposed form (transposed_linear.py). Between blocks the residual
+the same styles in its transposed form (transposed_linear.py). An nn.MultiheadAttention is
+split by heads as one module (mha_parallel.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -36,6 +37,7 @@ from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_
 from autoplan.runtime.global_attention import GLOBAL_QKV, GlobalFusedColwiseParallel, shard_head_tables
 from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
 from autoplan.runtime.mesh import local_part
+from autoplan.runtime.mha_parallel import MHA_STYLE, MultiheadAttentionParallel
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
 from autoplan.runtime.transposed_linear import for_module, output_features
@@ -124,12 +126,14 @@ class SequenceShardOutput(ParallelStyle):
     the model does, and hands on the rank's sequence shard, so that it adds to the
     vocab-parallel embedding's shard under sequence parallelism. The cut's backward
     all-gathers the shards' gradients: each rank's table gets the gradient of every token,
-    the same on every rank, as a replicated weight needs."""
+    the same on every rank, as a replicated weight needs. The sequence is the dim before the
+    features: (batch, seq, hidden) from (batch, seq) ids, (seq, hidden) from positions
+    `arange(seq)` that broadcast over the batch."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard(mod, args, out):
             whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
-            return whole.redistribute(device_mesh, [Shard(1)]).to_local()
+            return whole.redistribute(device_mesh, [Shard(out.dim() - 2)]).to_local()
 
         module.register_forward_hook(shard)
         return module
@@ -181,8 +185,10 @@ def _on_first_input(transform):
 def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The DTensor ParallelStyle of one plan style; None where SP is off and nothing is needed."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    if name == "colwise":
-        return ColwiseParallel()
+    if name == "colwise":  # a plain input is a sequence shard under SP (a column written inline
+        # in its block, as nn.TransformerEncoderLayer's linear1), gathered here; one gathered
+        # by its module's "prepare_input" comes as a replicated DTensor and passes as it is
+        return ColwiseParallel(input_layouts=seq)
     if name.partition(":")[0] == GLOBAL_QKV:
         return GlobalFusedColwiseParallel(name)
     if name.partition(":")[0] in ("colwise_qkv", "colwise_gate_up"):
@@ -191,6 +197,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return KVColwiseParallel(name)
     if name.partition(":")[0] == "colwise_heads":
         return HeadCountedColwise(name)
+    if name.partition(":")[0] == MHA_STYLE:  # nn.MultiheadAttention, split by heads whole
+        return MultiheadAttentionParallel(sequence_parallel)
     if name == "head_embedding":  # a table of one column per head (T5's relative position
         # bias): each rank looks up its heads' columns
         return ColwiseParallel()

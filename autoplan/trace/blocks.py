@@ -9,6 +9,7 @@ import torch.nn as nn
 from autoplan.trace.facts import block_tp_facts
 from autoplan.trace.fallback import expert_matrices, moe_facts
 from autoplan.trace.graph import BlockInfo, OpInfo
+from autoplan.trace.ops import MHA_TARGETS, mha_parts
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -78,16 +79,19 @@ def _sum_segment(name: str, kind: str, paths: tuple[str, ...], ops: list[OpInfo]
                       op.output_shape[-1] == op.output_shape[-2])]
     saved = sum(op.saved_bytes for op in ops)
     quadratic = sum(saved_quadratic.get(op.name, 0) for op in ops)
+    # an nn.MultiheadAttention op counts its projections too: only its core is attention
+    mha = {op.name: mha_parts(op) for op in attention_ops if op.target in MHA_TARGETS}
     return BlockInfo(
         name=name, paths=paths, kind=kind, parameters=parameters,
         forward_flops=sum(op.flops for op in ops),
-        attention_flops=sum(op.flops for op in attention_ops),
+        attention_flops=sum(mha[op.name][0] if op.name in mha else op.flops for op in attention_ops),
         elementwise_flops=sum(op.elementwise_flops for op in ops),
         saved_bytes=saved, saved_bytes_selective=saved - quadratic, input_bytes=input_bytes,
         memory_traffic_bytes=sum(op.bytes_read + op.bytes_written for op in ops
                                  if op.kind in ("elementwise", "norm", "embedding", "loss")),
         hidden=hidden,
-        gemm_shapes=tuple((*op.gemm_mnk, op.flops) for op in ops if op.gemm_mnk),
+        gemm_shapes=tuple((*op.gemm_mnk, op.flops) for op in ops if op.gemm_mnk and op.name not in mha)
+        + tuple(g for core, gemms in mha.values() for g in gemms),
     )
 
 

@@ -316,6 +316,13 @@ def _attention_heads(graph: ModelGraph) -> frozenset:
                      and op.input_shapes and len(op.input_shapes[0]) == 4)
 
 
+def _mha_heads(model: nn.Module) -> frozenset:
+    """(heads, head size) of each nn.MultiheadAttention: its SDPA runs inside its call,
+    which the trace records as one op."""
+    return frozenset((m.num_heads, m.head_dim) for m in model.modules()
+                     if isinstance(m, nn.MultiheadAttention))
+
+
 def _position_bias(model: nn.Module, cp_modules, heads: frozenset) -> str | None:
     """Why ring attention cannot run an attention that adds a learned bias of one column per
     head to its scores (T5's relative position bias), or None. Checked before the run: it
@@ -432,10 +439,10 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
                 continue  # each refused alone: the pair says nothing more
             # an EP step moves tokens by exchanged counts, which balanced values cannot model
             run_axis = run and not (axis == "ep" and routing is not None)
-            reason = (_position_bias(model, plan.cp_modules, _attention_heads(graph)) if plan.cp > 1
-                      else None) or \
+            heads = _attention_heads(graph) | _mha_heads(model)
+            reason = (_position_bias(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \
                 _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
-                                   _attention_heads(graph) if plan.tp > 1 else frozenset())
+                                   heads if plan.tp > 1 else frozenset())
             degrees = ("pp", "tp") if axis == "pp_tp" else (axis.partition("_")[0],)
             probed = " ".join(f"{d}={getattr(plan, d)}" for d in degrees)
             _CACHE[key][axis] = reason and f"(probed at {probed}) {reason}"

@@ -26,7 +26,12 @@ run on DTensors ("colwise_qkv_global:<heads>,<heads>"; runtime/global_attention.
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
 model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
 other fused layouts (a fused k/v beside a separate q: a ColwiseParallel row slice would mix
-the parts) and `nn.MultiheadAttention` (q,k,v packed in `in_proj_weight` inside one call).
+the parts), and an `nn.MultiheadAttention` the runtime cannot split
+(mha_parallel.mha_split_problem).
+
+An `nn.MultiheadAttention` (q, k, v packed in `in_proj_weight`, attention and `out_proj`
+inside one call) is a column/row pair by itself: the runtime splits it by heads as one
+module ("mha_heads:<heads>,<heads>", runtime/mha_parallel.py).
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from collections import defaultdict
 import torch.fx as fx
 import torch.nn as nn
 
+from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
+from autoplan.trace.ops import MHA_TARGETS
 
 _STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv", "moe_router", "loss"}
 _SPLITS = {"split", "chunk", "split_with_sizes", "unbind", "tensor_split"}
-_MHA_TARGETS = {"MultiheadAttention", "multi_head_attention_forward"}
+_MHA_TARGETS = MHA_TARGETS
 _FUSED = ("a fused projection (one Linear computes q, k and v, or gate and up) in a layout "
           "autoplan cannot split per rank (only [all q | all k | all v] or [gate | up] read by "
           "slicing its last dimension, or q, k and v head by head): sharding its output columns "
@@ -53,8 +60,28 @@ _SHARED_ACROSS_HEADS = ("its output is broadcast to every head (as MLA's shared 
                         "latent are), so a head split would need it "
                         "computed whole with its gradient summed over the ranks, which autoplan's "
                         "runtime does not do yet; left unsplit")
-_PACKED_MHA = ("nn.MultiheadAttention packs q, k and v in one in_proj_weight and runs attention "
-               "inside one call, so it cannot be sharded by heads; left unsplit")
+
+
+def _mha_pairs(block: nn.Module, ops: list[OpInfo]) -> tuple[list[dict], list[tuple[str, str]]]:
+    """(pairs, unsplit reasons) of the nn.MultiheadAttention calls of one block: each is a
+    column/row pair by itself, split by heads whole (runtime/mha_parallel.py), or left
+    unsplit with the reason the runtime gives."""
+    modules = {name: sub for name, sub in block.named_modules()
+               if name and isinstance(sub, nn.MultiheadAttention)}
+    pairs, unsplit = [], []
+    for op in ops:
+        if op.kind != "attention" or op.target not in _MHA_TARGETS:
+            continue
+        mha = next((sub for name, sub in modules.items()
+                    if op.module == name or op.module.endswith("." + name)), None)
+        problem = mha_split_problem(mha, 1) if mha is not None else "it is not a module of its block"
+        if problem:
+            unsplit.append((op.module, f"nn.MultiheadAttention: {problem}; left unsplit"))
+            continue
+        pairs.append({"column": [op.name], "row": op.name, "kind": "attention", "fused": False,
+                      "column_style": f"{MHA_STYLE}:{mha.num_heads},{mha.num_heads}", "mha": mha,
+                      "kv_styles": {}, "attention": [op], "norm_across_heads": [], "head_norms": []})
+    return pairs, unsplit
 
 
 def _graph_maps(ops: list[OpInfo], edges: list[tuple[str, str]]):
@@ -354,8 +381,6 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
     reasons = [(module_of[c], _FUSED) for p in pairs if p["fused"] for c in p["column"]]
     reasons += [(module_of[n], _NORM_ACROSS_HEADS) for p in pairs for n in p.get("norm_across_heads", [])]
     reasons += [(module_of[n], _SHARED_ACROSS_HEADS) for p in pairs for n in p.get("shared_across_heads", [])]
-    reasons += [(op.module, _PACKED_MHA) for op in ops
-                if op.kind == "attention" and op.target in _MHA_TARGETS]
     covered = {a.name for p in pairs for a in p["attention"]}
     reasons += [(op.module or op.name, "its attention is not between a column and a row linear "
                  "found in the data flow; left unsplit")
@@ -373,7 +398,10 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
     moe = _moe_module(module)
     experts = {op.name for op in ops if moe and f".{moe[0]}." in f".{op.module}."}
     pairs = [p for p in linear_pairs(ops, edges) if p["row"] not in experts]
-    facts["unsplit"] = unsplit_reasons(ops, pairs)
+    mha_pairs, mha_unsplit = _mha_pairs(module, ops)
+    facts["unsplit"] = unsplit_reasons(ops, pairs) + mha_unsplit
+    for pair in mha_pairs:
+        _add_mha_facts(facts, pair)
     for pair in pairs:
         if pair["fused"] or pair.get("norm_across_heads") or pair.get("shared_across_heads"):
             continue
@@ -404,6 +432,19 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
             facts["ffn"] = max(facts["ffn"], max(by_name[n].output_shape[-1] for n in pair["column"]) // halves)
         facts["pairs"].append(pair)
     return facts
+
+
+def _add_mha_facts(facts: dict, pair: dict) -> None:
+    """An nn.MultiheadAttention's share of a block's TP facts: all of its parameters and
+    FLOPs (in_proj, attention, out_proj) are split by heads, and its K/V are its heads'."""
+    op, mha = pair["attention"][0], pair["mha"]
+    facts["heads"] = facts["kv_heads"] = mha.num_heads
+    facts["tp_parameters"] += op.parameters
+    facts["tp_flops"] += op.flops
+    source = op.input_shapes[1] if len(op.input_shapes) > 1 else op.output_shape
+    keys = _tokens(OpInfo("", "", "", "", (), tuple(source), ""))  # keys: the key input's tokens
+    facts["kv_bytes"] = 2 * keys * mha.embed_dim * 2
+    facts["pairs"].append(pair)
 
 
 def _tokens(op: OpInfo) -> int:
@@ -444,6 +485,9 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
     styles: dict[str, str] = {}
     module_of = {o.name: o.module for o in block_ops}
     for pair in pairs:
+        if pair.get("mha") is not None:  # one module, split by heads whole
+            styles[_relative(module_of[pair["row"]], first)] = pair["column_style"]
+            continue
         columns = [module_of[n] for n in pair["column"]]
         row = module_of[pair["row"]]
         kv_styles = {module_of[n]: style for n, style in pair.get("kv_styles", {}).items()}
@@ -527,6 +571,9 @@ def _attends_over_the_sequence(op: OpInfo, mg: ModelGraph) -> bool:
     can split: not attention within windows (Swin: windows folded into the batch) nor over
     the patches of one image (the sequence of an image model is one sample)."""
     shape = op.output_shape or ()
+    if op.kind == "attention" and op.target in _MHA_TARGETS:  # (seq, batch, E), or batch first
+        return len(shape) == 3 and mg.seq_len > 1 and (
+            shape[:2] == (mg.seq_len, mg.batch_size) or shape[:2] == (mg.batch_size, mg.seq_len))
     return (op.kind == "attention" and op.target == "scaled_dot_product_attention" and len(shape) >= 3
             and shape[0] == mg.batch_size and shape[-2] == mg.seq_len > 1)
 
@@ -558,9 +605,12 @@ def _pre_post_styles(mg: ModelGraph, model: nn.Module, ops: list[OpInfo],
         if op.name.startswith(in_block) or not op.module:
             continue
         module = model.get_submodule(op.module)
-        if op.kind == "embedding" and getattr(module, "num_embeddings", 0) == mg.vocab:
+        if op.kind == "embedding" and getattr(module, "num_embeddings", 0) == mg.vocab \
+                and len(op.input_shapes[0] if op.input_shapes else ()) >= 2:
             styles[op.module] = "vocab_embedding"
         elif op.kind == "embedding":  # positions, token types: added whole to the token embedding
+            # (a table of vocabulary size looked up by `arange(seq)`, too: a (seq, hidden) output
+            # that a vocab-parallel lookup would cut along hidden)
             styles[op.module] = "whole_embedding"
         elif op.kind == "norm" and index > after_blocks:  # the model's closing code reads its
             # output's shape (GPT-2's view(-1, seq, hidden)); nothing adds a plain residual to it

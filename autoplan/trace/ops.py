@@ -115,3 +115,31 @@ def gemm_mnk(kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
     m = max(1, out.numel() // max(n, 1))
     k = max(1, flops // max(2 * m * n, 1))
     return m, n, k
+
+
+# an nn.MultiheadAttention recorded as one op: its module call, or the functional call inside
+MHA_TARGETS = frozenset({"MultiheadAttention", "multi_head_attention_forward"})
+
+
+def mha_parts(op) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
+    """(attention-core FLOPs, (M, N, K, FLOPs) of its projection GEMMs) of one recorded
+    nn.MultiheadAttention op (`op.flops` counts both): q, k and v projections (one [q | k | v]
+    GEMM for self-attention) and out_proj around QK^T and AV, each 2 * tokens * E * E."""
+    shapes = [s for s in op.input_shapes if s] or [op.output_shape]
+    width = int(shapes[0][-1])
+    tokens = [_numel(s[:-1]) for s in shapes[:3]] + [_numel(shapes[0][:-1])] * (3 - len(shapes[:3]))
+    query, key, value = tokens
+    if query == key == value:
+        gemms = [(query, 3 * width, width, 6 * query * width * width)]
+    else:
+        gemms = [(t, width, width, 2 * t * width * width) for t in (query, key, value)]
+    gemms.append((query, width, width, 2 * query * width * width))
+    core = max(0, int(op.flops) - sum(g[-1] for g in gemms))
+    return core, tuple(gemms)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for dim in shape:
+        out *= int(dim)
+    return out

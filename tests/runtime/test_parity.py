@@ -48,7 +48,11 @@ gathering the sequence-sharded encoder output) 1.6e-7, 4.8e-7, 5.8e-6. BERT's po
 token-type tables cut to the rank's sequence shard without all-gathering their gradient give
 replicas that differ by 5.0e-2 (losses 4.9e-4, weights 4.5e-1); T5's cross-attention reading
 its rank's shard of the encoder output gives losses 2.5e-3, grad norms 3.4e-1, weights
-4.5e-1. bf16/fp16 runs
+4.5e-1. nn.MultiheadAttention split by heads (dp2 x tp2 ZeRO-3, traced styles): losses
+1.7e-7, grad norms 2.1e-7, weights 2.9e-6; its in_proj rows split contiguously instead of
+each rank taking its heads' q, k and v rows gives losses 2.4e-3, grad norms 1.1e-2, weights
+5.2e-1. Under ring attention (cp2, not causal) 2.5e-7, 1.0e-7, 4.5e-6; attending to its own
+shard only, 2.7e-3, 9.7e-3, 2.1e-1. bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured
 9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
@@ -152,6 +156,9 @@ CONFIGS = {
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
         "hf_mamba_zero3": ("hf_mamba", P("hf_mamba", dp=2, zero_stage=3)),
+        # nn.MultiheadAttention through ring attention (not causal: an encoder's)
+        "encoder_cp2": ("encoder", P("encoder", cp=2, cp_buffers={}, cp_modules=[
+            "encoder.layers.0.self_attn", "encoder.layers.1.self_attn"])),
         # torch.compile per block (Inductor's CPU backend): under FSDP2 with a selectively
         # checkpointed block, and under DTensor TP + SP
         "compile_zero3_selective": ("llama", P(dp=2, zero_stage=3, compile=True, recompute={
@@ -305,6 +312,9 @@ CONFIGS = {
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
         "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
+        # nn.MultiheadAttention split by heads (mha_heads) and its inline MLP, under FSDP2
+        "encoder_dp2_tp2_zero3_traced": ("encoder", functools.partial(
+            traced_plan_dict, "encoder", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "image_vit_ddp": ("image_vit", P("image_vit", dp=4)),
         "image_vit_zero3": ("image_vit", P("image_vit", dp=4, zero_stage=3)),
         "image_vit_pp2_dp2_zero3": ("image_vit", P("image_vit", pp=2, dp=2, zero_stage=3,

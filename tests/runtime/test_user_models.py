@@ -88,13 +88,21 @@ def test_context_parallel_accepts_hf_sdpa_attention_only():
     assert context_parallel_supported(bert.bert.encoder.layer[0].attention.self) is None
 
 
-def test_context_parallel_refuses_multihead_attention_of_transformer_encoder():
+def test_context_parallel_takes_multihead_attention_called_without_weights():
+    """nn.MultiheadAttention reaches SDPA (ring attention) only with need_weights=False, as
+    nn.TransformerEncoderLayer calls it; a call asking for weights is refused with that reason."""
+    from autoplan.runtime.context_parallel import _check_mha_call
+
     with torch.device("meta"):
         model = TinyEncoder()
     plan = Plan.from_dict(dict(plan_dict("encoder", cp=2), cp_modules=["encoder.layers.0.self_attn"],
                                cp_buffers={}))
-    with pytest.raises(UserError, match=r"encoder\.layers\.0\.self_attn.*causal SDPA without a mask"):
-        validate_plan(model, plan)
+    validate_plan(model, plan)
+    x = torch.zeros(4, 1, 16)
+    _check_mha_call((x, x, x, None, False), {})
+    _check_mha_call((x, x, x), {"need_weights": False})
+    with pytest.raises(UserError, match="need_weights=False"):
+        _check_mha_call((x, x, x), {})
 
 
 def test_expert_parallel_supports_fused_hf_experts_and_names_what_it_refuses():

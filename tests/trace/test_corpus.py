@@ -22,7 +22,6 @@ NAMES = sorted(corpus.ENTRIES)
 # full-size traces and 64-GPU plans cost up to minutes each: only entries that ask for them
 FULL_NAMES = [n for n in NAMES if corpus.ENTRIES[n].full_tests]
 # text models whose attention is not an SDPA call ring attention can replace
-NO_SDPA = {"transformer_encoder", "nn_transformer"}  # nn.MultiheadAttention
 _FULL: dict[str, tuple] = {}
 
 
@@ -89,7 +88,7 @@ def _check_facts(entry: corpus.Entry, model, graph, reference, size: str) -> Non
         # a sample is one image: no token sequence for ring attention to split (Swin's
         # attention is within windows, ViT's over one image's patches)
         assert graph.context_parallel == []
-    elif entry.attention and entry.name not in NO_SDPA:
+    elif entry.attention:  # nn.MultiheadAttention's too: its SDPA call runs ring attention
         assert graph.context_parallel, "attention over the token sequence is context-parallel"
 
 

@@ -201,11 +201,37 @@ def test_timm_fused_qkv_is_split_per_rank_with_its_attention_on_dtensors():
     assert graph.blocks[0].kv_heads == HEADS
 
 
-def test_multihead_attention_is_left_unsplit_with_its_reason():
+def test_multihead_attention_is_split_by_heads_as_one_module():
     graph = _trace(MHABlock)
+    assert graph.tp_unsplit == []
+    styles = graph.tp_styles["layers.*"]
+    assert styles["attn"] == f"mha_heads:{HEADS},{HEADS}"
+    assert styles["mlp.fc1"] == "colwise" and styles["mlp.fc2"] == "rowwise"
+    block = graph.blocks[0]
+    assert (block.heads, block.kv_heads) == (HEADS, HEADS)
+    # its projections are GEMMs and only QK^T and AV attention: 4 * tokens * seq * hidden
+    tokens, seq = block.gemm_shapes[0][0], graph.seq_len
+    assert block.attention_flops == 4 * tokens * seq * HIDDEN
+    assert "layers.0.attn" in graph.context_parallel
+
+
+class KVDimBlock(MHABlock):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True, kdim=HIDDEN // 2, vdim=HIDDEN // 2)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        kv = h[..., : HIDDEN // 2]
+        x = x + self.attn(h, kv, kv, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+def test_multihead_attention_with_its_own_key_width_is_left_unsplit_with_its_reason():
+    graph = _trace(KVDimBlock)
     assert graph.tensor_parallel == []
     reasons = {(u["block"], u["module"]): u["reason"] for u in graph.tp_unsplit}
-    assert "in_proj_weight" in reasons[("layers", "attn")]
+    assert "kdim/vdim" in reasons[("layers", "attn")]
 
 
 def test_fused_gate_up_is_split_per_rank_and_counts_one_ffn_half():
@@ -280,7 +306,9 @@ CORPUS_PAIRS = {
     # timm's qkv viewed as (..., 3, heads, head_dim): colwise_qkv_global (runtime/global_attention.py)
     "vit_b16": ({("attention", ("attn.qkv",), "attn.proj"), ("mlp", ("mlp.fc1",), "mlp.fc2")}, set()),
     "swin_t": ({("attention", ("attn.qkv",), "attn.proj"), ("mlp", ("mlp.fc1",), "mlp.fc2")}, set()),
-    "transformer_encoder": (set(), {"self_attn"}),
+    # nn.MultiheadAttention: a pair by itself, split by heads (runtime/mha_parallel.py)
+    "transformer_encoder": ({("attention", ("self_attn",), "self_attn"),
+                             ("mlp", ("linear1",), "linear2")}, set()),
 }
 
 
