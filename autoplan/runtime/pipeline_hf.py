@@ -9,8 +9,9 @@ recompute and FSDP find their modules by the plan's paths.
   stage 0        embeds the token ids (`input_ids`);
   later stages   receive the hidden states as `inputs_embeds` (their embedding is removed);
                  what the base model does to the embeddings before its first block (GPT-2's
-                 learned positions, an embedding dropout) is left out there: positions add
-                 a zero, dropouts pass through;
+                 learned positions, an embedding dropout, Granite's embedding multiplier)
+                 is left out there: positions add a zero, dropouts pass through, the
+                 multiplier is 1;
   every stage    builds the rotary cos/sin from `position_ids` (this rank's positions; a
                  family without positions, Mamba, ignores them);
   last stage     applies the final norm and the head through the causal LM's forward;
@@ -38,6 +39,8 @@ class _Parts:
     norm: str = "norm"
     head: str = "lm_head"
     first_stage_only: tuple[str, ...] = ()
+    embedding_scale: str = ""  # a float attribute of the base model its forward multiplies
+    # into `inputs_embeds` (Granite's embedding_multiplier): a later stage's input has it
 
 
 _FAMILIES = {
@@ -46,6 +49,9 @@ _FAMILIES = {
     "mamba": _Parts(embed="embeddings", norm="norm_f"),
     "gpt2": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("wpe", "drop")),
     "gpt_neox": _Parts(embed="embed_in", norm="final_layer_norm", first_stage_only=("emb_dropout",)),
+    "gptj": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("drop",)),
+    "granite": _Parts(embedding_scale="embedding_multiplier"),
+    "deepseek_v3": _Parts(),
 }
 SPLIT_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
@@ -145,7 +151,10 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
             module = getattr(base, name)
             children[name] = module if first else (
                 _NoPositions() if isinstance(module, nn.Embedding) else StageGap())
-        root = _shell(model, {prefix: _shell(base, children),
+        stage_base = _shell(base, children)
+        if parts.embedding_scale and not first:
+            setattr(stage_base, parts.embedding_scale, 1.0)
+        root = _shell(model, {prefix: stage_base,
                               parts.head: getattr(model, parts.head) if last else StageGap()})
         root.forward = _stage_forward(root, prefix, first, last, positions, zigzag)
         shells.append(root)

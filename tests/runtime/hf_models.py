@@ -28,6 +28,18 @@ CONFIGS = {
     # one K/V head (Gemma-2B's multi-query attention): tp > 1 replicates it
     "hf_gemma_mqa": ("GemmaConfig", "GemmaForCausalLM", dict(_COMMON, num_key_value_heads=1, head_dim=16)),
     "hf_mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=2)),
+    # tied head and Granite's multipliers (embedding, residual, attention, logits)
+    "hf_granite": ("GraniteConfig", "GraniteForCausalLM",
+                   dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=12.0,
+                        logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.25,
+                        pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # DeepSeek-V3's shape: MLA (low-rank q and kv, separate rope/value head dims), a dense
+    # first block, then routed experts with a shared one
+    "hf_deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                       dict(_COMMON, moe_intermediate_size=32, num_key_value_heads=4, q_lora_rank=32,
+                            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                            n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                            first_k_dense_replace=1)),
     # attention and MLP in parallel from one norm, both added to the residual (GPT-J)
     "hf_gptj": ("GPTJConfig", "GPTJForCausalLM",
                 {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "rotary_dim": 8, "vocab_size": 256,
@@ -71,6 +83,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
                "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers",
                "hf_gemma_mqa": "model.layers",
+               "hf_granite": "model.layers", "hf_deepseek_v3": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",
                "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers"}

@@ -152,6 +152,10 @@ CONFIGS = {
         "hf_gemma_pp2": ("hf_gemma", P("hf_gemma", pp=2, schedule="1f1b")),  # scaled embedding
         "hf_mistral_pp2": ("hf_mistral", P("hf_mistral", pp=2, schedule="1f1b")),
         "hf_mamba_pp2": ("hf_mamba", P("hf_mamba", pp=2, schedule="1f1b")),  # a state-space model
+        "hf_gptj_pp2": ("hf_gptj", P("hf_gptj", pp=2, schedule="1f1b")),
+        # the embedding multiplier applied once (stage 0), the tied head on the last stage
+        "hf_granite_pp2": ("hf_granite", P("hf_granite", pp=2, schedule="1f1b")),
+        "hf_deepseek_v3_pp2": ("hf_deepseek_v3", P("hf_deepseek_v3", pp=2, schedule="1f1b")),  # MLA + MoE
         "hf_gpt2_pp2": ("hf_gpt2_untied", P("hf_gpt2_untied", pp=2, schedule="1f1b")),  # learned positions
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
