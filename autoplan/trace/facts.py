@@ -186,7 +186,9 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
     for name in inside:
         if not by_name[name].output_shape:
             continue  # a size or shape read: a plain int, not a sharded value
-        escaped = [u for u in users[name] if u not in region and u != row]
+        # a read nothing uses (a KV cache keeping its last window: transformers' sliding-window
+        # layer slices the concatenated keys and values and stores them) carries no value on
+        escaped = [u for u in users[name] if u not in region and u != row and users[u]]
         if escaped:
             return f"{name} is also used by {escaped[0]}"
     return None

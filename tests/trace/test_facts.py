@@ -287,6 +287,8 @@ T5_CROSS = ("attention", ("layer.1.EncDecAttention.q", "layer.1.EncDecAttention.
 CORPUS_PAIRS = {
     "llama": ({ATTN, SWIGLU}, set()),
     "gemma": ({ATTN, SWIGLU}, set()),  # one KV head (MQA)
+    # its sliding-window KV cache slices the concatenated keys and values for nothing after
+    "mistral": ({ATTN, SWIGLU}, set()),
     "mixtral": ({ATTN}, set()),  # fused 3-D experts: EP shards them, TP does not
     "qwen2_moe": ({ATTN}, set()),  # the MoE layer (shared expert too) runs whole on sequence shards
     "bert": ({("attention", ("attention.self.query", "attention.self.key", "attention.self.value"),
