@@ -33,8 +33,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.errors import DryRunMismatch, NoFeasiblePlan, UserError
-from autoplan.plan_schema import field_problems
-from autoplan.planfile import load_checked_plan
+from autoplan.planfile import load_checked_plan, read_plan
 
 GIB = 2**30
 ROWS = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries")
@@ -149,22 +148,17 @@ def check_plan(target: str, workers: int, model: str | None = None, trust_plan_m
     from autoplan.dryrun.host import run_in_host
 
     start = time.perf_counter()
-    _refuse_image_plan(plan_path_of(target))
+    _refuse_before_the_host(plan_path_of(target))
     report = run_in_host(check_in_host, plan_path_of(target), workers, model, trust_plan_model)
     report["wall_s"] = time.perf_counter() - start
     return report
 
 
-def _refuse_image_plan(path: str) -> None:
-    """The dry run's step feeds token ids; an image classifier's plan is not dry-run yet."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return  # the plan's own checks say what is wrong with the file
-    if not isinstance(data, dict) or field_problems(data):
-        return  # the plan's own checks name each wrong field first
-    inputs = data.get("inputs")
-    if isinstance(inputs, dict) and inputs.get("kind") == "images":
+def _refuse_before_the_host(path: str) -> None:
+    """What the plan file alone says cannot be checked, before the host (a process that
+    imports torch) starts: a file that is no plan, and an image classifier's plan, since the
+    dry run's step feeds token ids."""
+    if read_plan(path).inputs.get("kind") == "images":
         raise UserError(f"{path} trains an image classifier, and `autoplan check` dry-runs a step "
                         "on token ids only, so it cannot check this plan yet. `autoplan estimate "
                         "--plan` gives the plan's estimate; the job's launch.sh --steps N measures it.")
