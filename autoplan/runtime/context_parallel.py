@@ -244,16 +244,31 @@ def _cp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
                         "enable_gqa=True to scaled_dot_product_attention (Q heads a multiple of "
                         "K/V heads), or repeat the K/V heads before the call.")
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    value_dim = value.shape[-1]
+    query, key, value = _one_head_dim(query, key, value)
     device = query.device.type
     if not torch.amp.is_autocast_available(device):
-        return RingAttention.apply(query, key, value, group, scale, is_causal)
+        return RingAttention.apply(query, key, value, group, scale, is_causal)[..., :value_dim]
     if torch.is_autocast_enabled(device):
         # as autocast casts SDPA's inputs (on its lower-precision list): the ring then sends
         # 16-bit K/V and the fused kernel takes them
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (t.to(dtype) for t in (query, key, value))
     with torch.autocast(device, enabled=False):  # the ring's fp32 merges stay fp32
-        return RingAttention.apply(query, key, value, group, scale, is_causal)
+        return RingAttention.apply(query, key, value, group, scale, is_causal)[..., :value_dim]
+
+
+def _one_head_dim(query, key, value):
+    """Q, K and V zero-padded to one head size, for the ring that sends K and V together and
+    the fused kernel that wants one size (MLA's q/k heads are wider than its v heads). Zero
+    features add nothing to a score (the scale is the caller's, from the unpadded q) and
+    give zero output columns, which the caller slices off."""
+    qk_dim, v_dim = key.shape[-1], value.shape[-1]
+    if qk_dim > v_dim:
+        value = F.pad(value, (0, qk_dim - v_dim))
+    elif v_dim > qk_dim:
+        query, key = F.pad(query, (0, v_dim - qk_dim)), F.pad(key, (0, v_dim - qk_dim))
+    return query, key, value
 
 
 def context_parallel_supported(module: nn.Module) -> str | None:

@@ -156,6 +156,8 @@ CONFIGS = {
         # the embedding multiplier applied once (stage 0), the tied head on the last stage
         "hf_granite_pp2": ("hf_granite", P("hf_granite", pp=2, schedule="1f1b")),
         "hf_deepseek_v3_pp2": ("hf_deepseek_v3", P("hf_deepseek_v3", pp=2, schedule="1f1b")),  # MLA + MoE
+        # MLA's q/k heads wider than its v heads: the ring runs them zero-padded to one size
+        "hf_deepseek_v3_cp2": ("hf_deepseek_v3", P("hf_deepseek_v3", cp=2)),
         "hf_gpt2_pp2": ("hf_gpt2_untied", P("hf_gpt2_untied", pp=2, schedule="1f1b")),  # learned positions
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
