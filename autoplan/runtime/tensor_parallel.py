@@ -33,6 +33,7 @@ from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module appl
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
+from autoplan.runtime.inline_colwise import InlineColwiseParallel
 from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
 from autoplan.runtime.global_attention import GLOBAL_QKV, GlobalFusedColwiseParallel, shard_head_tables
 from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
@@ -188,7 +189,7 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "colwise":  # a plain input is a sequence shard under SP (a column written inline
         # in its block, as nn.TransformerEncoderLayer's linear1), gathered here; one gathered
         # by its module's "prepare_input" comes as a replicated DTensor and passes as it is
-        return ColwiseParallel(input_layouts=seq)
+        return InlineColwiseParallel(input_layouts=seq)
     if name.partition(":")[0] == GLOBAL_QKV:
         return GlobalFusedColwiseParallel(name)
     if name.partition(":")[0] in ("colwise_qkv", "colwise_gate_up"):

@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from autoplan.runtime.inline_colwise import InlineColwiseParallel
+
 
 def is_transposed_linear(module: nn.Module) -> bool:
     """transformers' Conv1D, recognised by its name and its (nx, nf) weight, so that the
@@ -49,7 +51,7 @@ def _shard(module: nn.Module, mesh: DeviceMesh, placements: dict[str, object], s
             requires_grad=param.requires_grad))
 
 
-class TransposedColwiseParallel(ColwiseParallel):
+class TransposedColwiseParallel(InlineColwiseParallel):
     """ColwiseParallel for a Conv1D: its output features are weight dim 1 and the bias."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -76,9 +78,10 @@ class TransposedRowwiseParallel(RowwiseParallel):
 
 def for_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
     """`style` as it applies to `module`: torch's column/row style, or its Conv1D form."""
-    if not is_transposed_linear(module) or type(style) not in (ColwiseParallel, RowwiseParallel):
+    if not is_transposed_linear(module) or \
+            type(style) not in (ColwiseParallel, InlineColwiseParallel, RowwiseParallel):
         return style
-    transposed = TransposedColwiseParallel if type(style) is ColwiseParallel else TransposedRowwiseParallel
+    transposed = TransposedRowwiseParallel if type(style) is RowwiseParallel else TransposedColwiseParallel
     out = transposed.__new__(transposed)  # the same layouts, as style_for chose them
     out.__dict__.update(style.__dict__)
     return out
