@@ -635,7 +635,8 @@ def _sliced_buffers(gm: fx.GraphModule) -> dict[str, int]:
         if node.op == "get_attr" and node.target in buffers:
             for user in node.users:
                 index = user.args[1] if len(user.args) > 1 else None
-                if user.op == "call_function" and getattr(user.target, "__name__", "") == "getitem" \
+                # operator.getitem, or Tensor.__getitem__ where fx records the method itself
+                if user.op == "call_function" and getattr(user.target, "__name__", "") in ("getitem", "__getitem__") \
                         and isinstance(index, slice):
                     found[str(node.target)] = 0
     return found

@@ -150,15 +150,16 @@ def test_hugging_face_llama_tensor_parallelism_passes_the_probe():
     assert graph.tensor_parallel and "tp" not in graph.refused, graph.refused
 
 
-@pytest.mark.parametrize("name, refused", [("neox_frac", "torch.arange over the 16 tokens"),
-                                           ("rope_fp32", "cuts the buffer freqs_cis to its first 16 rows"),
-                                           ("moe_loop", None)])
-def test_context_parallelism_is_refused_where_forward_numbers_the_local_shard(name, refused):
+@pytest.mark.parametrize("name, refused, buffers", [("neox_frac", "torch.arange over the 16 tokens", {}),
+                                                    ("rope_fp32", None, {"freqs_cis": 0}),
+                                                    ("moe_loop", None, {})])
+def test_context_parallelism_is_refused_where_forward_numbers_the_local_shard(name, refused, buffers):
     # neox_frac's rotary takes torch.arange(x.shape[-2]): under CP that is the rank's shard,
     # and the 4-rank job trained with wrong losses (benchmarks/corpus_matrix.py). rope_fp32
-    # (Llama reference) slices its rotary table buffer to the input's length, which fx cannot
-    # trace, so no cp_buffers re-index it: its cp2 job planned and trained 2e-4 off the
-    # one-rank losses. moe_loop has no positions and trains with parity, so it keeps CP
+    # (Llama reference) slices its rotary table buffer to the input's length with
+    # Tensor.__getitem__, which the trace finds, so cp_buffers re-index it to each rank's
+    # positions (its cp2 job trained 2e-4 off the one-rank losses while the trace missed
+    # it). moe_loop has no positions and trains with parity, so it keeps CP
     from tests import corpus
 
     entry = corpus.ENTRIES[name]
@@ -166,11 +167,24 @@ def test_context_parallelism_is_refused_where_forward_numbers_the_local_shard(na
         model = entry.build("tiny")
     graph = trace_model(model, entry.example_inputs("tiny", batch=1, seq=32))
     assert graph.context_parallel
+    assert graph.cp_buffers == buffers
     if refused:
         assert refused in graph.refused["cp"], graph.refused
-        assert "layers.0.attention" in graph.refused["cp"] or name == "rope_fp32"
+        assert "layers.0.attention" in graph.refused["cp"]
     else:
         assert "cp" not in graph.refused, graph.refused
+
+
+def test_a_position_table_cut_to_the_shards_length_is_caught_where_no_slice_was_traced():
+    # the probe's last line of defence when cp_buffers misses a table: a forward that cuts
+    # a buffer to the rank's token count would give every rank the first shard's positions
+    from autoplan.trace.capability import LocalPositions, _LocalPositionsGuard
+
+    table = torch.arange(64.0).reshape(32, 2)
+    with _LocalPositionsGuard(16, 32, {id(table): "rope"}):
+        table[:8]  # another length: not the shard's
+        with pytest.raises(LocalPositions, match="cuts the buffer rope to its first 16 rows"):
+            table[:16]
 
 
 def test_t5_tensor_parallelism_is_probed_on_the_blocks_the_copy_keeps():
