@@ -245,12 +245,15 @@ def label(result: dict) -> str:
     return verdict
 
 
+def _head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def render(names: list[str], axes: list[str], results: dict, command: str) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     import torch
 
-    lines = [f"# {command}  (commit {commit}, torch {torch.__version__} CPU, gloo, 4 ranks vs 1 rank, "
+    lines = [f"# {command}  (commit {_head_commit()}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__} CPU, gloo, 4 ranks vs 1 rank, "
              f"fp32, {STEPS} steps, global batch {GLOBAL_BATCH} x seq {SEQ_LEN} / image {IMAGE_SIZE}; "
              f"parity = losses within {RTOL:g} relative)",
              f"{'model':<20}" + "".join(f"{axis:<15}" for axis in axes)]
@@ -301,7 +304,8 @@ def combined_cells(paths: list[Path]) -> dict[tuple[str, str], tuple[str, str, s
 
 def render_combined(cells: dict, sources: list[Path]) -> str:
     names = list(dict.fromkeys([n for n in corpus.ENTRIES] + [n for n, _ in cells]))
-    lines = ["# combined by: python benchmarks/corpus_matrix.py --combine " + " ".join(map(str, sources)),
+    lines = ["# combined by: python benchmarks/corpus_matrix.py --combine " + " ".join(map(str, sources))
+             + f"  (on {time.strftime('%Y-%m-%d')} at commit {_head_commit()})",
              "# each cell as last run (its commit in the details); parity = losses within "
              f"{RTOL:g} relative of the one-rank job, 4 ranks, fp32, {STEPS} steps",
              f"{'model':<20}" + "".join(f"{axis:<15}" for axis in AXES)]
