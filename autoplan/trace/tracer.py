@@ -29,6 +29,7 @@ from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.runtime.transposed_linear import is_transposed_linear
 from autoplan.trace.ops import classify, gemm_mnk, shape_of, tensor_bytes, tensors_in
+from autoplan.trace.autocast import MetaAutocast
 from autoplan.trace.blocks import build_segments, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
                                      install_module_hooks, restore_forwards, skip_copies)
@@ -304,13 +305,14 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
     side_values = [] if kwargs else pipeline_side_values(module, own_dtype_args, list(block_of), batch,
                                                          seq, bool(image))
     module = module.to(dtype=TRACE_DTYPE)
-    try:
-        if kwargs:
-            raise _NotSymbolic("keyword inputs")
-        gm, rec, first_path = _trace_by_fx(module, args, block_of, seq, batch)
-        costed_by_routing: list[str] = []
-    except _NotSymbolic:
-        gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq, batch)
+    with MetaAutocast(TRACE_DTYPE):  # as the job runs a 16-bit plan: under torch.autocast
+        try:
+            if kwargs:
+                raise _NotSymbolic("keyword inputs")
+            gm, rec, first_path = _trace_by_fx(module, args, block_of, seq, batch)
+            costed_by_routing: list[str] = []
+        except _NotSymbolic:
+            gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq, batch)
     graph = nx.DiGraph()
     for op in rec.ops:
         graph.add_node(op.name, op=op)
