@@ -1,21 +1,23 @@
 """Training parity: every axis of a plan trains to the same losses, grad norms and weights
 as one process (fp32).
 
-Schedule: AdamW at a constant 5e-3 (no warm-up) for 8 steps, so every step's gradient moves
+Schedule: AdamW at a constant 5e-3 (no warm-up) for 4 steps, so every step's gradient moves
 the weights; inside a warm-up a wrong gradient barely moves anything (an untied tied weight
-passed at 2e-6). After the last step every tensor of the model (gathered full, by FQN) is
+passed at 2e-6). The mutation figures below were measured over 8 steps; at 4 a wrong
+gradient still fails all three checks (halving the EP gradient average: losses 1.3e-5, grad
+norms 4.2e-3, weights 7.9e-3), and the suite's time halves. After the last step every tensor of the model (gathered full, by FQN) is
 compared with the reference's, as |got - ref| / |ref| (Frobenius norm per tensor), and the
 copies of a tensor on different ranks must be identical.
 
 The correct runs differ from the reference only in fp32 summation order (sharded matmuls,
 reduce-scatter/all-reduce order, ring attention's online softmax, MoE all-to-all regrouping,
 micro-batch accumulation), which training amplifies: AdamW turns the rounding of a near-zero
-gradient element into a +-lr step. Measured (8 steps), worst over the cases: losses 2.6e-7
-relative, grad norms 1.3e-5 (TP without SP), weights 4.6e-4 (a small bias vector of the user
-GPT; matrices 5.8e-5); tolerances 1e-5, 1e-4, 2e-3. The Qwen2-MoE model (top-k weights not
-renormalised, a shared expert) amplifies more: 9.8e-6, 1.3e-4, 3.6e-3 (TP+SP, traced styles);
-tolerances 1e-4, 1e-3, 2e-2. The fp32 reference itself is that far from exact: for the
-Mixtral model the old 5-step warm-up schedule's last grad norm is 0.9255949 in fp32 and
+gradient element into a +-lr step. Measured (4 steps), worst over the cases: losses 3.3e-7
+relative, grad norms 6.8e-6 (TP without SP), weights 4.9e-4 (GPT-NeoX's fused qkv bias;
+over 8 steps 2.6e-7, 1.3e-5, 4.6e-4); tolerances 1e-5, 1e-4, 2e-3. The Qwen2-MoE model (top-k
+weights not renormalised, a shared expert) amplifies more: 3.0e-6, 2.4e-5, 1.5e-3 (TP+SP,
+traced styles; 9.8e-6, 1.3e-4, 3.6e-3 over 8 steps); tolerances 1e-4, 1e-3, 2e-2. The fp32
+reference itself is that far from exact: for the Mixtral model the old 5-step warm-up schedule's last grad norm is 0.9255949 in fp32 and
 0.9256182 in fp64 (same initial weights, the same experts chosen for every token at every
 step), 2.5e-5 apart, so a 1e-5 tolerance on grad norms was below the reference's own error.
 A wrong gradient fails clearly (checked by mutation): untying the tied embedding under TP
@@ -54,16 +56,16 @@ each rank taking its heads' q, k and v rows gives losses 2.4e-3, grad norms 1.1e
 5.2e-1. Under ring attention (cp2, not causal) 2.5e-7, 1.0e-7, 4.5e-6; attending to its own
 shard only, 2.7e-3, 9.7e-3, 2.1e-1. bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
-check only (an MoE router differs most): within 5e-3 on losses (measured
-9.0e-4), 3e-1 on grad norms (1.1e-1) and 5e-1 on weights (3.3e-1, a router).
+check only (an MoE router differs most): within 5e-3 on losses (measured 3.7e-4; 9.0e-4 over
+8 steps), 3e-1 on grad norms (4.2e-2; 1.1e-1) and 5e-1 on weights (1.9e-1, a router; 3.3e-1).
 fp8 plans (torchao's float8 linears in the blocks, emulated on CPU, bf16 elsewhere) are
 compared with torchao's own single-process float8 run over the plan's micro-batches (each
 forward casts with its own scales, so a reference over the whole batch would be cast
 differently), with the plan's recipe; the parity worker also counts the Float8Linears each
 run trained with, their weight scaling (tensorwise, or rowwise's "axiswise") and the weights
-FSDP gathers in float8. They differ by bf16's rounding, as bf16 runs do: measured losses
-3.1e-4 to 1.7e-3, grad norms 4.6e-2 to 3.3e-1 (ZeRO-3 with the float8 all-gather), weights
-3.7e-2 to 2.7e-1; rowwise tp2 1.6e-3, 1.9e-1, 2.0e-1; tolerances 5e-3, 5e-1, 5e-1. A run
+FSDP gathers in float8. They differ by bf16's rounding, as bf16 runs do: measured over 4
+steps at most losses 1.1e-3, grad norms 1.8e-1, weights 1.6e-1 (over 8: losses 3.1e-4 to
+1.7e-3, grad norms 4.6e-2 to 3.3e-1, weights 3.7e-2 to 2.7e-1); tolerances 5e-3, 5e-1, 5e-1. A run
 that trained without the float8 linears fails on their count (0 of 28), one with the wrong
 recipe on its scaling, one without the float8 all-gather on its gathered count (0 of 28).
 """
@@ -90,13 +92,14 @@ FP8 = (5e-3, 5e-1, 5e-1)
 SCALING = {"tensorwise": "tensorwise", "rowwise": "axiswise"}
 # A constant learning rate (no warm-up; a cosine over 10**9 steps is flat to 1 ulp here), so
 # every step's gradient moves the weights as much as the first one does.
-PARITY_STEPS = 8
+PARITY_STEPS = 4
 PARITY_OPTIMIZER = dict(OPTIMIZER, lr=5e-3, warmup_steps=0, max_steps=10**9)
 # The BatchNorm ResNet at 5e-3 amplifies rounding so much that its own reference run on 1 and
 # on 2 CPU threads ends 1.7e-3 apart in losses and 1.8e-1 in weights (a BatchNorm bias) after
 # 8 steps; at 1e-3 they end 6.9e-6 apart in losses (the loss still falls 4%), 2.4e-4 in grad
 # norms and 1.5e-2 in weights (a BatchNorm bias), which sets its tolerances on grad norms and
-# weights (measured: 4.8e-6, 2.1e-4, 5.9e-3, pp2 gpipe the worst). Its first step is also
+# weights (measured over 8 steps: 4.8e-6, 2.1e-4, 5.9e-3, pp2 gpipe the worst; over 4: 9.5e-8,
+# 1.7e-7, 1.7e-5). Its first step is also
 # checked on its own (the statistics over the DP ranks' micro-batches: each rank normalising
 # its own micro-batch instead gives 7.9e-4 on the first loss and 1.8e-2 on the first grad
 # norm). Without the stages' buffers kept out of torch's shape-inference forward, a pipeline
@@ -215,7 +218,6 @@ CONFIGS = {
         "zero2": ("llama", P(dp=4, zero_stage=2)),
         "zero3": ("llama", P(dp=4, zero_stage=3)),
         "hsdp": ("llama", P(dp=4, dp_replicate=2, zero_stage=3)),
-        "dp2_tp2": ("llama", P(dp=2, tp=2)),
         "dp2_tp2_zero3": ("llama", P(dp=2, tp=2, zero_stage=3)),
         "pp2_tp2": ("llama", P(pp=2, tp=2, schedule="1f1b")),
         "pp2_dp2_zero3": ("llama", P(pp=2, dp=2, zero_stage=3, schedule="1f1b")),
@@ -230,7 +232,6 @@ CONFIGS = {
         "dp2_cp2_zero1": ("llama", P(dp=2, cp=2, zero_stage=1)),
         "ep2_of_dp4_zero1": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=1)),
         "moe_dp2_tp2_sp_ep2_zero1": ("mixtral", P("mixtral", dp=2, tp=2, ep=2, zero_stage=1)),
-        "dp2_cp2": ("llama", P(dp=2, cp=2)),
         "cp4": ("llama", P(cp=4)),
         "pp4_gpipe": ("llama", P(pp=4, schedule="gpipe", micro_batch=2)),
         "ep4": ("mixtral", P("mixtral", dp=4, ep=4)),
@@ -241,7 +242,6 @@ CONFIGS = {
         # the weights gathered in float8 (torchao's FSDP float8 all-gather, as uint8 on gloo)
         "fp8_zero3": ("llama", P(dp=4, zero_stage=3, precision="fp8", float8_all_gather=True,
                                  recompute=EAGER_BLOCKS)),
-        "moe_dp2_tp2_sp_ep2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2)),
         "pp2_dp2_ep2": ("mixtral", P("mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         # experts as FSDP units on their replicas' mesh: of one rank under a pipeline, of one
         # rank per HSDP replica (both inside checkpointed blocks), and beside TP ranks that
@@ -254,7 +254,6 @@ CONFIGS = {
         "moe_dp2_tp2_sp_ep2_zero2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2, zero_stage=2)),
         "pp2_cp2": ("llama", P(pp=2, cp=2, schedule="1f1b")),
         # Hugging Face transformers models, built from config objects (tests/runtime/hf_models.py)
-        "hf_llama_zero3": ("hf_llama", P("hf_llama", dp=4, zero_stage=3)),
         "hf_llama_dp2_tp2_zero3": ("hf_llama", P("hf_llama", dp=2, tp=2, zero_stage=3)),
         "hf_llama_pp2_dp2_zero3": ("hf_llama", P("hf_llama", pp=2, dp=2, zero_stage=3,
                                                  schedule="1f1b")),
@@ -264,8 +263,6 @@ CONFIGS = {
         # autocast from fp32 weights: the RoPE hands the ring fp32 q/k beside a bf16 v, and
         # the ring takes autocast's bf16 cast of them, as SDPA does
         "hf_llama_dp2_cp2_bf16": ("hf_llama", P("hf_llama", dp=2, cp=2, precision="bf16")),
-        "hf_mixtral_ep4": ("hf_mixtral", P("hf_mixtral", dp=4, ep=4)),
-        "hf_mixtral_dp2_tp2_sp_ep2": ("hf_mixtral", P("hf_mixtral", dp=2, tp=2, ep=2)),
         "hf_mixtral_pp2_dp2_ep2": ("hf_mixtral", P("hf_mixtral", pp=2, dp=2, ep=2, schedule="1f1b")),
         "hf_qwen2moe_ep2_of_dp4": ("hf_qwen2moe", P("hf_qwen2moe", dp=4, ep=2, zero_stage=2)),
         # expert-parallel experts under FSDP's bf16 parameter cast
@@ -280,8 +277,6 @@ CONFIGS = {
         "hf_qwen2moe_dp2_tp2_sp_ep2_traced": ("hf_qwen2moe", functools.partial(
             traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, ep=2, optimizer=PARITY_OPTIMIZER)),
         # per-head q/k norms: replicated weights on each rank's heads, gradients summed over TP
-        "hf_qwen3_dp2_tp2_sp_traced": ("hf_qwen3", functools.partial(
-            traced_plan_dict, "hf_qwen3", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_qwen3_dp2_tp2_zero3_traced": ("hf_qwen3", functools.partial(
             traced_plan_dict, "hf_qwen3", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         # one query_key_value laid out head by head: a contiguous row slice holds whole heads
@@ -293,16 +288,12 @@ CONFIGS = {
         # GPT2Model's closing view(-1, seq, hidden) takes and lm_head gathers
         "hf_gpt2_untied_dp2_tp2_zero3_traced": ("hf_gpt2_untied", functools.partial(
             traced_plan_dict, "hf_gpt2_untied", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
-        "hf_phi3_dp2_tp2_zero1_traced": ("hf_phi3", functools.partial(
-            traced_plan_dict, "hf_phi3", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_pp2_tp2_traced": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_gptj_dp2_tp2_sp_traced": ("hf_gptj", functools.partial(
             traced_plan_dict, "hf_gptj", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         # more TP ranks than K/V heads (kv_replication.py): one K/V head at tp=2 beside dp=2,
         # with ZeRO-1 and ZeRO-3, and two K/V heads at tp=4 (each computed on two ranks)
-        "hf_gemma_mqa_dp2_tp2_traced": ("hf_gemma_mqa", functools.partial(
-            traced_plan_dict, "hf_gemma_mqa", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gemma_mqa_dp2_tp2_zero3_traced": ("hf_gemma_mqa", functools.partial(
             traced_plan_dict, "hf_gemma_mqa", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         "hf_llama_tp4_traced": ("hf_llama", functools.partial(
@@ -321,11 +312,9 @@ CONFIGS = {
         # nn.MultiheadAttention split by heads (mha_heads) and its inline MLP, under FSDP2
         "encoder_dp2_tp2_zero3_traced": ("encoder", functools.partial(
             traced_plan_dict, "encoder", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
-        "image_vit_ddp": ("image_vit", P("image_vit", dp=4)),
         "image_vit_zero3": ("image_vit", P("image_vit", dp=4, zero_stage=3)),
         "image_vit_pp2_dp2_zero3": ("image_vit", P("image_vit", pp=2, dp=2, zero_stage=3,
                                                    schedule="1f1b")),
-        "image_convnext_ddp": ("image_convnext", P("image_convnext", dp=4)),
         "image_convnext_zero3": ("image_convnext", P("image_convnext", dp=4, zero_stage=3)),
         # statistics over the DP ranks' micro-batches together: 4 x 2 = the reference's batch
         "image_resnet_ddp": ("image_resnet", P("image_resnet", dp=4, micro_batch=2)),
