@@ -8,6 +8,7 @@ the in_proj/out_proj weight gradients (gathered, in the model's row order).
 """
 
 import copy
+import gc
 import json
 import sys
 
@@ -119,6 +120,8 @@ def main(results_path: str) -> None:
         worst = {name: {k: max(r[name][k] for r in gathered) for k in results[name]} for name in results}
         with open(results_path, "w") as f:
             json.dump(worst, f)
+    gc.collect()  # free DTensor cycles before teardown (runtime/loop.py train)
+    dist.barrier()  # nobody tears down while a peer still talks
     dist.destroy_process_group()
 
 

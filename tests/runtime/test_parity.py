@@ -215,7 +215,6 @@ CONFIGS = {
     4: {
         "ddp": ("llama", P(dp=4)),
         "zero1": ("llama", P(dp=4, zero_stage=1)),
-        "zero2": ("llama", P(dp=4, zero_stage=2)),
         "zero3": ("llama", P(dp=4, zero_stage=3)),
         "hsdp": ("llama", P(dp=4, dp_replicate=2, zero_stage=3)),
         "dp2_tp2_zero3": ("llama", P(dp=2, tp=2, zero_stage=3)),
@@ -225,7 +224,6 @@ CONFIGS = {
         "tied_pp2_dp2_zero3": ("tied_llama", P("tied_llama", pp=2, dp=2, zero_stage=3, schedule="1f1b")),
         # the embedding on pipeline rank 0, the head on rank 3: a group of the two alone
         "tied_pp4_gpipe": ("tied_llama", P("tied_llama", pp=4, schedule="gpipe", micro_batch=2)),
-        "pp2_dp2_ddp": ("llama", P(pp=2, dp=2, schedule="gpipe")),
         "pp2_dp2_zero1": ("llama", P(pp=2, dp=2, zero_stage=1, schedule="1f1b")),
         # ZeRO-1 steps the local shards of DTensor (TP, EP) parameters
         "dp2_tp2_zero1": ("llama", P(dp=2, tp=2, zero_stage=1)),
@@ -258,7 +256,6 @@ CONFIGS = {
         "hf_llama_pp2_dp2_zero3": ("hf_llama", P("hf_llama", pp=2, dp=2, zero_stage=3,
                                                  schedule="1f1b")),
         "hf_llama_pp2_tp2": ("hf_llama", P("hf_llama", pp=2, tp=2, schedule="gpipe")),
-        "hf_llama_dp2_cp2": ("hf_llama", P("hf_llama", dp=2, cp=2)),
         "hf_llama_pp2_cp2": ("hf_llama", P("hf_llama", pp=2, cp=2, schedule="1f1b")),
         # autocast from fp32 weights: the RoPE hands the ring fp32 q/k beside a bf16 v, and
         # the ring takes autocast's bf16 cast of them, as SDPA does
@@ -302,12 +299,9 @@ CONFIGS = {
             traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
         "mqa_llama_pp2_tp2_traced": ("mqa_llama", functools.partial(
             traced_plan_dict, "mqa_llama", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
-        "hf_gpt2_zero3": ("hf_gpt2", P("hf_gpt2", dp=4, zero_stage=3)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
-        "hf_bert_zero3": ("hf_bert", P("hf_bert", dp=4, zero_stage=3)),
         "hf_bert_dp2_cp2": ("hf_bert", P("hf_bert", dp=2, cp=2)),  # attention that is not causal
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
-        "encoder_zero3": ("encoder", P("encoder", dp=4, zero_stage=3)),  # nn.TransformerEncoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
         # nn.MultiheadAttention split by heads (mha_heads) and its inline MLP, under FSDP2
         "encoder_dp2_tp2_zero3_traced": ("encoder", functools.partial(
@@ -315,7 +309,6 @@ CONFIGS = {
         "image_vit_zero3": ("image_vit", P("image_vit", dp=4, zero_stage=3)),
         "image_vit_pp2_dp2_zero3": ("image_vit", P("image_vit", pp=2, dp=2, zero_stage=3,
                                                    schedule="1f1b")),
-        "image_convnext_zero3": ("image_convnext", P("image_convnext", dp=4, zero_stage=3)),
         # statistics over the DP ranks' micro-batches together: 4 x 2 = the reference's batch
         "image_resnet_ddp": ("image_resnet", P("image_resnet", dp=4, micro_batch=2)),
         # timm's ViT (class token, fused qkv run on DTensors) with FSDP2 over the tp shards
