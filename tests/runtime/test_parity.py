@@ -129,7 +129,6 @@ CONFIGS = {
         "pp2_zero_bubble_v": ("llama", P(pp=2, vpp=2, schedule="zero-bubble")),
         "pp2_zero_bubble_loop": ("llama", P(pp=2, schedule="zero-bubble")),
         "gpt_pp2_user_model": ("gpt", P("gpt", pp=2, schedule="1f1b")),
-        "cp2": ("llama", P(cp=2)),
         "cp2_zero2_recompute": ("llama", P(cp=2, zero_stage=2, recompute={"layers.0": "full"})),
         "ep2": ("mixtral", P("mixtral", dp=2, ep=2)),
         "ep2_zero3": ("mixtral", P("mixtral", dp=2, ep=2, zero_stage=3)),
@@ -137,14 +136,11 @@ CONFIGS = {
         "loop_moe_ep2": ("loop_moe", P("loop_moe", dp=2, ep=2)),
         "zero2_recompute": ("llama", P(dp=2, zero_stage=2, recompute={
             "layers.0": "full", "layers.1": "selective"})),
-        "fp16_ddp": ("llama", P(dp=2, precision="fp16")),
         "fp16_zero2": ("llama", P(dp=2, zero_stage=2, precision="fp16")),
         "token_file_zero3": ("llama", P(dp=2, zero_stage=3)),  # --data PATH (uint16 .bin)
         "tied_tp2": ("tied_llama", P("tied_llama", tp=2)),  # lm_head.weight is embed_tokens.weight
         # the embedding on stage 0 and the head on stage 1: a copy each, gradients summed
         "tied_pp2_1f1b": ("tied_llama", P("tied_llama", pp=2, schedule="1f1b", micro_batch=2)),
-        "tied_pp2_interleaved_1f1b": ("tied_llama", P("tied_llama", pp=2, vpp=2,
-                                                      schedule="interleaved-1f1b")),
         # V placement: stages 0 and 3 on pipeline rank 0, a copy each, summed on the rank
         "tied_pp2_zero_bubble_v": ("tied_llama", P("tied_llama", pp=2, vpp=2, schedule="zero-bubble")),
         "hf_gpt2_tied_pp2": ("hf_gpt2", P("hf_gpt2", pp=2, schedule="1f1b")),
@@ -161,7 +157,6 @@ CONFIGS = {
         "hf_deepseek_v3_pp2": ("hf_deepseek_v3", P("hf_deepseek_v3", pp=2, schedule="1f1b")),  # MLA + MoE
         # MLA's q/k heads wider than its v heads: the ring runs them zero-padded to one size
         "hf_deepseek_v3_cp2": ("hf_deepseek_v3", P("hf_deepseek_v3", cp=2)),
-        "hf_gpt2_pp2": ("hf_gpt2_untied", P("hf_gpt2_untied", pp=2, schedule="1f1b")),  # learned positions
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
         "hf_mamba_zero3": ("hf_mamba", P("hf_mamba", dp=2, zero_stage=3)),
