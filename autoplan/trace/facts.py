@@ -44,6 +44,7 @@ import torch.nn as nn
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
+from autoplan.trace.recorder import func_name
 from autoplan.trace.ops import MHA_TARGETS
 
 _STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv", "moe_router", "loss"}
@@ -636,7 +637,7 @@ def _sliced_buffers(gm: fx.GraphModule) -> dict[str, int]:
             for user in node.users:
                 index = user.args[1] if len(user.args) > 1 else None
                 # operator.getitem, or Tensor.__getitem__ where fx records the method itself
-                if user.op == "call_function" and getattr(user.target, "__name__", "") in ("getitem", "__getitem__") \
+                if user.op == "call_function" and func_name(user.target) == "getitem" \
                         and isinstance(index, slice):
                     found[str(node.target)] = 0
     return found
