@@ -81,8 +81,8 @@ class Plan:
     cp_buffers: dict[str, int] = field(default_factory=dict)  # buffer path -> its sequence dim (RoPE tables)
     ep_modules: list[str] = field(default_factory=list)  # MoE modules
     # what one training sample is; {} (the file has no key) = token ids with next-token
-    # prediction, else {"kind": "images", "image_size", "channels", "num_classes"}: image
-    # classification (plan_schema.INPUT_KEYS)
+    # prediction; {"kind": "images", "image_size", "channels", "num_classes"}: image
+    # classification; {"kind": "batch"}: the model file's example_batch (plan_schema.INPUT_KEYS)
     inputs: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(
         default_factory=lambda: {

@@ -28,8 +28,9 @@ LR_SCHEDULES = ("cosine", "constant")  # cosine: warmup then cosine decay to 10%
 OPTIMIZER_KEYS = ("name", "lr", "betas", "weight_decay", "warmup_steps", "max_steps", "grad_clip",
                   "schedule")
 
-# inputs of an image model (a plan without `inputs` trains on token ids)
-INPUT_KINDS = ("images",)
+# inputs of an image model, or the model file's example_batch (a plan without `inputs` trains
+# on token ids)
+INPUT_KINDS = ("images", "batch")
 INPUT_KEYS = ("kind", "image_size", "channels", "num_classes")
 MAX_IMAGE_SIDE = 1 << 16
 MAX_CLASSES = 1 << 24
@@ -166,7 +167,8 @@ def _module_problems(data: dict[str, Any]) -> list[str]:
 
 
 def inputs_problems(inputs: Any) -> list[str]:
-    """inputs: {} (token ids), or an image classifier's {kind, image_size, channels, num_classes}."""
+    """inputs: {} (token ids), an image classifier's {kind, image_size, channels, num_classes},
+    or {"kind": "batch"} (the model file's example_batch)."""
     if not isinstance(inputs, dict):
         return [f"inputs must be a JSON object, got {_shown(inputs)}"]
     if not inputs:
@@ -175,6 +177,9 @@ def inputs_problems(inputs: Any) -> list[str]:
                 for key in sorted(set(inputs) - set(INPUT_KEYS))]
     if inputs.get("kind") not in INPUT_KINDS:
         problems.append(f"inputs.kind must be one of {list(INPUT_KINDS)}, got {_shown(inputs.get('kind'))}")
+    if inputs.get("kind") == "batch":
+        return problems + [f"inputs.{key} does not go with kind \"batch\" (the model file's "
+                           "example_batch makes the inputs)" for key in sorted(set(inputs) & set(INPUT_KEYS) - {"kind"})]
     for key, low, high in (("image_size", 1, MAX_IMAGE_SIDE), ("channels", 1, 4096),
                            ("num_classes", 2, MAX_CLASSES)):
         value = inputs.get(key)

@@ -135,7 +135,7 @@ def load_checked_plan(path: str, model_spec: str | None = None, gpu: str | None 
     cluster = resolve_cluster(gpu or plan.gpu, None, plan.world_size, plan.gpus_per_node,
                               plan.memory_headroom_gib, None if gpu else plan.inter_node_bandwidth_gb_per_s)
     graph = trace_model(loaded.module, loaded.example_inputs(1, _input_extent(plan, loaded, path)),
-                        name=loaded.ref.name, probe_runtime=probe_runtime)
+                        name=loaded.ref.name, probe_runtime=probe_runtime, user_batch=loaded.user_batch)
     by_path = {block: graph.segment(name) for block, name in graph.layer_order}
     stages = plan.stages or [[block for block, _ in graph.layer_order]]
     unknown = [block for stage in stages for block in stage if block not in by_path]

@@ -166,3 +166,80 @@ def test_a_model_files_own_loss_trains_the_job(run_cli, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert 100 < metrics["loss"] < 110
+
+
+def _batch_file(tmp_path, name: str, body: str):
+    path = tmp_path / name
+    path.write_text("import sys\n"
+                    f"sys.path.insert(0, {str(corpus.REPO / 'tests' / 'runtime')!r})\n"
+                    "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n" + body)
+    return str(path)
+
+
+def test_a_model_files_own_batch_trains_the_job(run_cli, tmp_path):
+    """`example_batch` and `loss` in the file: the plan feeds them, the job trains on them."""
+    path = _batch_file(tmp_path, "tab.py", "from batch_models import TabularRegressor, example_batch, loss\n\n"
+                       "def build_model():\n    return TabularRegressor()\n")
+    job = tmp_path / "job"
+    code, _, err = run_cli("generate", path, "--gpu", "cpu", "--gpus", "1", "--global-batch", "4",
+                           "--precision", "fp32", "-o", str(job))
+    assert code == 0, err
+    assert json.loads((job / "plan.json").read_text())["inputs"] == {"kind": "batch"}
+    assert "batch=model_batch()" in (job / "train.py").read_text()
+    proc = subprocess.run([sys.executable, str(job / "train.py"), "--steps", "1", "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import torch
+
+    from batch_models import TabularRegressor, global_batch, loss
+
+    torch.manual_seed(0)  # train.py's default seed: its weights and its samples
+    x, y = global_batch(0, 0, 4)
+    with torch.no_grad():
+        want = float(loss(TabularRegressor()(x), y))
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["loss"] == pytest.approx(want, rel=1e-5)
+    code, _, err = run_cli("check", str(job / "plan.json"))  # its dry run feeds token ids
+    assert code == 2 and "example_batch" in err and "Traceback" not in err
+
+
+TWO_INPUTS = """
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, keep):
+        for block in self.blocks:
+            x = torch.tanh(block(x * keep))
+        return self.head(x)
+
+
+def example_batch(batch_size):
+    x = torch.randn(batch_size, 16)
+    return (x, (x > 0).float()), torch.randint(0, 3, (batch_size,))
+"""
+
+
+@pytest.mark.parametrize("fix,reason", [
+    ("cp=2", "fed the model file's example_batch, whose sequence dimension (if any) only the file knows"),
+    ("pp=2", "the pipeline hands its first stage one input, and the model file's example_batch gives 2"),
+])
+def test_axes_a_file_batch_cannot_take_are_refused_with_the_reason(run_cli, tmp_path, fix, reason):
+    path = _batch_file(tmp_path, "masked.py", TWO_INPUTS)
+    code, out, err = run_cli("plan", path, "--gpu", "h100", "--gpus", "2", "--global-batch", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["inputs"] == {"kind": "batch"}
+    code, _, err = run_cli("plan", path, "--gpu", "h100", "--gpus", "2", "--global-batch", "8", "--fix", fix)
+    assert code == 2 and "Traceback" not in err
+    assert reason in " ".join(err.split())
+
+
+def test_float_labels_without_a_loss_are_refused_at_plan_time(run_cli, tmp_path):
+    path = _batch_file(tmp_path, "regress.py", TWO_INPUTS.replace(
+        "torch.randint(0, 3, (batch_size,))", "torch.randn(batch_size)"))
+    code, _, err = run_cli("plan", path, "--gpu", "h100", "--gpus", "2", "--global-batch", "8")
+    assert code == 2 and "Traceback" not in err
+    assert "returns float32 labels" in err and "loss(outputs, labels)" in err

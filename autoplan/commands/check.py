@@ -158,8 +158,10 @@ def _refuse_before_the_host(path: str) -> None:
     """What the plan file alone says cannot be checked, before the host (a process that
     imports torch) starts: a file that is no plan, and an image classifier's plan, since the
     dry run's step feeds token ids."""
-    if read_plan(path).inputs.get("kind") == "images":
-        raise UserError(f"{path} trains an image classifier, and `autoplan check` dry-runs a step "
+    kind = read_plan(path).inputs.get("kind")
+    if kind in ("images", "batch"):
+        trains = "an image classifier" if kind == "images" else "on the model file's example_batch"
+        raise UserError(f"{path} trains {trains}, and `autoplan check` dry-runs a step "
                         "on token ids only, so it cannot check this plan yet. `autoplan estimate "
                         "--plan` gives the plan's estimate; the job's launch.sh --steps N measures it.")
 

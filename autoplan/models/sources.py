@@ -11,8 +11,9 @@ a submodule of another such class (a file with `Block(dim)` and `GPT()` picks GP
 `MLP()` and `GPT()` whose GPT holds an MLP also picks GPT). If `build_model` takes a
 `seq_len` parameter it receives the requested sequence length.
 
-Inputs: the file's `example_inputs(batch_size, seq_len)` if defined (a tuple of tensors, one
-per positional argument, or a dict of keyword arguments); otherwise, by the model's first
+Inputs: the inputs of the file's `example_batch(batch_size)` if defined (the batch the job
+trains on, models/user_batch.py); else its `example_inputs(batch_size, seq_len)` if defined (a
+tuple of tensors, one per positional argument, or a dict of keyword arguments); otherwise, by the model's first
 leaf module in registration order (`model.modules()`): nn.Embedding -> token ids (batch, seq)
 int64; nn.Linear -> float32 (batch, seq, in_features); nn.Conv2d -> an image batch
 (batch, in_channels, side, side), where the second argument is the image side
@@ -46,6 +47,7 @@ from autoplan.limits import check_config_sizes
 from autoplan.models import MODEL_TYPES, ConfigError, build_model
 from autoplan.models.user_code import USER_MODULE_PREFIX, user_code
 from autoplan.plan import ModelRef
+from autoplan.models.user_batch import BATCH_HOOK, call_batch
 
 InputsFn = Callable[[int, int], tuple[torch.Tensor, ...]]
 FALLBACK_SEQ_LEN = 2048  # what commands train at when neither the user nor the model says
@@ -61,6 +63,7 @@ class LoadedModel:
     default_seq_len: int | None  # the model's training sequence length when known
     inputs_fn: InputsFn = field(repr=False, default=None)  # type: ignore[assignment]
     takes_images: bool = False  # inputs_fn's second argument is the image side
+    user_batch: bool = False  # inputs_fn gives the inputs of the file's example_batch
 
     def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...] | dict:
         """Meta tensors to trace the model with, for this batch size and sequence length (the
@@ -473,11 +476,30 @@ def _load_file(path: Path, spec: str, seq_len: int | None, *,
         raise UserError(f"{spec}: sequence length {seq_len} exceeds the model's {table[1]} positions (its "
                         f"position embedding `{table[0]}` has {table[1]} rows); use --seq-len {table[1]} or "
                         "less, or enlarge that table in the file")
+    user_batch = getattr(module, BATCH_HOOK, None)
     user_inputs = getattr(module, "example_inputs", None)
-    inputs_fn = user_inputs if callable(user_inputs) else _default_inputs_fn(model, spec)
+    if callable(user_batch):
+        inputs_fn = _batch_inputs_fn(user_batch, spec, callable(getattr(module, "loss", None)))
+    else:
+        inputs_fn = user_inputs if callable(user_inputs) else _default_inputs_fn(model, spec)
     ref = ModelRef("file", path.stem, spec, fingerprint(model, None), sha)
     return LoadedModel(model, ref, None, table[1] if table else None, inputs_fn,
-                       takes_images=getattr(inputs_fn, "image_channels", 0) > 0)
+                       takes_images=getattr(inputs_fn, "image_channels", 0) > 0,
+                       user_batch=callable(user_batch))
+
+
+def _batch_inputs_fn(batch: Callable, spec: str, has_loss: bool) -> InputsFn:
+    """The inputs of the file's example_batch; its labels checked against the loss."""
+    def inputs(batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+        values, labels = call_batch(batch, batch_size, seq_len, spec)
+        if labels.is_floating_point() and not has_loss:
+            raise UserError(f"{BATCH_HOOK} in {spec} returns {str(labels.dtype).replace('torch.', '')} "
+                            "labels, and without a loss(outputs, labels) in the file the loss is "
+                            "cross-entropy, which takes integer class labels. Define "
+                            "loss(outputs, labels) in the file, or return class indices (int64).")
+        return values
+
+    return inputs
 
 
 def _image_inputs(channels: int) -> InputsFn:

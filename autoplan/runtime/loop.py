@@ -127,7 +127,7 @@ class Trainer:
 
     def __init__(self, build_model: Callable[[], nn.Module], plan: Plan, args: TrainArgs,
                  mesh: ParallelMesh | None = None, meta: nn.Module | None = None,
-                 ddp: bool = True, loss: Callable | None = None) -> None:
+                 ddp: bool = True, loss: Callable | None = None, batch: Callable | None = None) -> None:
         self.plan, self.args = plan, args
         meta = meta if meta is not None else build_meta(build_model)
         validate_plan(meta, plan)
@@ -156,7 +156,7 @@ class Trainer:
         self.positions = (zigzag_positions(plan.seq_len, plan.cp, self.mesh.cp_rank)
                           if plan.cp > 1 else None)
         self.objective = make_objective(meta, plan, args.data, args.seed, args.data_dtype,
-                                        self.positions, loss)
+                                        self.positions, loss, batch)
         self.token_positions = self.positions if plan.cp > 1 else torch.arange(plan.seq_len)
         self.model_call = model_call(meta)
         self.schedule = self._schedule() if plan.pp > 1 else None
@@ -233,14 +233,20 @@ class Trainer:
             if self.par.fsdp:
                 self._fsdp_microbatch(model, last)
             with sync, self._context():
-                inputs = inputs.to(self.device)
-                output = model(inputs, **self.model_call.kwargs(inputs, self.token_positions,
-                                                                zigzag=self.plan.cp > 1))
+                output = self._call(model, inputs)
                 loss = self.objective.loss(output, labels.to(self.device))
                 del output  # the 16-bit logits: the loss keeps its own fp32 log-probabilities
                 (loss * (self.scaler.scale / count)).backward()
             total += _plain(loss).detach()
         return total / count
+
+    def _call(self, model: nn.Module, inputs) -> object:
+        """The forward on one micro-batch: token ids or images with the keyword inputs the
+        model accepts (model_io), or the model file's own positional inputs as they are."""
+        if isinstance(inputs, tuple):
+            return model(*(x.to(self.device) for x in inputs))
+        inputs = inputs.to(self.device)
+        return model(inputs, **self.model_call.kwargs(inputs, self.token_positions, zigzag=self.plan.cp > 1))
 
     def _fsdp_microbatch(self, model, last: bool) -> None:
         # Reduce-scatter every micro-batch so gradients stay sharded (the memory the plan
@@ -484,9 +490,10 @@ class MetricsLog:
 
 
 def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainArgs,
-          loss: Callable | None = None) -> list[float]:
+          loss: Callable | None = None, batch: Callable | None = None) -> list[float]:
     """Train `plan` for args.steps steps under torchrun; returns the per-step losses (every rank).
-    `loss(outputs, labels)`: the model file's own loss, if it defines one (objective.py).
+    `loss(outputs, labels)` and `batch` (`example_batch(batch_size)`): the model file's own
+    loss and batch, if it defines them (objective.py, models/user_batch.py).
 
     Bad input (plan/world mismatch, module paths the model lacks, CP without SDPA, EP
     without MoE) is reported on rank 0 before any collective, and every rank exits with
@@ -499,12 +506,12 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
         meta = build_meta(build_model)
         if args.check_only:
-            check_before_launch(meta, plan, args)
+            check_before_launch(meta, plan, args, batch)
             return []
         check_world_size(plan)
         stop_if_stopped_before(args.run_dir)
         validate_plan(meta, plan)  # before the process group: nothing can hang
-        check_inputs(meta, plan, args.data)  # a model the runtime cannot feed stops here too
+        check_inputs(meta, plan, args.data, batch)  # a model the runtime cannot feed stops here too
         if plan.precision == "fp8":
             require_torchao()
         if rank == 0:  # held until this process exits; the kernel releases it if it dies
@@ -520,7 +527,7 @@ def train(build_model: Callable[[], nn.Module], plan: Plan | dict, args: TrainAr
         # as when rank 0 was refused the run directory) cannot run a Python handler, so torchrun
         # would wait out its grace period before killing it instead of ending it at once.
         STOP.install()
-        losses = Trainer(build_model, plan, args, meta=meta, loss=loss).run()
+        losses = Trainer(build_model, plan, args, meta=meta, loss=loss, batch=batch).run()
         _leave(owns_group)
         return losses
     except (UserError, PlanFormatError) as exc:
@@ -564,13 +571,13 @@ def stop_if_stopped_before(run_dir: str) -> None:
         raise SystemExit(int(record["status"]))
 
 
-def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs) -> None:
+def check_before_launch(meta: nn.Module, plan: Plan, args: TrainArgs, batch: Callable | None = None) -> None:
     """What launch.sh checks in one process before torchrun starts the ranks (--check-only):
     the plan against the model, the token file (size, dtype, every id below the vocabulary),
     that no other job holds the run directory, and with --resume the checkpoint to resume from.
     """
     validate_plan(meta, plan)
-    check_inputs(meta, plan, args.data)
+    check_inputs(meta, plan, args.data, batch)
     if args.data != "synthetic":
         count = check_token_file(args.data, vocab_size_of(meta), plan.seq_len, args.data_dtype)
         print(f"autoplan: --data {args.data}: {count:,} tokens, all ids below the vocabulary", flush=True)

@@ -7,8 +7,12 @@
           (batch, channels, side, side) from N(0, 1) and integer labels in [0, num_classes);
           cross-entropy on the model's (batch, num_classes) output.
 
+  batch   (plan.inputs kind "batch") the model file's own `example_batch(batch_size)`
+          (models/user_batch.py): its inputs go to forward, its labels to the loss; cross-entropy
+          over the output's last dimension unless the file defines its loss.
+
 A model file may define its own `loss(outputs, labels)` (the generated train.py passes it
-on): it replaces the cross-entropy of either objective and must return the micro-batch's mean
+on): it replaces the cross-entropy of any objective and must return the micro-batch's mean
 loss as a scalar tensor; the batch stays the objective's.
 
 Both give a rank its rows of step s's global batch as a function of (seed, s, row) alone, so
@@ -28,6 +32,7 @@ from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.runtime.data import local_microbatches, make_source
 from autoplan.runtime.model_io import logits_of, vocab_size_of
+from autoplan.models.user_batch import BATCH_HOOK, sample_rows
 
 Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -89,9 +94,47 @@ class ImageObjective:
         return F.cross_entropy(scores.float(), labels)
 
 
-def check_inputs(meta: nn.Module, plan: Plan, data: str) -> None:
+class BatchObjective:
+    """The model file's `example_batch`, a rank's rows drawn sample by sample."""
+
+    kind = "batch"
+
+    def __init__(self, plan: Plan, seed: int, batch) -> None:
+        self.plan, self.seed, self.batch = plan, seed, batch
+
+    def microbatches(self, step: int, dp_rank: int) -> list:
+        plan, out = self.plan, []
+        for m in range(plan.num_microbatches):
+            start = (dp_rank * plan.num_microbatches + m) * plan.micro_batch
+            inputs, labels = sample_rows(self.batch, plan.seq_len, self.seed, step,
+                                         range(start, start + plan.micro_batch))
+            if len(inputs) > 1 and plan.pp > 1:
+                raise UserError(f"pp={plan.pp}: the pipeline hands its first stage one input, and "
+                                f"{BATCH_HOOK} in the model file returns {len(inputs)}. Plan the model "
+                                "again (the planner does not offer PP for it).")
+            out.append((inputs[0] if len(inputs) == 1 else inputs, labels))
+        return out
+
+    @staticmethod
+    def loss(output, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy in fp32 over the output's last dimension (the classes)."""
+        scores = logits_of(output)
+        if scores.dim() < 2 or scores.shape[:-1].numel() != labels.numel():
+            raise UserError(f"the model returned scores of shape {tuple(scores.shape)} for labels of "
+                            f"shape {tuple(labels.shape)} from {BATCH_HOOK}, and without a "
+                            "loss(outputs, labels) in the model file the loss is cross-entropy "
+                            "over the scores' last dimension (one score row per label). Define "
+                            "loss(outputs, labels) in the model file.")
+        return F.cross_entropy(scores.flatten(0, -2).float(), labels.flatten())
+
+
+def check_inputs(meta: nn.Module, plan: Plan, data: str, batch=None) -> None:
     """Before any process talks: the model reads what the plan's objective feeds it."""
-    if plan.inputs.get("kind") != "images":
+    kind = plan.inputs.get("kind")
+    if kind == "batch":
+        _check_batch_plan(plan, data, batch)
+        return
+    if kind != "images":
         vocab_size_of(meta)
         return
     if data != "synthetic":
@@ -104,6 +147,19 @@ def check_inputs(meta: nn.Module, plan: Plan, data: str) -> None:
     if conv is not None and conv.in_channels != channels:
         raise UserError(f"the plan feeds {channels}-channel images, but the model's first Conv2d takes "
                         f"{conv.in_channels} channels. Was the plan made for another model? Plan it again.")
+
+
+def _check_batch_plan(plan: Plan, data: str, batch) -> None:
+    if batch is None:
+        raise UserError(f"the plan trains on the model file's own batches, but the model file "
+                        f"defines no {BATCH_HOOK}(batch_size); restore it, or plan the model again.")
+    if data != "synthetic":
+        raise UserError(f"--data {data}: the plan trains on the model file's {BATCH_HOOK}, which "
+                        "makes its own data; a token file cannot feed it. Use --data synthetic.")
+    if plan.cp > 1:
+        raise UserError(f"cp={plan.cp}: context parallelism shards a token sequence, and which "
+                        f"dimension of {BATCH_HOOK}'s inputs is a sequence only the model file "
+                        "knows. Plan the model again (the planner does not offer CP for it).")
 
 
 class UserLoss:
@@ -127,8 +183,11 @@ class UserLoss:
 
 
 def make_objective(meta: nn.Module, plan: Plan, data: str, seed: int, data_dtype: str | None,
-                   positions: torch.Tensor | None, loss=None):
-    if plan.inputs.get("kind") == "images":
+                   positions: torch.Tensor | None, loss=None, batch=None):
+    kind = plan.inputs.get("kind")
+    if kind == "batch":
+        objective = BatchObjective(plan, seed, batch)
+    elif kind == "images":
         objective = ImageObjective(plan, seed)
     else:
         objective = TokenObjective(vocab_size_of(meta), plan, data, seed, data_dtype, positions)

@@ -32,9 +32,12 @@ def to_plan(candidate: Candidate, graph: ModelGraph, model: ModelRef, cluster,
 
 
 def plan_inputs(graph: ModelGraph) -> dict:
-    """What the runtime feeds an image classifier (its batch and its labels); {} for token
-    models, and for an image model whose output is not (batch, classes), which the runtime
-    cannot train (`autoplan generate` says so)."""
+    """What the runtime feeds the model: the model file's example_batch ({"kind": "batch"});
+    an image classifier its images and labels; {} for token models, and for an image model
+    whose output is not (batch, classes), which the runtime cannot train (`autoplan generate`
+    says so)."""
+    if graph.user_batch_inputs:
+        return {"kind": "batch"}
     if not graph.image_size or graph.num_classes < 2:
         return {}
     return {"kind": "images", "image_size": graph.image_size, "channels": graph.image_channels,

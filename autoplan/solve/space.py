@@ -113,9 +113,8 @@ def kv_reason(graph: ModelGraph, block, tp: int) -> str | None:
 
 
 def sequence_parallel(graph: ModelGraph, tp: int) -> bool:
-    """SP with TP, except for image models: nothing before their first block shards the patch
-    sequence (a token model's vocab-parallel embedding hands on its sequence shard)."""
-    return tp > 1 and not graph.image_size
+    """SP with TP where the model's inputs let it shard the sequence (graph.sequence_shardable)."""
+    return tp > 1 and graph.sequence_shardable
 
 
 def image_cp_reason(graph: ModelGraph, cp: int) -> str:
@@ -141,6 +140,10 @@ def image_cp_reason(graph: ModelGraph, cp: int) -> str:
 def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: int) -> str | None:
     if cp == 1:
         return None
+    if graph.user_batch_inputs:
+        return ("context parallelism shards the token sequence the runtime feeds a model, and this "
+                "model is fed the model file's example_batch, whose sequence dimension (if any) "
+                "only the file knows")
     if not graph.context_parallel and graph.image_size:
         return image_cp_reason(graph, cp)
     if not graph.context_parallel:
@@ -159,6 +162,9 @@ def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: 
 def pp_reason(graph: ModelGraph, pp: int, vpp: int, tp: int = 1) -> str | None:
     if pp * vpp > max(graph.num_layers, 1):
         return f"pp*vpp={pp * vpp} exceeds the {graph.num_layers} blocks"
+    if pp > 1 and graph.user_batch_inputs > 1:
+        return (f"the pipeline hands its first stage one input, and the model file's example_batch "
+                f"gives {graph.user_batch_inputs}")
     if pp > 1 and "pp" in graph.refused:
         return f"autoplan's runtime cannot split this model into pipeline stages: {graph.refused['pp']}"
     if pp > 1 and tp > 1 and "pp_tp" in graph.refused:

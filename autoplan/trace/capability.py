@@ -79,7 +79,7 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
         # each block path; keep the keys of the blocks the probed copy still has
         styles = {k: dict(v) for k, v in graph.tp_styles.items() if k == "" or "*" in k or k in blocks}
         plans["tp"] = base.with_(world_size=tp, gpus_per_node=tp, tp=tp,
-                                 sequence_parallel=not graph.image_size,  # solve/space.py's choice
+                                 sequence_parallel=graph.sequence_shardable,
                                  tp_styles=styles)
     kv_tp = _smallest_kv_tp(graph) if graph.tensor_parallel else 0
     if kv_tp:  # K/V heads replicated: another code path of the same styles
@@ -291,8 +291,11 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict, heads: frozens
             loss = sum(carried)
         else:
             logits = logits_of(out)
-            labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-            loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+            if logits.dim() < 2:  # one value per sample: a model file's own loss reads it
+                loss = logits.float().mean()
+            else:
+                labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+                loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
         loss.backward()
 
 

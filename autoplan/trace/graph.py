@@ -151,6 +151,9 @@ class ModelGraph:
     image_size: int = 0  # side of the traced image batch for image models (seq_len is then 1)
     image_channels: int = 0  # channels of that batch
     num_classes: int = 0  # an image model's output is (batch, num_classes); 0 when it is not
+    # positional inputs of the model file's example_batch, which the job trains on (0: the
+    # runtime's own token or image objective)
+    user_batch_inputs: int = 0
     # per cut after block copy k (layer_order[k], k < num_layers - 1): what a pipeline stage
     # ending there hands on beside the hidden states (trace/side_values.py); empty where the
     # runtime hands on the hidden states alone (Hugging Face models) or cannot split the model
@@ -173,6 +176,14 @@ class ModelGraph:
     @property
     def num_layers(self) -> int:
         return len(self.layer_order)
+
+    @property
+    def sequence_shardable(self) -> bool:
+        """Whether sequence parallelism may shard what runs between TP regions along dim 1:
+        a token model's vocab-parallel embedding hands on its sequence shard; nothing before
+        an image model's first block shards its patch sequence, and in the model file's own
+        example_batch which dimension is a sequence only the file knows."""
+        return not self.image_size and not self.user_batch_inputs
 
     def vocab_parameters(self, block: BlockInfo) -> int:
         """Parameters of `block` in a vocabulary-sized table (the token embedding, an untied

@@ -268,7 +268,8 @@ def fingerprint(module: nn.Module) -> str:
 
 
 def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = "",
-                example_kwargs: dict | None = None, probe_runtime: bool = True) -> ModelGraph:
+                example_kwargs: dict | None = None, probe_runtime: bool = True,
+                user_batch: bool = False) -> ModelGraph:
     """Trace `module` (parameters on meta) called with `example_inputs` (positional inputs,
     or a dict of keyword inputs) and `example_kwargs` into a ModelGraph.
 
@@ -278,17 +279,19 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     saved bytes with saved-tensor hooks, on the first copy of each block group.
     `probe_runtime=False` leaves out the capability probe (capability.py): for graphs that
     only cost layouts other runtimes ran, never to choose what autoplan's runtime applies.
+    `user_batch`: the inputs are those of the model file's `example_batch`, which the job
+    feeds as they are (models/user_batch.py).
     """
     if not type(module).__module__.startswith(USER_MODULE_PREFIX):  # autoplan's or a library's model
         return _trace_model(module, example_inputs, name=name, example_kwargs=example_kwargs,
-                            probe_runtime=probe_runtime)
+                            probe_runtime=probe_runtime, user_batch=user_batch)
     with user_code(f"tracing the forward of {name or type(module).__name__} (on the meta device)"):
         return _trace_model(module, example_inputs, name=name, example_kwargs=example_kwargs,
-                            probe_runtime=probe_runtime)
+                            probe_runtime=probe_runtime, user_batch=user_batch)
 
 
 def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
-                 example_kwargs: dict | None, probe_runtime: bool) -> ModelGraph:
+                 example_kwargs: dict | None, probe_runtime: bool, user_batch: bool = False) -> ModelGraph:
     if isinstance(example_inputs, dict):
         example_inputs, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
     module = module.to(device="meta")
@@ -331,6 +334,7 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         num_classes=classes,
         pipeline_side_values=side_values,
         sequence_loops=sequence_loops(rec.ops, seq, module),
+        user_batch_inputs=len(args) if user_batch else 0,
     )
     add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
     if probe_runtime:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
 from autoplan.runtime.fused_projection import fused_row_orders, in_model_layout
-from runtime_models import SEED, STEPS, builder
+from runtime_models import SEED, STEPS, builder, hooks
 
 
 def full_state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], float]:
@@ -66,7 +66,7 @@ def main() -> None:
         plan = Plan.from_dict(config["plan"])
         args = TrainArgs(steps=config.get("steps", STEPS), seed=SEED, run_dir=sys.argv[3], log_every=10**9,
                          data=config.get("data", "synthetic"))
-        trainer = Trainer(builder(config["kind"]), plan, args)
+        trainer = Trainer(builder(config["kind"]), plan, args, **hooks(config["kind"]))
         losses = trainer.run()
         state, spread = full_state(trainer)
         compiled = sum(getattr(m, "_compiled_call_impl", None) is not None

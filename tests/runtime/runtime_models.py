@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import batch_models
 import hf_models
 import image_models
 from autoplan.models import build_model
@@ -197,7 +198,14 @@ def builder(kind: str):
         return image_models.BUILDERS[IMAGE_KINDS[kind]]
     if kind in ("encoder", "vit"):
         return TinyEncoder if kind == "encoder" else TinyViT
+    if kind == "tabular":
+        return batch_models.TabularRegressor
     raise ValueError(kind)
+
+
+def hooks(kind: str) -> dict:
+    """The model file's own `loss` and `batch` (example_batch) a kind trains with, if any."""
+    return {"loss": batch_models.loss, "batch": batch_models.example_batch} if kind == "tabular" else {}
 
 
 def llama_tp_styles(layers: int = 4, moe: bool = False, prefix: str = "") -> dict[str, str]:
@@ -224,7 +232,7 @@ def plan_dict(kind: str = "llama", **over) -> dict:
     if kind in hf_models.CONFIGS:
         return _hf_plan_dict(kind, **over)
     world = over.get("dp", 1) * over.get("tp", 1) * over.get("pp", 1) * over.get("cp", 1)
-    block = "blocks" if kind.endswith("gpt") or kind in IMAGE_KINDS else "layers"
+    block = "blocks" if kind.endswith("gpt") or kind in IMAGE_KINDS or kind == "tabular" else "layers"
     paths = [f"{block}.{i}" for i in range(4)]
     if kind == "encoder":
         paths = ["encoder.layers.0", "encoder.layers.1"]
@@ -238,7 +246,11 @@ def plan_dict(kind: str = "llama", **over) -> dict:
                        if stages_n > 1 else [])}
     if kind in IMAGE_KINDS:  # a sample is one image: no sequence
         plan.update(seq_len=1, inputs=dict(IMAGE_INPUTS))
-    if over.get("tp", 1) > 1 and kind != "gpt" and kind not in IMAGE_KINDS:
+    if kind == "tabular":  # the model file's example_batch: no sequence to shard
+        plan.update(seq_len=batch_models.FEATURES, inputs={"kind": "batch"}, sequence_parallel=False)
+        if over.get("tp", 1) > 1:
+            plan.update(tp_styles=dict(batch_models.TP_STYLES), format_version=2)  # per block class
+    elif over.get("tp", 1) > 1 and kind != "gpt" and kind not in IMAGE_KINDS:
         plan["tp_styles"] = llama_tp_styles(moe=kind == "mixtral")
     if over.get("cp", 1) > 1:
         plan["cp_modules"] = [f"layers.{i}.self_attn" for i in range(4)]
@@ -383,7 +395,7 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
     gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses;
     the final weights catch a gradient of the wrong direction (an untied weight)."""
     torch.manual_seed(seed)
-    if kind in ("gpt", "encoder", "loop_moe") or kind in IMAGE_KINDS:
+    if kind in ("gpt", "encoder", "loop_moe", "tabular") or kind in IMAGE_KINDS:
         model = builder(kind)()
     elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
         with torch.device("meta"):
@@ -408,9 +420,13 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = _lr(step, optimizer)
-        if kind in IMAGE_KINDS:
-            images, labels = _image_batch(step, seed)
-            loss = F.cross_entropy(model(images), labels)
+        if kind in IMAGE_KINDS or kind == "tabular":
+            if kind == "tabular":
+                x, y = batch_models.global_batch(step, seed, GLOBAL_BATCH)
+                loss = batch_models.loss(model(x), y)
+            else:
+                images, labels = _image_batch(step, seed)
+                loss = F.cross_entropy(model(images), labels)
             loss.backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer["grad_clip"])))
             opt.step()

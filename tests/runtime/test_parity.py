@@ -306,6 +306,9 @@ CONFIGS = {
                                                    schedule="1f1b")),
         # statistics over the DP ranks' micro-batches together: 4 x 2 = the reference's batch
         "image_resnet_ddp": ("image_resnet", P("image_resnet", dp=4, micro_batch=2)),
+        # the model file's own example_batch and MSE loss: rows drawn sample by sample
+        "tabular_dp2_tp2_zero3": ("tabular", P("tabular", dp=2, tp=2, zero_stage=3)),
+        "tabular_pp2_dp2_1f1b": ("tabular", P("tabular", pp=2, dp=2, schedule="1f1b", micro_batch=2)),
         # timm's ViT (class token, fused qkv run on DTensors) with FSDP2 over the tp shards
         "timm_vit_zero3_tp2": ("timm_vit", functools.partial(
             traced_plan_dict, "timm_vit", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
