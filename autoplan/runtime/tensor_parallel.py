@@ -6,7 +6,8 @@ sequence parallelism one reduce-scatter + all-gather, per pair). A fused [q | k 
 counts (fused_projection.py); k and v projections of fewer K/V heads than ranks give each
 rank the K/V head of its q heads (kv_replication.py). transformers' Conv1D (GPT-2) takes
 the same styles in its transposed form (transposed_linear.py). An nn.MultiheadAttention is
-split by heads as one module (mha_parallel.py). Between blocks the residual
+split by heads as one module (mha_parallel.py); an RMSNorm over all heads of a column's
+output sums its statistic over the ranks (sharded_norm.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -41,6 +42,7 @@ from autoplan.runtime.mesh import local_part
 from autoplan.runtime.mha_parallel import MHA_STYLE, MultiheadAttentionParallel
 from autoplan.runtime.model_io import without_fake_causal_mask
 from autoplan.runtime.pipeline_hf import StageGap
+from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, ShardedRMSNorm
 from autoplan.runtime.transposed_linear import for_module, output_features
 from autoplan.runtime.tying import retie, tied_groups
 
@@ -215,6 +217,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "head_norm":  # a norm over each head's features, on (batch, seq, this rank's heads, head_dim):
         # its weight is replicated and its gradient summed over the ranks' heads
         return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if name == SHARDED_RMS_NORM:  # an RMSNorm over all heads of a column's output (OLMo-2's q/k norm)
+        return ShardedRMSNorm()
     if name == "prepare_input":
         return GatherFirstInput(seq)
     if name == "vocab_embedding":

@@ -375,10 +375,11 @@ KNOWN_FAILURES = (
 
 
 def known_failure(message: str, kind: str) -> str | None:
-    """The cause of a failure KNOWN_FAILURES names, with torch's exception type; else None."""
+    """The cause of a failure KNOWN_FAILURES names (torch's exception said as its cause, not
+    quoted); else None."""
     for fragment, cause in KNOWN_FAILURES:
         if fragment in message or fragment in kind:
-            return f"{cause} ({kind})"
+            return cause
     return None
 
 

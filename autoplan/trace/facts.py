@@ -23,6 +23,11 @@ Megatron/torchtitan re-order a fused weight per rank; viewed as (..., 3, heads, 
 (timm, whose forward reads the full width from its input) the same split with the attention
 run on DTensors ("colwise_qkv_global:<heads>,<heads>"; runtime/global_attention.py).
 
+q and k normalised over all heads before the head view (OLMo-2's q_norm and k_norm): the
+pair is seen through the norms, which the runtime runs on each rank's columns with their
+statistic summed over the ranks ("sharded_rms_norm", runtime/sharded_norm.py), if each is a
+plain RMSNorm (checked on the module's own code); any other such norm is left unsplit.
+
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
 model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
 other fused layouts (a fused k/v beside a separate q: a ColwiseParallel row slice would mix
@@ -42,6 +47,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
+from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.trace.recorder import func_name
@@ -103,9 +109,10 @@ def _per_head_norm(op: OpInfo) -> bool:
     return len(shape) >= 4
 
 
-def _walk_back(row: str, by_name: dict, inputs: dict) -> tuple[set[str], set[str], set[str]]:
+def _walk_back(row: str, by_name: dict, inputs: dict,
+               pass_modules: frozenset = frozenset()) -> tuple[set[str], set[str], set[str]]:
     """(feeding linears, ops passed through, norms stopped at) walking back from `row` to
-    the stop kinds; per-head norms are passed through."""
+    the stop kinds; per-head norms, and the norm modules `pass_modules`, are passed through."""
     feeders, through, norms, stack = set(), set(), set(), list(inputs[row])
     while stack:
         name = stack.pop()
@@ -114,7 +121,7 @@ def _walk_back(row: str, by_name: dict, inputs: dict) -> tuple[set[str], set[str
         op = by_name[name]
         if op.kind == "linear":
             feeders.add(name)
-        elif op.kind not in _STOP_KINDS or _per_head_norm(op):
+        elif op.kind not in _STOP_KINDS or _per_head_norm(op) or op.module in pass_modules:
             through.add(name)
             stack.extend(inputs[name])
         elif op.kind == "norm":
@@ -166,8 +173,9 @@ def _region(feeders: set[str], through: set[str], users: dict) -> set[str]:
 
 
 def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict,
-             users: dict) -> str | None:
-    """Why `feeders` -> `row` is not a column/row pair, or None when it is one."""
+             users: dict, sharded_norms: frozenset = frozenset()) -> str | None:
+    """Why `feeders` -> `row` is not a column/row pair, or None when it is one; the ops of
+    the norm modules `sharded_norms` (over a column's whole output) may normalise across heads."""
     hidden = {by_name[f].input_shapes[0][-1] for f in feeders if by_name[f].input_shapes}
     out = by_name[row].output_shape
     if len(hidden) != 1 or not out or out[-1] not in hidden:
@@ -176,7 +184,7 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
     widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
     for name in region:
         op = by_name[name]
-        if op.kind == "norm" and not _one_head_each(op, widths):
+        if op.kind == "norm" and op.module not in sharded_norms and not _one_head_each(op, widths):
             return f"{name} normalises a tensor that is not one head's features of a column's output"
         # a residual is hidden wide; head-layout tensors (RoPE tables beside one KV head) are not
         if op.kind == "elementwise" and op.output_shape and op.output_shape[-1] in hidden:
@@ -350,10 +358,11 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
         attention = [by_name[n] for n in sorted(region, key=order.index)
                      if by_name[n].kind == "attention"]
         across = sorted(n for n in norms if _fed_by_linear(n, by_name, inputs))
-        if kind == "attention" and across:  # q/k normalised over all heads: no head split
-            pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
-                          "fused": False, "attention": attention, "norm_across_heads": across,
-                          "head_norms": []})
+        if kind == "attention" and across:  # q/k normalised over all heads
+            pairs.append(_across_heads_pair(op.name, across, by_name, inputs, users, order, attention)
+                         or {"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
+                             "fused": False, "attention": attention, "norm_across_heads": across,
+                             "head_norms": []})
             continue
         # MLA: the columns read low-rank latents of different widths, and a projection of the
         # hidden states reaches every head through an expand (a GQA model's K/V repeat is an
@@ -378,6 +387,42 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
     return pairs
 
 
+def _across_heads_pair(row: str, across: list[str], by_name: dict, inputs: dict, users: dict,
+                       order: list[str], attention: list[OpInfo]) -> dict | None:
+    """The attention pair seen through its norms over all heads (OLMo-2's q_norm and k_norm
+    on q and k before the head view), whose statistic the runtime can sum over the ranks
+    (runtime/sharded_norm.py); None when the columns behind them do not form a plain pair
+    (block_tp_facts then checks each norm is a plain RMSNorm)."""
+    modules = frozenset(by_name[n].module for n in across)
+    feeders, through, norms = _walk_back(row, by_name, inputs, modules)
+    region = _region(feeders, through, users)
+    if norms & set(region) or _illegal(row, feeders, region, by_name, inputs, users, modules) \
+            or _fused("attention", feeders, region, by_name, inputs):
+        return None
+    return {"column": sorted(feeders, key=order.index), "row": row, "kind": "attention", "fused": False,
+            "column_style": "colwise", "kv_styles": {}, "attention": attention, "norm_across_heads": [],
+            "sharded_norms": sorted(modules), "across": across,
+            "head_norms": sorted(n for n in region if by_name[n].kind == "norm" and by_name[n].module not in modules)}
+
+
+def _unshardable_norms(module: nn.Module, pairs: list[dict]) -> list[dict]:
+    """`pairs` with each pair whose norms over all heads are not all plain RMSNorms (checked on
+    the block's own modules) turned back into one left unsplit."""
+    out = []
+    for pair in pairs:
+        paths = pair.get("sharded_norms", [])
+        if paths and not all(is_plain_rms_norm(_submodule_at(module, p)) for p in paths):
+            pair = {**pair, "norm_across_heads": pair["across"], "sharded_norms": []}
+        out.append(pair)
+    return out
+
+
+def _submodule_at(block: nn.Module, path: str) -> nn.Module:
+    """The block's submodule whose path (relative to the block) ends the model path `path`."""
+    found = [(name, sub) for name, sub in block.named_modules() if name and ("." + path).endswith("." + name)]
+    return max(found, key=lambda item: len(item[0]))[1]
+
+
 def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str]]:
     """(module, reason) for each part of a block that tensor parallelism must leave whole."""
     module_of = {op.name: op.module for op in ops}
@@ -400,7 +445,7 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
              "tp_flops": 0, "kv_modules": (), "kv_parameters": 0, "pairs": [], "unsplit": []}
     moe = _moe_module(module)
     experts = {op.name for op in ops if moe and f".{moe[0]}." in f".{op.module}."}
-    pairs = [p for p in linear_pairs(ops, edges) if p["row"] not in experts]
+    pairs = _unshardable_norms(module, [p for p in linear_pairs(ops, edges) if p["row"] not in experts])
     mha_pairs, mha_unsplit = _mha_pairs(module, ops)
     facts["unsplit"] = unsplit_reasons(ops, pairs) + mha_unsplit
     for pair in mha_pairs:
@@ -505,9 +550,11 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
             # a gather of the block's input would hand the residual stream on as a DTensor
             styles[parent] = "prepare_input"
     head_norms = {n for pair in pairs for n in pair.get("head_norms", [])}
+    sharded = {m for pair in pairs for m in pair.get("sharded_norms", [])}
     for op in block_ops:
         if op.kind == "norm" and op.module:
-            styles[_relative(op.module, first)] = "head_norm" if op.name in head_norms else "sequence_parallel"
+            styles[_relative(op.module, first)] = (SHARDED_RMS_NORM if op.module in sharded else
+                                                   "head_norm" if op.name in head_norms else "sequence_parallel")
     return styles
 
 

@@ -54,7 +54,13 @@ its rank's shard of the encoder output gives losses 2.5e-3, grad norms 3.4e-1, w
 1.7e-7, grad norms 2.1e-7, weights 2.9e-6; its in_proj rows split contiguously instead of
 each rank taking its heads' q, k and v rows gives losses 2.4e-3, grad norms 1.1e-2, weights
 5.2e-1. Under ring attention (cp2, not causal) 2.5e-7, 1.0e-7, 4.5e-6; attending to its own
-shard only, 2.7e-3, 9.7e-3, 2.1e-1. bf16/fp16 runs
+shard only, 2.7e-3, 9.7e-3, 2.1e-1. OLMo-2's q_norm/k_norm over all heads, each rank normalising its
+columns with the mean square summed over the ranks (dp2 x tp2 ZeRO-3): losses 1.7e-7, grad
+norms 3.8e-5, weights 2.7e-4; with the statistic's gradient left as each rank's own instead
+of summed over the ranks (to_local without its Partial gradient placement), losses 6.0e-4,
+grad norms 4.6e-2, weights 1.7e-1. A model file's own batch (example_batch) and MSE loss: at
+most losses 8.1e-7, grad norms 3.6e-7, weights 3.0e-7; drawing its rows under other seeds
+fails on the losses. bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured 3.7e-4; 9.0e-4 over
 8 steps), 3e-1 on grad norms (4.2e-2; 1.1e-1) and 5e-1 on weights (1.9e-1, a router; 3.3e-1).
@@ -306,6 +312,9 @@ CONFIGS = {
                                                    schedule="1f1b")),
         # statistics over the DP ranks' micro-batches together: 4 x 2 = the reference's batch
         "image_resnet_ddp": ("image_resnet", P("image_resnet", dp=4, micro_batch=2)),
+        # OLMo-2's q_norm/k_norm over all heads: each rank's columns, the statistic summed
+        "hf_olmo2_dp2_tp2_zero3_traced": ("hf_olmo2", functools.partial(
+            traced_plan_dict, "hf_olmo2", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
         # the model file's own example_batch and MSE loss: rows drawn sample by sample
         "tabular_dp2_tp2_zero3": ("tabular", P("tabular", dp=2, tp=2, zero_stage=3)),
         "tabular_pp2_dp2_1f1b": ("tabular", P("tabular", pp=2, dp=2, schedule="1f1b", micro_batch=2)),

@@ -281,3 +281,12 @@ def test_bert_is_offered_tensor_and_context_parallelism():
     assert graph.tensor_parallel and "tp" not in graph.refused, graph.refused
     assert "cp" not in graph.refused, graph.refused
     assert graph.tp_styles[""]["bert.embeddings.token_type_embeddings"] == "whole_embedding"
+
+
+def test_a_known_failure_is_said_as_its_cause_without_torchs_words():
+    from autoplan.trace.capability import known_failure
+
+    reason = known_failure("shape '[2, 16, 4, 16]' is invalid for input of size 1024", "RuntimeError")
+    assert reason.startswith("its forward reshapes to a size fixed in its code")
+    assert "RuntimeError" not in reason and "invalid for input" not in reason
+    assert known_failure("CUDA out of memory", "RuntimeError") is None  # unknown: quoted by the caller

@@ -436,15 +436,41 @@ def test_a_transformer_at_a_short_sequence_has_no_sequence_loop():
     assert graph.sequence_loops == []
 
 
-def test_q_k_norms_over_all_heads_are_left_unsplit_with_that_reason():
+def test_q_k_norms_over_all_heads_are_sharded_with_their_statistic_summed():
     # OLMo2: q_norm/k_norm over the whole projection, before the view into heads
     graph = trace_model(_hf_meta("Olmo2Config", "Olmo2ForCausalLM"),
                         (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    attention = [p for p in graph.tensor_parallel if p["kind"] == "attention"]
+    assert [(tuple(p["column"]), p["row"], p["divides"]) for p in attention] == \
+        [(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj",
+          {"heads": 4, "kv_heads": 2})]
+    styles = graph.tp_styles["model.layers.*"]
+    assert styles["self_attn.q_norm"] == styles["self_attn.k_norm"] == "sharded_rms_norm"
+    assert styles["self_attn.k_proj"] == "colwise"  # no K/V head replication: a sum over all heads
+    assert graph.tp_unsplit == [] and "tp" not in graph.refused  # applied on the fake group
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset from 1."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def test_q_k_norms_over_all_heads_that_are_no_plain_rms_norm_are_left_unsplit():
+    model = _hf_meta("Olmo2Config", "Olmo2ForCausalLM")
+    for layer in model.model.layers:
+        with torch.device("meta"):
+            layer.self_attn.q_norm, layer.self_attn.k_norm = OffsetRMSNorm(64), OffsetRMSNorm(32)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),), probe_runtime=False)
     assert not [p for p in graph.tensor_parallel if p["kind"] == "attention"]
     reasons = {u["module"]: u["reason"] for u in graph.tp_unsplit}
     assert set(reasons) == {"self_attn.q_norm", "self_attn.k_norm"}
     assert all("over all heads" in reason for reason in reasons.values())
-    assert not any("fused" in u["reason"] for u in graph.tp_unsplit)
 
 
 def test_mla_attention_is_left_unsplit_naming_the_projection_all_heads_share():
