@@ -1,4 +1,4 @@
-"""Pipeline stages of a Hugging Face decoder-only causal LM, without tracing.
+"""Pipeline stages of a Hugging Face decoder-only causal LM or encoder, without tracing.
 
 torch.fx cannot trace transformers' causal LMs (the masking code branches on shapes, the
 forwards take `**kwargs`), so each stage is a *shell* of the model: the same classes and
@@ -14,6 +14,9 @@ recompute and FSDP find their modules by the plan's paths.
                  multiplier is 1;
   every stage    builds the rotary cos/sin from `position_ids` (this rank's positions; a
                  family without positions, Mamba, ignores them);
+  an encoder     (BERT) whose embedding module is a stem the base model always calls (it adds
+                 positions and token types and normalises): on later stages the stem hands
+                 its `inputs_embeds` on as they are;
   last stage     applies the final norm and the head through the causal LM's forward;
                  other stages run the base model alone, with the final norm a `StageGap`,
                  so their output is the hidden states.
@@ -32,11 +35,13 @@ import torch.nn as nn
 
 @dataclass(frozen=True)
 class _Parts:
-    """Module names of a family: in the base model, the token embedding, the block list, the
-    final norm and the input-side modules only the first stage applies; the causal LM's head."""
+    """Module names of a family: in the base model, the token embedding, the block list (a
+    dotted path), the final norm ("" for none) and the input-side modules only the first stage
+    applies; the causal LM's (or masked LM's) head."""
     embed: str = "embed_tokens"
     layers: str = "layers"
     norm: str = "norm"
+    stem: bool = False  # the base model calls `embed` even when given inputs_embeds
     head: str = "lm_head"
     first_stage_only: tuple[str, ...] = ()
     embedding_scale: str = ""  # a float attribute of the base model its forward multiplies
@@ -52,6 +57,7 @@ _FAMILIES = {
     "gptj": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("drop",)),
     "granite": _Parts(embedding_scale="embedding_multiplier"),
     "deepseek_v3": _Parts(),
+    "bert": _Parts(embed="embeddings", layers="encoder.layer", norm="", head="cls", stem=True),
 }
 SPLIT_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
@@ -66,6 +72,14 @@ class _OtherStageLayer(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
+
+
+class _PassEmbeddings(StageGap):
+    """An encoder's embedding stem on a stage after the first: its `inputs_embeds` are the
+    hidden states the previous stage handed on, already embedded and normalised."""
+
+    def forward(self, *args, inputs_embeds=None, **kwargs):
+        return inputs_embeds
 
 
 class _NoPositions(StageGap):
@@ -89,8 +103,8 @@ def hf_split_problem(model: nn.Module) -> str | None:
                 f"{', '.join(SPLIT_MODEL_TYPES)} only, not {model_type!r}")
     parts = _FAMILIES[model_type]
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    names = (parts.embed, parts.layers, parts.norm, *parts.first_stage_only)
-    if base is None or not all(hasattr(base, n) for n in names) or not hasattr(model, parts.head):
+    names = tuple(n for n in (parts.embed, parts.layers, parts.norm, *parts.first_stage_only) if n)
+    if base is None or not all(_get(base, n) is not None for n in names) or not hasattr(model, parts.head):
         return f"it lacks the {' / '.join(names)} / {parts.head} modules the split expects"
     return None
 
@@ -99,7 +113,23 @@ def hf_block_paths(model: nn.Module) -> list[str]:
     """The full paths of the decoder blocks of a model `hf_split_problem` accepts."""
     parts = _FAMILIES[model.config.model_type]
     prefix = model.base_model_prefix
-    return [f"{prefix}.{parts.layers}.{i}" for i in range(len(getattr(getattr(model, prefix), parts.layers)))]
+    return [f"{prefix}.{parts.layers}.{i}" for i in range(len(_get(getattr(model, prefix), parts.layers)))]
+
+
+def _get(module: nn.Module, dotted: str) -> nn.Module | None:
+    for name in dotted.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
+def _with_child(module: nn.Module, dotted: str, child: nn.Module) -> dict[str, nn.Module]:
+    """The children of `module` that put `child` at the dotted path, the modules on the way
+    shelled (their other children shared)."""
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return {head: child}
+    inner = getattr(module, head)
+    return {head: _shell(inner, _with_child(inner, rest, child))}
 
 
 def _shell(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
@@ -138,15 +168,18 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     parts = _FAMILIES[model.config.model_type]
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
-    blocks = getattr(base, parts.layers)
+    blocks = _get(base, parts.layers)
     layer_paths = hf_block_paths(model)
     shells = []
     for k, paths in enumerate(stages):
         first, last = k == 0, k == len(stages) - 1
         layers = nn.ModuleList(layer if path in paths else _OtherStageLayer()
                                for layer, path in zip(blocks, layer_paths))
-        children = {parts.layers: layers, parts.embed: getattr(base, parts.embed) if first else None,
-                    parts.norm: getattr(base, parts.norm) if last else StageGap()}
+        later_embed = _PassEmbeddings() if parts.stem else None
+        children = {**_with_child(base, parts.layers, layers),
+                    parts.embed: getattr(base, parts.embed) if first else later_embed}
+        if parts.norm:
+            children[parts.norm] = getattr(base, parts.norm) if last else StageGap()
         for name in parts.first_stage_only:
             module = getattr(base, name)
             children[name] = module if first else (

@@ -153,6 +153,9 @@ CONFIGS = {
         # the Hugging Face pipeline split of each family it is offered for (pipeline_hf.py)
         "hf_qwen3_pp2": ("hf_qwen3", P("hf_qwen3", pp=2, schedule="1f1b")),
         "hf_olmo2_pp2": ("hf_olmo2", P("hf_olmo2", pp=2, schedule="1f1b")),
+        # an encoder: the embedding stem (positions, token types, LayerNorm) on the first
+        # stage only, the masked-LM head tied to the word embeddings on the last
+        "hf_bert_pp2": ("hf_bert", P("hf_bert", pp=2, schedule="1f1b")),
         "hf_qwen2_pp2": ("hf_qwen2", P("hf_qwen2", pp=2, schedule="1f1b")),
         "hf_gemma_pp2": ("hf_gemma", P("hf_gemma", pp=2, schedule="1f1b")),  # scaled embedding
         "hf_mistral_pp2": ("hf_mistral", P("hf_mistral", pp=2, schedule="1f1b")),

@@ -111,10 +111,10 @@ def test_hf_split_stages_chain_equals_full_model(kind):
 
 
 def test_pipeline_split_refuses_untraceable_models_with_a_reason():
-    model = builder("hf_bert")()  # an encoder: no family of the shell split
-    blocks = hf_models.blocks("hf_bert")
+    model = builder("hf_t5")()  # an encoder-decoder: no family of the shell split
+    blocks = hf_models.blocks("hf_t5")
     reason = pipeline_split_problem(model, [blocks[:1], blocks[1:]])
-    assert reason is not None and "torch.fx cannot trace" in reason and "'bert'" in reason
+    assert reason is not None and "torch.fx cannot trace" in reason and "'t5'" in reason
     gpt2 = builder("hf_gpt2")()  # split by the shells; its head, its embedding, a copy per stage
     gpt2_blocks = hf_models.blocks("hf_gpt2")
     assert pipeline_split_problem(gpt2, [gpt2_blocks[:1], gpt2_blocks[1:]]) is None

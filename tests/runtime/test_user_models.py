@@ -158,9 +158,9 @@ def test_module_list_ep_names_a_loop_that_reads_its_experts():
 
 
 def test_pp_plan_on_an_unsplittable_hf_model_exits_with_the_reason():
-    plan = Plan.from_dict(plan_dict("hf_bert", pp=2))  # an encoder: no family of the shell split
-    with pytest.raises(UserError, match=r"BertForMaskedLM.*torch\.fx cannot trace"):
-        validate_plan(_meta("hf_bert"), plan)
+    plan = Plan.from_dict(plan_dict("hf_t5", pp=2))  # an encoder-decoder: no family of the shell split
+    with pytest.raises(UserError, match=r"T5ForConditionalGeneration.*torch\.fx cannot trace"):
+        validate_plan(_meta("hf_t5"), plan)
 
 
 def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
