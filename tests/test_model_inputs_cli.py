@@ -204,23 +204,8 @@ def test_a_model_files_own_batch_trains_the_job(run_cli, tmp_path):
     assert code == 2 and "example_batch" in err and "Traceback" not in err
 
 
-TWO_INPUTS = """
-class Masked(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x, keep):
-        for block in self.blocks:
-            x = torch.tanh(block(x * keep))
-        return self.head(x)
-
-
-def example_batch(batch_size):
-    x = torch.randn(batch_size, 16)
-    return (x, (x > 0).float()), torch.randint(0, 3, (batch_size,))
-"""
+TWO_INPUTS = ("from batch_models import Masked, masked_batch as example_batch\n\n"
+              "def build_model():\n    return Masked()\n")
 
 
 @pytest.mark.parametrize("fix,reason", [
@@ -238,8 +223,11 @@ def test_axes_a_file_batch_cannot_take_are_refused_with_the_reason(run_cli, tmp_
 
 
 def test_float_labels_without_a_loss_are_refused_at_plan_time(run_cli, tmp_path):
-    path = _batch_file(tmp_path, "regress.py", TWO_INPUTS.replace(
-        "torch.randint(0, 3, (batch_size,))", "torch.randn(batch_size)"))
+    path = _batch_file(tmp_path, "regress.py", "from batch_models import Masked, masked_batch\n\n"
+                       "def build_model():\n    return Masked()\n\n"
+                       "def example_batch(batch_size):\n"
+                       "    inputs, labels = masked_batch(batch_size)\n"
+                       "    return inputs, labels.float()\n")
     code, _, err = run_cli("plan", path, "--gpu", "h100", "--gpus", "2", "--global-batch", "8")
     assert code == 2 and "Traceback" not in err
     assert "returns float32 labels" in err and "loss(outputs, labels)" in err

@@ -46,6 +46,25 @@ def loss(outputs, labels):
     return F.mse_loss(outputs, labels)
 
 
+class Masked(nn.Module):
+    """Two positional inputs: features and a mask of the ones to keep; three classes out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x, keep):
+        for block in self.blocks:
+            x = torch.tanh(block(x * keep))
+        return self.head(x)
+
+
+def masked_batch(batch_size: int):
+    x = torch.randn(batch_size, 6)
+    return (x, (x > -1).float()), torch.randint(0, 3, (batch_size,))
+
+
 TP_STYLES = {"blocks.*": {"up": "colwise", "down": "rowwise"}}
 
 

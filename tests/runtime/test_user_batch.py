@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import batch_models
 from autoplan.errors import UserError
+from autoplan.models.user_batch import checked_batch, sample_rows
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, train
 from autoplan.runtime.objective import BatchObjective
-from autoplan.models.user_batch import checked_batch, sample_rows
+from batch_models import Masked, masked_batch
 from runtime_models import SEED, plan_dict
 
 STEADY = {"lr": 1e-2, "warmup_steps": 0, "max_steps": 10**9, "schedule": "constant"}
@@ -61,25 +61,6 @@ def test_default_loss_refuses_scores_that_do_not_match_the_labels():
         BatchObjective.loss(torch.zeros(4), torch.zeros(4, dtype=torch.long))
     loss = BatchObjective.loss(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long))
     assert float(loss) == pytest.approx(float(torch.log(torch.tensor(5.0))))
-
-
-class Masked(nn.Module):
-    """Two positional inputs: features and a mask of the ones to keep."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x, keep):
-        for block in self.blocks:
-            x = torch.tanh(block(x * keep))
-        return self.head(x)
-
-
-def masked_batch(batch_size):
-    x = torch.randn(batch_size, 6)
-    return (x, (x > -1).float()), torch.randint(0, 3, (batch_size,))
 
 
 @pytest.fixture
