@@ -319,7 +319,7 @@ class Trainer:
             allreduce_grads(dense, self.mesh.group("dp_cp"), plan.dp * plan.cp)
         if self.par.expert_params:
             sync_expert_grads(self.par.expert_params, self.mesh.ep_mesh, plan.dp * plan.cp)
-        if self.par.tp_token_local:  # MoE on sequence shards: sum the tp ranks' tokens
+        if self.par.tp_token_local:  # each tp rank saw its tokens or its heads: sum them
             params = [p for m in self.par.tp_token_local for p in m.parameters()]
             allreduce_grads(params, self.mesh.group("tp"), 1)
         if plan.tp > 1:

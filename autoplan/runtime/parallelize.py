@@ -56,7 +56,7 @@ class Parallelized:
     # expert parameters the loop syncs itself (sync_expert_grads) and ZeRO-1 shards over their
     # replicas: below ZeRO-2 only; FSDP reduces them at ZeRO-2/3
     expert_params: list[nn.Parameter] = field(default_factory=list)
-    tp_token_local: list[nn.Module] = field(default_factory=list)  # MoE run on SP shards
+    tp_token_local: list[nn.Module] = field(default_factory=list)  # grads summed over tp: MoE on SP shards, MLA down-projections
     manual_grad_sync: bool = False  # ZeRO-0 with DTensor params: all-reduce after backward
     fsdp: bool = False
     ddp: bool = False

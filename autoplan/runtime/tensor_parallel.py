@@ -7,7 +7,9 @@ counts (fused_projection.py); k and v projections of fewer K/V heads than ranks 
 rank the K/V head of its q heads (kv_replication.py). transformers' Conv1D (GPT-2) takes
 the same styles in its transposed form (transposed_linear.py). An nn.MultiheadAttention is
 split by heads as one module (mha_parallel.py); an RMSNorm over all heads of a column's
-output sums its statistic over the ranks (sharded_norm.py). Between blocks the residual
+output sums its statistic over the ranks (sharded_norm.py); a low-rank attention (MLA) is
+split by heads after its down-projections, which every rank computes whole
+(latent_attention.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -38,6 +40,7 @@ from autoplan.runtime.inline_colwise import InlineColwiseParallel
 from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
 from autoplan.runtime.global_attention import GLOBAL_QKV, GlobalFusedColwiseParallel, shard_head_tables
 from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
+from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED, ColwiseLocalInput, replicate_module
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.mha_parallel import MHA_STYLE, MultiheadAttentionParallel
 from autoplan.runtime.model_io import without_fake_causal_mask
@@ -217,6 +220,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "head_norm":  # a norm over each head's features, on (batch, seq, this rank's heads, head_dim):
         # its weight is replicated and its gradient summed over the ranks' heads
         return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if name == COLWISE_LOCAL:  # an up-projection of MLA reading its replicated latent
+        return ColwiseLocalInput()
     if name == SHARDED_RMS_NORM:  # an RMSNorm over all heads of a column's output (OLMo-2's q/k norm)
         return ShardedRMSNorm()
     if name == "prepare_input":
@@ -256,8 +261,10 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
 
     MoE layers marked "prepare_input" are token-wise, so with SP they simply run on this
     rank's sequence shard (no gather, no re-shard; EP all-to-all works per tp rank). Their
-    weights stay plain replicas whose gradients cover only the local tokens: the returned
-    modules need their gradients summed over the tp group after backward."""
+    weights stay plain replicas whose gradients cover only the local tokens, as do those of
+    the "replicated" down-projections of a latent attention (their gradients come from this
+    rank's heads only): the returned modules need their gradients summed over the tp group
+    after backward."""
     modules = dict(model.named_modules(remove_duplicate=False))
     plan, token_local = {}, []
     styled: dict[int, tuple[str, str]] = {}  # a module used at several paths is styled once
@@ -269,6 +276,10 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
             if first[1] != name:
                 raise UserError(f"tensor parallelism cannot shard the module shared by {first[0]} "
                                 f"and {path} two ways ({first[1]}, {name}); give both paths one style.")
+            continue
+        if name == REPLICATED:
+            replicate_module(modules[path])
+            token_local.append(modules[path])
             continue
         if name == "prepare_input" and is_moe_layer(modules[path]):
             if sequence_parallel:

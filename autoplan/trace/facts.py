@@ -47,6 +47,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
+from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED
 from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
@@ -370,9 +371,10 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
         latents = {by_name[f].input_shapes[0][-1] for f in feeders if by_name[f].input_shapes}
         shared = sorted(f for f in feeders if len(latents) > 1 and _broadcast_to_heads(f, region, by_name, users))
         if kind == "attention" and shared:
-            pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
-                          "fused": False, "attention": attention, "norm_across_heads": [],
-                          "shared_across_heads": shared, "head_norms": []})
+            pairs.append(_latent_pair(op.name, feeders, shared, by_name, inputs, order, attention)
+                         or {"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
+                             "fused": False, "attention": attention, "norm_across_heads": [],
+                             "shared_across_heads": shared, "head_norms": []})
             continue
         if _illegal(op.name, feeders, region, by_name, inputs, users):
             continue
@@ -403,6 +405,34 @@ def _across_heads_pair(row: str, across: list[str], by_name: dict, inputs: dict,
             "column_style": "colwise", "kv_styles": {}, "attention": attention, "norm_across_heads": [],
             "sharded_norms": sorted(modules), "across": across,
             "head_norms": sorted(n for n in region if by_name[n].kind == "norm" and by_name[n].module not in modules)}
+
+
+def _latent_pair(row: str, feeders: set[str], shared: list[str], by_name: dict, inputs: dict,
+                 order: list[str], attention: list[OpInfo]) -> dict | None:
+    """A low-rank attention (MLA) split by heads after its down-projections: the columns are
+    the up-projections (and a q projection of the hidden states), the linears and norms
+    between the attention's input and them, with the projection whose output every head
+    shares, are computed whole on every rank (runtime/latent_attention.py); None when that
+    set is not found inside the attention module."""
+    columns = sorted((f for f in feeders if f not in shared), key=order.index)
+    scope = _common_parent([by_name[n].module for n in [*columns, row]])
+    if not columns or not scope:
+        return None
+    inside = lambda name: f"{by_name[name].module}.".startswith(scope + ".")  # noqa: E731
+    replicated, stack, seen = set(), [src for c in columns for src in inputs[c]] + list(shared), set()
+    while stack:
+        name = stack.pop()
+        if name in seen or not inside(name):
+            continue
+        seen.add(name)
+        if by_name[name].kind in ("linear", "norm"):
+            replicated.add(by_name[name].module)
+        stack.extend(inputs[name])
+    read_latent = {c for c in columns if any(src in seen for src in inputs[c])}
+    return {"column": columns, "row": row, "kind": "attention", "fused": False,
+            "column_styles": {by_name[c].module: COLWISE_LOCAL for c in read_latent},
+            "kv_styles": {}, "attention": attention, "norm_across_heads": [],
+            "replicated": sorted(replicated), "head_norms": []}
 
 
 def _unshardable_norms(module: nn.Module, pairs: list[dict]) -> list[dict]:
@@ -540,7 +570,10 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
         row = module_of[pair["row"]]
         kv_styles = {module_of[n]: style for n, style in pair.get("kv_styles", {}).items()}
         for column in columns:
-            styles[_relative(column, first)] = kv_styles.get(column) or pair.get("column_style", "colwise")
+            styles[_relative(column, first)] = (kv_styles.get(column) or pair.get("column_styles", {}).get(column)
+                                                or pair.get("column_style", "colwise"))
+        for module in pair.get("replicated", []):
+            styles[_relative(module, first)] = REPLICATED
         styles[_relative(row, first)] = "rowwise"
         # the module holding the column linears gathers their input: not the pair's common
         # parent, which can also add the residual (BERT's attention holds its output's
@@ -551,8 +584,9 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
             styles[parent] = "prepare_input"
     head_norms = {n for pair in pairs for n in pair.get("head_norms", [])}
     sharded = {m for pair in pairs for m in pair.get("sharded_norms", [])}
+    replicated = {m for pair in pairs for m in pair.get("replicated", [])}
     for op in block_ops:
-        if op.kind == "norm" and op.module:
+        if op.kind == "norm" and op.module and op.module not in replicated:
             styles[_relative(op.module, first)] = (SHARDED_RMS_NORM if op.module in sharded else
                                                    "head_norm" if op.name in head_norms else "sequence_parallel")
     return styles

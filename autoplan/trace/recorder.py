@@ -201,6 +201,9 @@ class FunctionRecorder(TorchFunctionMode):
             self.op_of[id(t)] = op_name
             self.node_of[id(t)] = node
             self.rec.keep.append(t)
+            if t._base is not None and any(t is x for x in inputs):  # written in place into a view
+                # (`key[..., :d].copy_(k)` into a `new_empty` tensor): what reads the base later reads this
+                self.op_of[id(t._base)] = op_name
 
     def merge_moe(self, path: str, module: nn.Module, start: int, experts: int, routed: int) -> None:
         """Fold the ops a MoE module ran (ops[start:]) into one op of kind "expert" named by

@@ -473,7 +473,7 @@ def test_q_k_norms_over_all_heads_that_are_no_plain_rms_norm_are_left_unsplit():
     assert all("over all heads" in reason for reason in reasons.values())
 
 
-def test_mla_attention_is_left_unsplit_naming_the_projection_all_heads_share():
+def test_mla_attention_is_split_by_heads_after_its_down_projections():
     from autoplan.trace.tracer import graph_for_config
 
     config = dict(model_type="deepseek_v3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -482,10 +482,15 @@ def test_mla_attention_is_left_unsplit_naming_the_projection_all_heads_share():
                   kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=256,
                   max_position_embeddings=128)
     graph = graph_for_config(config, 1, 64)
-    reasons = {u["module"]: u["reason"] for u in graph.tp_unsplit}
-    assert "self_attn.kv_a_proj_with_mqa" in reasons
-    assert "broadcast to every head" in reasons["self_attn.kv_a_proj_with_mqa"]
-    assert not any("not between a column and a row" in r for r in reasons.values())
+    assert graph.tp_unsplit == [] and "tp" not in graph.refused  # applied on the fake group
+    styles = graph.tp_styles["layers.0"]
+    # every rank computes the down-projections (and the rotary key all heads share) whole
+    assert {k for k, v in styles.items() if v == "replicated"} == {
+        "self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm"}
+    assert styles["self_attn.q_b_proj"] == styles["self_attn.kv_b_proj"] == "colwise_local"
+    assert styles["self_attn.o_proj"] == "rowwise"
+    attention = [p for p in graph.tensor_parallel if p["kind"] == "attention"]
+    assert attention[0]["divides"]["heads"] == 4
 
 
 MAMBA = dict(model_type="mamba", hidden_size=64, num_hidden_layers=2, vocab_size=256, state_size=8,
