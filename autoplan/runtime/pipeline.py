@@ -94,6 +94,11 @@ def pipeline_split_problem(model: nn.Module, stages: list[list[str]]) -> str | N
     except UserError as exc:
         return str(exc)
     except Exception as exc:  # any tracing failure means: no fx split for this model
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None):  # fx's error on transformers' code says nothing to its user
+            kind = " (an encoder-decoder, whose every decoder stage reads the encoder's output)" \
+                if getattr(config, "is_encoder_decoder", False) else ""
+            return f"torch.fx cannot trace transformers' forward, and {hf_problem}{kind}"
         return (f"torch.fx cannot trace it ({type(exc).__name__}: {str(exc)[:200]}); "
                 f"and the split without tracing does not apply: {hf_problem}")
     return None

@@ -115,6 +115,7 @@ def test_pipeline_split_refuses_untraceable_models_with_a_reason():
     blocks = hf_models.blocks("hf_t5")
     reason = pipeline_split_problem(model, [blocks[:1], blocks[1:]])
     assert reason is not None and "torch.fx cannot trace" in reason and "'t5'" in reason
+    assert "an encoder-decoder" in reason and "Error" not in reason  # the cause, not fx's words
     gpt2 = builder("hf_gpt2")()  # split by the shells; its head, its embedding, a copy per stage
     gpt2_blocks = hf_models.blocks("hf_gpt2")
     assert pipeline_split_problem(gpt2, [gpt2_blocks[:1], gpt2_blocks[1:]]) is None
