@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     if not debug:  # a forward failing on fake tensors is reported as one paragraph, not logged
         logging.getLogger("torch._subclasses.fake_tensor").addFilter(_no_failed_meta_kernel)
+        # torchao, which transformers imports where it is installed, registers enums the way
+        # torch deprecates: a warning per enum that its user can do nothing about
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels on a machine without them
     try:
         cli.main(args=args, prog_name="autoplan", standalone_mode=False)
     except click.exceptions.Exit as exc:

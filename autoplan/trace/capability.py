@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import warnings
 from dataclasses import replace
 
 import torch
@@ -395,7 +396,9 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         lambda m, _args: running.append(names.get(id(m), "")))
     leave = nn.modules.module.register_module_forward_hook(lambda m, _args, _out: _pop(running))
     try:
-        with fake_process_group(plan.world_size):
+        with fake_process_group(plan.world_size), warnings.catch_warnings():
+            # the probe's mesh is a CPU one whatever the job's: not the job's RNG to warn about
+            warnings.filterwarnings("ignore", message="DTensor random operators")
             _apply(copy_, plan, args, kwargs, run, routing, heads)
     except UserError as exc:  # the runtime's own words; name the module it ran if they do not
         where = next((p for p in reversed(running) if p), "")
