@@ -221,7 +221,6 @@ CONFIGS = {
     },
     4: {
         "ddp": ("llama", P(dp=4)),
-        "zero1": ("llama", P(dp=4, zero_stage=1)),
         "zero3": ("llama", P(dp=4, zero_stage=3)),
         "hsdp": ("llama", P(dp=4, dp_replicate=2, zero_stage=3)),
         "dp2_tp2_zero3": ("llama", P(dp=2, tp=2, zero_stage=3)),
@@ -236,9 +235,7 @@ CONFIGS = {
         "dp2_cp2_zero1": ("llama", P(dp=2, cp=2, zero_stage=1)),
         "ep2_of_dp4_zero1": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=1)),
         "cp4": ("llama", P(cp=4)),
-        "pp4_gpipe": ("llama", P(pp=4, schedule="gpipe", micro_batch=2)),
         "ep4": ("mixtral", P("mixtral", dp=4, ep=4)),
-        "ep2_of_dp4": ("mixtral", P("mixtral", dp=4, ep=2, zero_stage=2)),
         # each of a ModuleList MoE's experts an FSDP unit sharded over its two replicas
         "loop_moe_ep2_of_dp4_zero3": ("loop_moe", P("loop_moe", dp=4, ep=2, zero_stage=3)),
         "bf16_zero3": ("llama", P(dp=4, zero_stage=3, precision="bf16")),
