@@ -60,9 +60,10 @@ def convertible(module: nn.Module) -> bool:
 
 
 def apply_float8(part: nn.Module, blocks: list[str], recipe: str = "tensorwise",
-                 all_gather: bool = False) -> None:
+                 all_gather: bool = False, keep: frozenset[str] = frozenset()) -> None:
     """Swap the convertible linears inside `blocks` of this (stage) module for Float8Linear
     with torchao's `recipe`; `all_gather`: FSDP gathers their weights in float8 (tensorwise).
+    `keep`: paths of linears that stay in 16 bits (a TP style that computes them itself).
     Not on fake or meta parameters (the dry run and the plan-time
     probe measure the bf16 block, as the cost model's FP8 rows assume)."""
     params = list(part.parameters())
@@ -75,7 +76,7 @@ def apply_float8(part: nn.Module, blocks: list[str], recipe: str = "tensorwise",
                                  enable_fsdp_float8_all_gather=all_gather)
 
     def in_a_block(module: nn.Module, fqn: str) -> bool:
-        return convertible(module) and any(fqn == b or fqn.startswith(b + ".") for b in blocks)
+        return convertible(module) and fqn not in keep and any(fqn == b or fqn.startswith(b + ".") for b in blocks)
 
     convert_to_float8_training(part, module_filter_fn=in_a_block, config=config)
 

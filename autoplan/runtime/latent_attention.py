@@ -8,7 +8,8 @@ after the down-projections.
                    as its local value with a Partial gradient.
   "colwise_local"  the up-projections reading a latent (q_b_proj, kv_b_proj): each rank its
                    heads' rows (weight Shard(0)), computed on the plain latent with the local
-                   weight, so the latent's gradient is this rank's share.
+                   weight, so the latent's gradient is this rank's share. Its own F.linear:
+                   an FP8 plan leaves these two in 16 bits (tensor_parallel.local_input_linears).
 
 Every value between these modules is the same on every rank, and every gradient flowing back
 into it is the rank's part of the sum over heads: the parameters of the replicated modules

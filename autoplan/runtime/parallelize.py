@@ -40,7 +40,7 @@ from autoplan.runtime.pipeline import (StageTie, pipeline_split_problem, split_s
                                        stage_ties, untie_on_one_rank)
 from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.recompute import apply_recompute
-from autoplan.runtime.tensor_parallel import apply_tensor_parallel, expand_tp_styles
+from autoplan.runtime.tensor_parallel import apply_tensor_parallel, expand_tp_styles, local_input_linears
 
 
 @dataclass
@@ -135,7 +135,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
     result = Parallelized(parts=parts, stage_ids=ids, stage_ties=ties)
     for part in parts:
         if plan.precision == "fp8":  # before TP, so the styles shard the Float8Linears
-            apply_float8(part, list(plan.blocks), plan.float8_recipe, plan.float8_all_gather)
+            apply_float8(part, list(plan.blocks), plan.float8_recipe, plan.float8_all_gather,
+                         keep=local_input_linears(part, plan) if plan.tp > 1 else frozenset())
         # 2. Tensor (+ sequence) parallelism.
         if plan.tp > 1:
             result.tp_token_local += apply_tensor_parallel(part, plan.tp_styles, mesh.axis("tp"),

@@ -341,6 +341,14 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
         param.grad = DTensor.from_local(param.grad.to_local(), mesh, param.placements, run_check=False)
 
 
+def local_input_linears(part: nn.Module, plan) -> frozenset[str]:
+    """Paths of the linears whose TP style computes them with its own F.linear (MLA's
+    up-projections, latent_attention.py): an FP8 plan leaves them in 16 bits, since a
+    Float8Linear's forward would not run."""
+    styles = expand_tp_styles(plan.tp_styles, dict(part.named_modules()))
+    return frozenset(path for path, style in styles.items() if style == COLWISE_LOCAL)
+
+
 def uses_loss_parallel(table: dict[str, dict[str, str]]) -> bool:
     return any("vocab_head" in entries.values() for entries in table.values())
 

@@ -55,6 +55,23 @@ def test_only_the_listed_blocks_are_converted():
     assert converted and all(name.startswith("layers.1.") for name in converted)
 
 
+def test_linears_a_tp_style_computes_itself_stay_in_16_bits():
+    """MLA's up-projections under TP run their own F.linear on the local weight
+    (latent_attention.py): a Float8Linear there would silently not cast."""
+    from autoplan.plan import Plan
+    from autoplan.runtime.tensor_parallel import local_input_linears
+    from runtime_models import plan_dict
+
+    model = _llama()
+    styles = {"layers.*": {"self_attn.q_proj": "colwise_local", "self_attn.o_proj": "rowwise"}}
+    plan = Plan.from_dict(plan_dict(tp=2, tp_styles=styles, format_version=2))
+    keep = local_input_linears(model, plan)
+    assert keep == {f"layers.{i}.self_attn.q_proj" for i in range(4)}
+    apply_float8(model, [f"layers.{i}" for i in range(4)], keep=keep)
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert kinds["layers.0.self_attn.q_proj"] == "Linear" and kinds["layers.0.self_attn.o_proj"] == "Float8Linear"
+
+
 def test_the_float8_all_gather_makes_the_weights_torchaos_fsdp_cast_tensors():
     model = _llama()
     apply_float8(model, ["layers.0"], "tensorwise", all_gather=True)
