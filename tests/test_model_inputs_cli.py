@@ -222,6 +222,16 @@ def test_axes_a_file_batch_cannot_take_are_refused_with_the_reason(run_cli, tmp_
     assert reason in " ".join(err.split())
 
 
+def test_a_file_batch_by_keyword_plans_without_a_pipeline(run_cli, tmp_path):
+    path = _batch_file(tmp_path, "keyword.py", "from batch_models import Masked, masked_keyword_batch as example_batch\n\n"
+                       "def build_model():\n    return Masked()\n")
+    code, out, err = run_cli("plan", path, "--gpu", "h100", "--gpus", "2", "--global-batch", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["inputs"] == {"kind": "batch"}
+    code, _, err = run_cli("plan", path, "--gpu", "h100", "--gpus", "2", "--global-batch", "8", "--fix", "pp=2")
+    assert code == 2 and "example_batch gives its inputs by keyword" in " ".join(err.split())
+
+
 def test_float_labels_without_a_loss_are_refused_at_plan_time(run_cli, tmp_path):
     path = _batch_file(tmp_path, "regress.py", "from batch_models import Masked, masked_batch\n\n"
                        "def build_model():\n    return Masked()\n\n"

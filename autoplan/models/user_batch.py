@@ -1,6 +1,7 @@
 """A model file's own batch: `example_batch(batch_size)` returns `(inputs, labels)`.
 
-  inputs  the forward's positional inputs: a tensor, or a tuple of tensors
+  inputs  the forward's inputs: a tensor, a tuple of tensors (positional), or a dict of
+          tensors (keyword: `input_ids`, `attention_mask`, ...)
   labels  a tensor, what the loss compares the output with
 
 Every tensor's first dimension is the batch. The function may take a second parameter, the
@@ -11,7 +12,8 @@ The runtime calls it once per sample (batch_size=1) with torch's RNG seeded from
 step, row) and concatenates the rows, as the image objective draws its images: every DP/PP
 split of a step trains on the samples a 1-rank run trains on, and a rank draws only the rows
 it trains on. Context parallelism is not offered for such a model: which dimension of the
-file's inputs is a sequence only the file knows.
+file's inputs is a sequence only the file knows; nor is pipeline parallelism with several
+inputs or keyword ones (the schedule hands the first stage one positional input).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from autoplan.errors import UserError
 
-Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+Inputs = tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+Batch = tuple[Inputs, torch.Tensor]
 BATCH_HOOK = "example_batch"
 
 
@@ -38,7 +41,7 @@ def takes_seq_len(fn: Callable) -> bool:
 
 
 def call_batch(fn: Callable, batch_size: int, seq_len: int, where: str) -> Batch:
-    """`fn(batch_size[, seq_len])` checked: (inputs as a tuple, labels)."""
+    """`fn(batch_size[, seq_len])` checked: (inputs as a tuple or a dict, labels)."""
     call = f"{BATCH_HOOK}({batch_size}{', ' + str(seq_len) if takes_seq_len(fn) else ''})"
     try:
         value = fn(batch_size, seq_len) if takes_seq_len(fn) else fn(batch_size)
@@ -51,21 +54,24 @@ def call_batch(fn: Callable, batch_size: int, seq_len: int, where: str) -> Batch
 
 
 def checked_batch(value, batch_size: int, call: str) -> Batch:
-    """`value` as (inputs tuple, labels), or a UserError naming what is wrong with it."""
-    shape = ("return (inputs, labels): inputs a tensor or a tuple of tensors (the forward's "
-             "positional inputs), labels a tensor, each with the batch as its first dimension")
+    """`value` as (inputs: a tuple or a dict, labels), or a UserError naming what is wrong."""
+    shape = ("return (inputs, labels): inputs a tensor, a tuple of tensors (the forward's "
+             "positional inputs) or a dict of them (its keyword inputs), labels a tensor, each "
+             "with the batch as its first dimension")
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise UserError(f"{call} returned {type(value).__name__}; {shape}")
     inputs, labels = value
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
-    if (not isinstance(inputs, (tuple, list)) or not inputs
-            or not all(isinstance(t, torch.Tensor) for t in inputs) or not isinstance(labels, torch.Tensor)):
+    keyword = isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs)
+    tensors = list(inputs.values()) if keyword else inputs
+    if (not (keyword or isinstance(inputs, (tuple, list))) or not tensors
+            or not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(labels, torch.Tensor)):
         raise UserError(f"{call} returned ({type(value[0]).__name__}, {type(labels).__name__}); {shape}")
-    for tensor in (*inputs, labels):
+    for tensor in (*tensors, labels):
         if tensor.dim() == 0 or tensor.shape[0] != batch_size:
             raise UserError(f"{call} returned a tensor of shape {tuple(tensor.shape)}, whose first "
                             f"dimension is not the batch of {batch_size}; {shape}")
-    return tuple(inputs), labels
+    return (dict(inputs) if keyword else tuple(inputs)), labels
 
 
 def sample_rows(fn: Callable, seq_len: int, seed: int, step: int, rows: range) -> Batch:
@@ -75,9 +81,11 @@ def sample_rows(fn: Callable, seq_len: int, seed: int, step: int, rows: range) -
         with torch.random.fork_rng(devices=[]):  # the training RNG stream is left as it was
             torch.manual_seed(((seed * 1_000_003 + step) * 1_000_033 + row) % (1 << 63))
             drawn.append(call_batch(fn, 1, seq_len, "the model file"))
-    count = len(drawn[0][0])
-    if any(len(inputs) != count for inputs, _ in drawn):
-        raise UserError(f"{BATCH_HOOK} in the model file returned a different number of inputs "
-                        "from one call to the next; return the same inputs every time.")
-    inputs = tuple(torch.cat([d[0][i] for d in drawn]) for i in range(count))
+    keys = list(drawn[0][0].keys()) if isinstance(drawn[0][0], dict) else list(range(len(drawn[0][0])))
+    if any((list(inputs.keys()) if isinstance(inputs, dict) else list(range(len(inputs)))) != keys
+           for inputs, _ in drawn):
+        raise UserError(f"{BATCH_HOOK} in the model file returned different inputs from one call "
+                        "to the next; return the same inputs every time.")
+    joined = {key: torch.cat([inputs[key] for inputs, _ in drawn]) for key in keys}
+    inputs = joined if isinstance(drawn[0][0], dict) else tuple(joined.values())
     return inputs, torch.cat([labels for _, labels in drawn])

@@ -242,7 +242,9 @@ class Trainer:
 
     def _call(self, model: nn.Module, inputs) -> object:
         """The forward on one micro-batch: token ids or images with the keyword inputs the
-        model accepts (model_io), or the model file's own positional inputs as they are."""
+        model accepts (model_io), or the model file's own inputs as they are."""
+        if isinstance(inputs, dict):
+            return model(**{k: x.to(self.device) for k, x in inputs.items()})
         if isinstance(inputs, tuple):
             return model(*(x.to(self.device) for x in inputs))
         inputs = inputs.to(self.device)

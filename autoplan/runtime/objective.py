@@ -108,11 +108,13 @@ class BatchObjective:
             start = (dp_rank * plan.num_microbatches + m) * plan.micro_batch
             inputs, labels = sample_rows(self.batch, plan.seq_len, self.seed, step,
                                          range(start, start + plan.micro_batch))
-            if len(inputs) > 1 and plan.pp > 1:
-                raise UserError(f"pp={plan.pp}: the pipeline hands its first stage one input, and "
-                                f"{BATCH_HOOK} in the model file returns {len(inputs)}. Plan the model "
-                                "again (the planner does not offer PP for it).")
-            out.append((inputs[0] if len(inputs) == 1 else inputs, labels))
+            one = isinstance(inputs, tuple) and len(inputs) == 1
+            if not one and plan.pp > 1:
+                raise UserError(f"pp={plan.pp}: the pipeline hands its first stage one positional "
+                                f"input, and {BATCH_HOOK} in the model file returns "
+                                f"{'keyword inputs' if isinstance(inputs, dict) else len(inputs)}. "
+                                "Plan the model again (the planner does not offer PP for it).")
+            out.append((inputs[0] if one else inputs, labels))
         return out
 
     @staticmethod

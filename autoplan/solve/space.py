@@ -162,6 +162,9 @@ def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: 
 def pp_reason(graph: ModelGraph, pp: int, vpp: int, tp: int = 1) -> str | None:
     if pp * vpp > max(graph.num_layers, 1):
         return f"pp*vpp={pp * vpp} exceeds the {graph.num_layers} blocks"
+    if pp > 1 and graph.user_batch_keywords:
+        return ("the pipeline hands its first stage one positional input, and the model file's "
+                "example_batch gives its inputs by keyword")
     if pp > 1 and graph.user_batch_inputs > 1:
         return (f"the pipeline hands its first stage one input, and the model file's example_batch "
                 f"gives {graph.user_batch_inputs}")

@@ -154,6 +154,7 @@ class ModelGraph:
     # positional inputs of the model file's example_batch, which the job trains on (0: the
     # runtime's own token or image objective)
     user_batch_inputs: int = 0
+    user_batch_keywords: bool = False  # ... given by keyword (a dict)
     # per cut after block copy k (layer_order[k], k < num_layers - 1): what a pipeline stage
     # ending there hands on beside the hidden states (trace/side_values.py); empty where the
     # runtime hands on the hidden states alone (Hugging Face models) or cannot split the model

@@ -119,7 +119,8 @@ def write(key: str, graph: ModelGraph, ref: ModelRef) -> None:
 _GRAPH_SCALARS = ("batch_size", "seq_len", "dtype_bytes", "parameters", "embedding_parameters", "vocab",
                   "tensor_parallel", "context_parallel", "cp_buffers", "expert_parallel", "fallback_modules", "sequence_loops",
                   "tp_unsplit", "tp_styles", "refused", "capability_probe_s", "fingerprint", "model_name",
-                  "image_size", "image_channels", "num_classes", "user_batch_inputs")
+                  "image_size", "image_channels", "num_classes", "user_batch_inputs",
+                  "user_batch_keywords")
 
 
 def graph_to_json(graph: ModelGraph) -> dict[str, Any]:

@@ -334,7 +334,8 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         num_classes=classes,
         pipeline_side_values=side_values,
         sequence_loops=sequence_loops(rec.ops, seq, module),
-        user_batch_inputs=len(args) if user_batch else 0,
+        user_batch_inputs=len(args) + len(kwargs) if user_batch else 0,
+        user_batch_keywords=user_batch and bool(kwargs),
     )
     add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
     if probe_runtime:

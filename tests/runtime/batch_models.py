@@ -65,6 +65,12 @@ def masked_batch(batch_size: int):
     return (x, (x > -1).float()), torch.randint(0, 3, (batch_size,))
 
 
+def masked_keyword_batch(batch_size: int):
+    """The same inputs by keyword, as a Hugging Face batch hands input_ids and attention_mask."""
+    (x, keep), labels = masked_batch(batch_size)
+    return {"keep": keep, "x": x}, labels
+
+
 TP_STYLES = {"blocks.*": {"up": "colwise", "down": "rowwise"}}
 
 

@@ -14,7 +14,7 @@ from autoplan.models.user_batch import checked_batch, sample_rows
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, train
 from autoplan.runtime.objective import BatchObjective
-from batch_models import Masked, masked_batch
+from batch_models import Masked, masked_batch, masked_keyword_batch
 from runtime_models import SEED, plan_dict
 
 STEADY = {"lr": 1e-2, "warmup_steps": 0, "max_steps": 10**9, "schedule": "constant"}
@@ -69,10 +69,21 @@ def one_process(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def test_several_inputs_reach_forward_and_the_default_loss_is_cross_entropy(one_process, tmp_path):
+def test_keyword_inputs_are_drawn_row_by_row_as_a_dict():
+    whole = sample_rows(masked_keyword_batch, 6, SEED, 2, range(4))
+    halves = [sample_rows(masked_keyword_batch, 6, SEED, 2, range(r, r + 2)) for r in (0, 2)]
+    assert set(whole[0]) == {"x", "keep"}
+    for key in ("x", "keep"):
+        assert torch.equal(torch.cat([h[0][key] for h in halves]), whole[0][key])
+    positional = sample_rows(masked_batch, 6, SEED, 2, range(4))  # the same draws, by position
+    assert torch.equal(positional[0][0], whole[0]["x"]) and torch.equal(positional[1], whole[1])
+
+
+@pytest.mark.parametrize("batch", [masked_batch, masked_keyword_batch], ids=["positional", "keyword"])
+def test_several_inputs_reach_forward_and_the_default_loss_is_cross_entropy(one_process, tmp_path, batch):
     plan = plan_dict("tabular", micro_batch=4, optimizer=dict(plan_dict()["optimizer"], **STEADY))
     plan["seq_len"] = 6
-    losses = train(Masked, plan, TrainArgs(steps=2, seed=SEED, run_dir=str(tmp_path)), batch=masked_batch)
+    losses = train(Masked, plan, TrainArgs(steps=2, seed=SEED, run_dir=str(tmp_path)), batch=batch)
     torch.manual_seed(SEED)  # the runtime's initial weights
     model = Masked()
     rows = [sample_rows(masked_batch, 6, SEED, 0, range(r, r + 1)) for r in range(8)]
