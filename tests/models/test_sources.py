@@ -45,6 +45,14 @@ def test_example_nano_gpt_file_gets_token_ids():
     assert loaded.module(tokens).shape == (3, 17, 256)
 
 
+def test_example_own_batch_is_traced_with_its_keyword_batch():
+    loaded = load_model(str(EXAMPLES / "own_batch.py"))
+    assert loaded.user_batch and not loaded.takes_images
+    inputs = loaded.example_inputs(2, 16)
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    assert all(t.is_meta and tuple(t.shape) == (2, 16) for t in inputs.values())
+
+
 def test_example_custom_mlp_uses_its_example_inputs():
     loaded = load_model(str(EXAMPLES / "custom_mlp.py"))
     assert type(loaded.module).__name__ == "ResidualMLP"
