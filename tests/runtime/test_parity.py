@@ -223,9 +223,7 @@ CONFIGS = {
         "ddp": ("llama", P(dp=4)),
         "zero3": ("llama", P(dp=4, zero_stage=3)),
         "hsdp": ("llama", P(dp=4, dp_replicate=2, zero_stage=3)),
-        "dp2_tp2_zero3": ("llama", P(dp=2, tp=2, zero_stage=3)),
         "pp2_tp2": ("llama", P(pp=2, tp=2, schedule="1f1b")),
-        "pp2_dp2_zero3": ("llama", P(pp=2, dp=2, zero_stage=3, schedule="1f1b")),
         # the tied copies' gradient shards, summed over the pipeline ranks at each dp rank
         "tied_pp2_dp2_zero3": ("tied_llama", P("tied_llama", pp=2, dp=2, zero_stage=3, schedule="1f1b")),
         # the embedding on pipeline rank 0, the head on rank 3: a group of the two alone
@@ -270,8 +268,6 @@ CONFIGS = {
         # TP styles as the planner derives them from the traced model (a generated job's)
         "hf_qwen2moe_dp2_tp2_sp_traced": ("hf_qwen2moe", functools.partial(
             traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
-        "hf_mixtral_dp2_tp2_sp_traced": ("hf_mixtral", functools.partial(
-            traced_plan_dict, "hf_mixtral", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_qwen2moe_dp2_tp2_sp_ep2_traced": ("hf_qwen2moe", functools.partial(
             traced_plan_dict, "hf_qwen2moe", dp=2, tp=2, ep=2, optimizer=PARITY_OPTIMIZER)),
         # per-head q/k norms: replicated weights on each rank's heads, gradients summed over TP
