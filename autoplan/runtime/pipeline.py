@@ -23,17 +23,17 @@ import copy
 import inspect
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+import functools
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
-                                          ScheduleZBVZeroBubble)
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
@@ -194,6 +194,12 @@ def stage_indices(rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
 def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches: int,
                    loss_fn: Callable, vpp: int):
     """The torch.distributed.pipelining schedule for the plan's name."""
+    # imported here: torch.distributed.pipelining costs each rank ~0.6 s of CPU to import,
+    # which a job without a pipeline never needs
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+                                              ScheduleZBVZeroBubble)
+
     if schedule == "zero-bubble":
         cls = ScheduleZBVZeroBubble if vpp == 2 else ScheduleInterleavedZeroBubble
         return cls(stages, num_microbatches, loss_fn=loss_fn)
@@ -204,31 +210,38 @@ def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches:
     return cls(stages[0], num_microbatches, loss_fn=loss_fn)
 
 
-class _Stage(PipelineStage):
-    """A PipelineStage whose shape-inference forward leaves the stage's buffers as they were.
+@functools.cache
+def _stage_class() -> type:
+    """PipelineStage, with a shape-inference forward that leaves the stage's buffers as they
+    were (imported on first use, as build_schedule's schedules).
 
     On the first step torch runs each stage once to learn the shapes it sends (in torch
     2.13 through `_compute_outputs`, which nothing else calls), on the real first
     micro-batch at stage 0 and on uninitialised tensors after it. A BatchNorm would count
     that forward in its running statistics, and take them from the garbage on later stages."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
-        # the forward runs on copies, put back afterwards: restoring values in place would
-        # change tensors the inference graph saved for its backward (also run once)
-        owners = [(owner, name, buf) for owner in module.modules()
-                  for name, buf in owner._buffers.items() if buf is not None]
-        for owner, name, buf in owners:
-            owner._buffers[name] = buf.clone()
-        try:
-            return super()._compute_outputs(*args, module=module, **kwargs)
-        finally:
+    class _Stage(PipelineStage):
+        def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+            # the forward runs on copies, put back afterwards: restoring values in place would
+            # change tensors the inference graph saved for its backward (also run once)
+            owners = [(owner, name, buf) for owner in module.modules()
+                      for name, buf in owner._buffers.items() if buf is not None]
             for owner, name, buf in owners:
-                owner._buffers[name] = buf
+                owner._buffers[name] = buf.clone()
+            try:
+                return super()._compute_outputs(*args, module=module, **kwargs)
+            finally:
+                for owner, name, buf in owners:
+                    owner._buffers[name] = buf
+
+    return _Stage
 
 
 def make_stages(parts: list[nn.Module], indices: list[int], num_stages: int,
                 device: torch.device, group) -> list[PipelineStage]:
-    return [_Stage(part, index, num_stages, device, group=group)
+    stage = _stage_class()
+    return [stage(part, index, num_stages, device, group=group)
             for part, index in zip(parts, indices)]
 
 
