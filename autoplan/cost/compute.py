@@ -119,8 +119,62 @@ def block_kernels(profile: BlockProfile, compiled: bool = False, rmsnorm_kernel:
     return profile.kernels + extra * profile.rmsnorm_ops + scan
 
 
-def gemm_precision(precision: str) -> str:
+def gemm_precision(precision: str, float8_linears: bool = True) -> str:
+    """The GEMMs' precision; a block whose linears stay 16-bit under fp8 (the embedding and
+    the head: torchao's module filter in torchtitan and autoplan's runtime, Megatron's
+    output layer outside Transformer Engine) runs them in bf16."""
+    if precision == "fp8" and not float8_linears:
+        return "bf16"
     return "fp16" if precision == "fp16" else precision
+
+
+# HBM bytes per element that casting one operand of a linear to float8 moves over the linear's
+# forward and backward, by scaling recipe: (input or grad_output, the same with the amax fused
+# into the op before it, weight). From torchao's float8 roofline
+# (torchao/testing/float8/roofline_utils.py get_tensor_memory_traffic_ovhd_s @042170ff):
+# - tensorwise: an amax pass reads the 16-bit tensor (2; none when fused), the cast reads it
+#   again and writes float8 row- and column-major (2 + 1 + 1); a weight is cast for the forward
+#   and again for the backward after its amax pass (2 + 2 x (2 + 1)). Transformer Engine's
+#   current scaling ("FP8-CS") runs the same amax and cast-transpose kernels.
+# - rowwise: the row-major cast also writes a 16-bit transpose, cast again column-major
+#   (2 + 1 + 2, then 2 + 1); a weight: cast (2 + 1), transpose (2 + 2), cast (2 + 1).
+# - mxfp8: one kernel reads 16 bits and writes both block-scaled layouts (2 + 1 + 1); a weight
+#   is cast once per layout (2 x (2 + 1)).
+# - delayed (Transformer Engine's DelayedScaling, NeMo's default FP8 recipe): the scale comes
+#   from past amaxes, which the cast kernel records as it runs: one fused cast-transpose
+#   (transformer_engine fp8_cast_transpose_fused) reads 16 bits and writes both layouts
+#   (2 + 1 + 1), for weights too; fused with the op before it (TE's LayerNormLinear and
+#   LayerNormMLP write their norm and activation outputs in float8, its dact kernels
+#   fp8_cast_transpose_bgrad_dgelu_fused the gradients) only the column-major copy is
+#   extra (1 + 1).
+FLOAT8_CAST_BYTES = {"tensorwise": (6, 4, 8), "rowwise": (8, 6, 10), "mxfp8": (4, 2, 6),
+                     "delayed": (4, 2, 4)}
+
+
+def float8_cast_s(profile: BlockProfile, hidden: int, experts: int, config: ParallelConfig, gpu,
+                  traced_batch: int, scaling: str, fused: bool,
+                  weight_casts: float) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of casting the block's GEMM operands to float8
+    (FLOAT8_CAST_BYTES), memory-bound at the GPU's HBM rate: the inputs and half the weight
+    casts in the forward, the output gradients and the other half in the backward. `fused`:
+    the activations' amax runs in the op before the linear (torch.compile fuses it, torchao's
+    roofline "fuse_with_prev"); `weight_casts`: weight casts per micro-batch (1 for torchao,
+    1/micro-batches where Transformer Engine keeps the step's float8 weights, 1/dp where the
+    float8 all-gather casts a shard). Elements from FLOPs: a GEMM of F FLOPs over (M, N, K)
+    reads F/2N input and F/2K gradient elements and F/2M weight elements (every expert's)."""
+    unfused, amax_fused, weight = FLOAT8_CAST_BYTES[scaling]
+    activation = amax_fused if fused else unfused
+    scale = config.micro_batch / traced_batch / config.cp
+    ep = config.ep if experts else 1
+    fwd = bwd = 0.0
+    for g in profile.gemms:
+        m, n, k, f = _sharded_gemm(g, scale, config.tp, ep, hidden, profile.routed_tokens_per_token,
+                                   experts)
+        weight_bytes = f / (2 * m) * weight * weight_casts / 2
+        fwd += f / (2 * n) * activation + weight_bytes
+        bwd += f / (2 * k) * activation + weight_bytes
+    bw = hw.hbm_bytes_per_s(gpu)
+    return fwd / bw, bwd / bw
 
 
 def _sharded_gemm(g, scale_tokens: float, tp: int, ep: int, hidden: int,
@@ -166,18 +220,20 @@ def block_times(profile: BlockProfile, hidden: int, experts: int, config: Parall
                 gpu, traced_batch: int, traced_dtype_bytes: int, heads: int = 0,
                 seq_len: int = 0, flash_attention: bool = True,
                 flash_kernel: str = "flash2", compiled: bool = False,
-                rmsnorm_kernel: str = "fused", fused_scan: bool = False) -> BlockTimes:
+                rmsnorm_kernel: str = "fused", fused_scan: bool = False,
+                float8_linears: bool = True) -> BlockTimes:
     """Forward and backward seconds of one block copy per micro-batch on one rank.
 
     `flash_attention=False` costs the attention core unfused (materialized s x s scores,
     as Megatron-LM before FlashAttention, Dao et al. 2022); otherwise `flash_kernel` names the
     FlashAttention kernel (FLASH_KERNEL_SLOWDOWN). `compiled` and `rmsnorm_kernel` say how the
     memory-bound ops run (block_memory_bytes); `fused_scan` whether a sequence loop runs as its
-    library's fused kernel (its GEMMs then are part of that memory-bound kernel)."""
+    library's fused kernel (its GEMMs then are part of that memory-bound kernel);
+    `float8_linears` whether an fp8 plan runs this block's GEMMs in float8 (gemm_precision)."""
     tp, cp = config.tp, config.cp
     ep = config.ep if experts else 1
     scale = config.micro_batch / traced_batch / cp  # tokens on this rank vs traced
-    precision = gemm_precision(config.precision)
+    precision = gemm_precision(config.precision, float8_linears)
     peak = hw.peak_flops_per_s(gpu, precision)
     gemm_s = 0.0
     flops = 0.0

@@ -89,6 +89,15 @@ class Runtime:
     rotary tables beside the hidden states (autoplan's fx split, runtime/pipeline.py;
     volume.pp_side_traffic); Megatron's and torchtitan's stages build their own and hand on
     the hidden states alone.
+    float8_scaling: how an fp8 step scales its float8 casts (compute.FLOAT8_CAST_BYTES): ""
+    for the plan's torchao recipe (autoplan's runtime, torchtitan), or a Transformer Engine
+    recipe a published run names ("delayed", "tensorwise" for current scaling, "mxfp8").
+    float8_weights_per_step: the float8 weights are cast once per step, not per micro-batch
+    (Megatron-Core hands Transformer Engine's modules is_first_microbatch, and they keep the
+    cast weights for the later micro-batches).
+    float8_casts_fused: the activations' and gradients' float8 casts run inside the ops before
+    them even when eager (Transformer Engine's fused norm, activation and dact kernels);
+    torchao's fuse only under torch.compile.
     """
 
     tp_comm_overlap: bool = False
@@ -108,6 +117,9 @@ class Runtime:
     rmsnorm_kernel: str = "fused"
     checkpoint_early_stop: bool = True
     pp_hands_on_side_values: bool = True
+    float8_scaling: str = ""
+    float8_weights_per_step: bool = False
+    float8_casts_fused: bool = False
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -329,7 +341,8 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
     c = config  # every field _layer_cost reads; not the schedule, virtual stages or partition
     key = ("layer_cost", id(graph), block.name, c.global_batch, c.seq_len, c.dp, c.tp, c.pp, c.cp, c.ep,
            c.zero_stage, c.offload, c.micro_batch, c.precision, c.sequence_parallel, c.dp_replicate,
-           c.compile, id(cluster), recompute, flash_attention, runtime)
+           c.compile, c.float8_recipe, c.float8_all_gather, id(cluster), recompute, flash_attention,
+           runtime)
     return cache.get(key, lambda: _layer_cost(block, graph, config, cluster, recompute,
                                               flash_attention=flash_attention, runtime=runtime, cache=cache),
                      graph, cluster)
@@ -419,7 +432,7 @@ def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, 
     times = compute.block_times(profile, block.hidden, block.experts, config, gpu,
                                 graph.batch_size, graph.dtype_bytes, block.heads, graph.seq_len,
                                 flash_attention, flash_kernel, compiled, rmsnorm_kernel,
-                                gpu.fused_library_kernels)
+                                gpu.fused_library_kernels, float8_linears(block))
     if block.kind == "post" and not profile.has_loss and graph.vocab:
         loss_fwd, loss_bwd = compute.loss_times_s(volume.tokens_per_rank(graph, config), graph.vocab,
                                                   config.tp, gpu)
@@ -429,6 +442,29 @@ def _compute_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, 
     floor_fwd, floor_bwd = host.block_host_s(compute.block_kernels(
         profile, compiled, rmsnorm_kernel, gpu.fused_library_kernels and not compiled))
     return replace(times, fwd_s=max(times.fwd_s, floor_fwd), bwd_s=max(times.bwd_s, floor_bwd))
+
+
+def float8_linears(block: BlockInfo) -> bool:
+    """Whether an fp8 plan runs the block's linears in float8: the repeated blocks' only (the
+    runtime's apply_float8 converts the blocks' linears; the embedding and head stay 16-bit)."""
+    return block.kind not in ("pre", "post")
+
+
+def float8_cast_times(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, gpu,
+                      runtime: Runtime, profile) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of the float8 casts of the block's linears
+    (compute.float8_cast_s); none outside fp8 plans and the blocks. The scaling is the
+    runtime's (Runtime.float8_scaling), else the plan's torchao recipe, whose activation amax
+    torch.compile fuses into the op before it."""
+    if config.precision != "fp8" or not float8_linears(block):
+        return 0.0, 0.0
+    scaling = runtime.float8_scaling or config.float8_recipe
+    fused = runtime.float8_casts_fused or config.compile
+    weight_casts = 1.0 / config.num_microbatches if runtime.float8_weights_per_step else 1.0
+    if config.float8_all_gather:
+        weight_casts /= config.dp_shard  # torchao casts the local shard before gathering it
+    return compute.float8_cast_s(profile, block.hidden, block.experts, config, gpu,
+                                 graph.batch_size, scaling, fused, weight_casts)
 
 
 def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, cluster,
@@ -468,6 +504,10 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
                                        memory.weight_bytes_per_param(config.precision), gpu)
         fwd_s += copy
         bwd_s += copy if config.zero_stage >= 3 else 0.0
+    cast_fwd, cast_bwd = float8_cast_times(block, graph, config, gpu, runtime, profile)
+    fwd_s, bwd_s = fwd_s + cast_fwd, bwd_s + cast_bwd
+    if rc == "full" or (rc == "selective" and policy == "op"):
+        recompute_s += cast_fwd  # the recomputed forward casts its linears' inputs again
     total: dict[str, float] = {}
     exposed: dict[str, float] = {}
     tp = tp_comm_s(graph, block, config, fabric, groups, rc, runtime)

@@ -64,6 +64,13 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # pipeline stages hand on the hidden states alone, each building its own rotary tables
     # (Megatron's RotaryEmbedding per model chunk, torchtitan's freqs_cis buffer per stage)
     out["pp_hands_on_side_values"] = bool(traits.get("pp_hands_on_side_values", False))
+    # Megatron-Core's Transformer Engine modules cast their float8 weights on the step's first
+    # micro-batch and keep them for the others (megatron/core/extensions/transformer_engine.py
+    # TELinear.forward hands TE is_first_microbatch, then clears it); torchao casts at every forward
+    out["float8_weights_per_step"] = bool(traits.get("float8_weights_per_step", True))
+    # and fuse the activations' and gradients' casts into their norm, activation and dact
+    # kernels (LayerNormLinear, LayerNormMLP); torchao's casts fuse only when compiled
+    out["float8_casts_fused"] = bool(traits.get("float8_casts_fused", True))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

@@ -245,16 +245,21 @@ def uses_flash_attention(run: dict[str, Any]) -> bool:
 # Runtimes that can overlap TP collectives with GEMMs (Transformer Engine userbuffers, used by
 # Megatron-Core's --tp-comm-overlap and NeMo / Megatron-Bridge's tp_comm_overlap recipes).
 TP_OVERLAP_RUNTIMES = ("nemo", "megatron-bridge", "megatron-core", "mcore")
+# Where a run says it overlapped: Megatron's flag, and torchtitan's AsyncTP (torch's
+# micro-pipelined TP, an Inductor pass that splits each all-gather / reduce-scatter into
+# chunks pipelined with the matmul on them, the decomposition of Wang et al. 2023 that
+# layers.tp_exposed_s costs).
+TP_OVERLAP_WORDS = ("tp-comm-overlap", "tp_comm_overlap", "asynctp", "async tp")
 
 
 def tp_comm_overlap_options(run: dict[str, Any]) -> list[bool]:
-    """TP/GEMM overlap: on where the run says --tp-comm-overlap; where it does not say and its
+    """TP/GEMM overlap: on where the run says it (TP_OVERLAP_WORDS); where it does not say and its
     runtime has the feature, both are tried and the faster kept (an unstated setting); off for
     other runtimes (Megatron-LM of 2021-22 papers, Megatron-DeepSpeed, FSDP). Only with TP > 1."""
     if int(run["parallel"].get("tp") or 1) <= 1:
         return [False]
     text = json.dumps(run).lower()
-    if "tp-comm-overlap" in text or "tp_comm_overlap" in text:
+    if any(word in text for word in TP_OVERLAP_WORDS):
         return [True]
     source = f"{run.get('source', '')} {run.get('source_locator', '')}".lower()
     if any(name in source for name in TP_OVERLAP_RUNTIMES):
@@ -275,6 +280,26 @@ def flash_kernel(run: dict[str, Any]) -> str:
     runtime's benchmarks default to the Triton kernel, else "flash2"."""
     source = f"{run.get('source', '')} {run.get('source_locator', '')}".lower()
     return "triton" if any(name in source for name in TRITON_FLASH_RUNTIMES) else "flash2"
+
+
+# How a run's FP8 recipe scales its float8 casts (compute.FLOAT8_CAST_BYTES), from its
+# precision text: Megatron-Bridge's "FP8-CS" is Transformer Engine's current (per-tensor)
+# scaling and "FP8-MX" its MXFP8 block scaling; block-wise recipes (DeepSeek-V3's 1x128 and
+# 128x128 tiles, Megatron-Bridge's block granularity) quantize an activation along its rows
+# for the forward and again along its columns for the weight gradient, as torchao's rowwise;
+# NeMo 24.07's FP8 is Transformer Engine's DelayedScaling (its recipes set fp8_amax_history_len
+# and fp8_amax_compute_algo, the delayed recipe's fields); torchao float8 linears (torchtitan)
+# take the plan's recipe, "" here.
+FLOAT8_SCALING_WORDS = (("fp8-cs", "tensorwise"), ("current scaling", "tensorwise"),
+                        ("fp8-mx", "mxfp8"), ("block", "rowwise"), ("transformer engine", "delayed"))
+
+
+def float8_scaling(run: dict[str, Any]) -> str:
+    """Runtime.float8_scaling of an fp8 run ("" for torchao's plan recipe or a 16-bit run)."""
+    if run.get("precision_key") != "fp8":
+        return ""
+    text = str(run.get("precision", "")).lower()
+    return next((scaling for word, scaling in FLOAT8_SCALING_WORDS if word in text), "")
 
 
 # DeepSpeed ZeRO-3 as measured in 2021 (Narayanan et al. 2021 §5.2, Table 2): gathers at one
@@ -358,6 +383,7 @@ def validate_run(run: dict[str, Any]) -> RunResult:
         overlaps = tp_comm_overlap_options(run)
         flat = zero3_flat_gather(run)
         kernel = flash_kernel(run)
+        scaling = float8_scaling(run)
         stack = stack_settings(run)
         compiled = stack.pop("compile")
         best = None
@@ -368,7 +394,7 @@ def validate_run(run: dict[str, Any]) -> RunResult:
                 assumed = {**assumed, "recompute": "full on every second block (layer SAC)"}
             for overlap in overlaps:
                 runtime = Runtime(tp_comm_overlap=overlap, zero3_flat_gather=flat, flash_kernel=kernel,
-                                  **traits, **stack)
+                                  float8_scaling=scaling, **traits, **stack)
                 est = estimate(graph, config, cluster, flash_attention=flash, runtime=runtime)
                 if not est.feasible and assumed.get("recompute") == "none":
                     est, assumed = _partial_recompute(graph, config, cluster, flash, runtime, est,

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.validate.published import candidate_configs, load_runs, uses_flash_attention, validate_file
+from autoplan.validate.families import runtime_traits
+from autoplan.validate.published import (candidate_configs, float8_scaling, load_runs, uses_flash_attention,
+                                         validate_file)
 
 RUNS = Path(__file__).resolve().parents[2] / "cost_models" / "validation" / "published_runs.json"
 
@@ -102,7 +104,7 @@ def test_unstated_recompute_may_be_partial(report):
 
     raw = next(r for r in load_runs(RUNS) if r["id"] == run["id"])
     graph, cluster = _graph_for_run(raw), _cluster_for_run(raw)
-    runtime = Runtime(tp_comm_overlap=True, fp32_module_weights=False)
+    runtime = Runtime(tp_comm_overlap=True, float8_scaling=float8_scaling(raw), **runtime_traits("megatron"))
     uniform = {c.recompute: estimate(graph, c, cluster, runtime=runtime)
                for c, a in candidate_configs(raw) if a["sequence_parallel"] and a["zero_stage"] == 1}
     assert not uniform["none"].feasible and uniform["full"].feasible

@@ -85,7 +85,12 @@ def test_torchtitan_runtime_traits():
                                                    "fsdp_root_regathered": True,
                                                    "cp_grad_ring": "kv-dtype",
                                                    "checkpoint_early_stop": False,
-                                                   "pp_hands_on_side_values": False}
+                                                   "pp_hands_on_side_values": False,
+                                                   "float8_weights_per_step": True,
+                                                   "float8_casts_fused": True}
+    # torchao's Float8Linear casts its weight at every forward, its casts fused only when compiled;
+    # Transformer Engine under Megatron keeps the step's float8 weights and fuses the casts
+    assert traits["float8_weights_per_step"] is False and traits["float8_casts_fused"] is False
     # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts over
     # the TP ranks too; only autoplan's runtime keeps them whole on each (layers.Runtime default)
     assert traits["experts_replicated_over_tp"] is False
