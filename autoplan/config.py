@@ -91,6 +91,10 @@ class ParallelConfig:
     # each TransformerBlock"), so Inductor fuses its memory-bound ops (cost.compute); the embedding,
     # final norm, head and loss stay eager
     compile: bool = False
+    # TP plans under compile only: torch's micro-pipelined ("async") TP, an Inductor pass that
+    # splits each sequence-parallel all-gather / reduce-scatter into chunks pipelined with the
+    # matmul on them over CUDA symmetric memory (torchtitan's enable_async_tensor_parallel)
+    async_tp: bool = False
     # fp8 plans only: torchao's scaling recipe, and whether ZeRO-3 all-gathers the float8
     # linears' weights already cast to float8 (torchao's enable_fsdp_float8_all_gather,
     # tensorwise only: 1 byte a parameter instead of 2)
@@ -132,6 +136,23 @@ def float8_problem(precision: str, zero_stage: int, recipe: str, all_gather: boo
     if all_gather and recipe != "tensorwise":
         return (f"float8_all_gather needs the tensorwise recipe: torchao casts a weight to float8 "
                 f"with one scale before FSDP gathers it, and {recipe} scales each row")
+    return None
+
+
+def async_tp_problem(async_tp: bool, tp: int, sequence_parallel: bool, compile_: bool,
+                     gpu: str) -> str | None:
+    """Why async TP cannot run under these settings, or None. Inductor's micro-pipeline TP
+    pass rewrites the all-gather before and the reduce-scatter after a sequence-parallel
+    block's matmuls, in compiled code (torchtitan refuses it without compile), into fused
+    ops on CUDA symmetric memory, which has no CPU backend."""
+    if not async_tp:
+        return None
+    if tp < 2 or not sequence_parallel:
+        return f"async_tp needs tp > 1 with sequence parallelism (tp is {tp}, sequence_parallel {sequence_parallel})"
+    if not compile_:
+        return "async_tp needs compile: it is a pass of torch.compile's Inductor over the compiled blocks"
+    if gpu == "cpu":
+        return "async_tp needs CUDA GPUs: its fused collectives run on CUDA symmetric memory, which CPU ranks lack"
     return None
 
 

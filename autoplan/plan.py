@@ -125,9 +125,10 @@ class Plan:
         """The plan file's JSON object: the config's fields flat, blocks written by path."""
         out: dict[str, Any] = {}
         for name, value in asdict(self).items():
-            if name == "parallel":  # the float8 settings only in an fp8 plan's file
+            if name == "parallel":  # the float8 settings only in an fp8 plan's file, async_tp when on
                 out.update((key, value[key]) for key in DEGREES
-                           if key not in FLOAT8_KEYS or self.precision == "fp8")
+                           if (key not in FLOAT8_KEYS or self.precision == "fp8")
+                           and (key != "async_tp" or value[key]))
             elif name == "blocks":
                 out["stages"] = self.stages
                 out["recompute"] = recompute_runs(self.recompute)

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from autoplan.config import (FLOAT8_RECIPES, OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, TP_STYLE_FORMS,
-                             float8_problem, tp_style_known)
+                             async_tp_problem, float8_problem, tp_style_known)
 from autoplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 
 MODEL_SOURCES = ("catalog", "config", "transformers", "file")
@@ -120,10 +120,16 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
     for name, allowed in (("offload", OFFLOAD), ("precision", PRECISIONS), ("schedule", SCHEDULES)):
         if data.get(name, allowed[0]) not in allowed:
             problems.append(f"{name} must be one of {list(allowed)}, got {_shown(data.get(name))}")
-    for flag, default in (("sequence_parallel", True), ("compile", False), ("float8_all_gather", False)):
+    flags = (("sequence_parallel", True), ("compile", False), ("async_tp", False), ("float8_all_gather", False))
+    for flag, default in flags:
         if not isinstance(data.get(flag, default), bool):
             problems.append(f"{flag} must be true or false, got {_shown(data.get(flag))}")
     problems += _float8_problems(data)
+    if all(isinstance(data.get(flag, default), bool) for flag, default in flags) and is_int(data.get("tp", 1)):
+        problem = async_tp_problem(data.get("async_tp", False), data.get("tp", 1),
+                                   data.get("sequence_parallel", True), data.get("compile", False),
+                                   str(data.get("gpu", "")))
+        problems += [problem] if problem else []
     stages = data.get("stages", [])
     if not isinstance(stages, list) or not all(_is_str_list(stage) for stage in stages):
         problems.append("stages must be a list of lists of block module paths")

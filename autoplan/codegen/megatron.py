@@ -141,6 +141,10 @@ def megatron_notes(plan: Plan) -> list[str]:
     if plan.offload in ("params", "both"):
         notes.append(f"offload {plan.offload}: Megatron-LM offloads the optimizer only "
                      "(--optimizer-cpu-offload); parameters stay on the GPU.")
+    if plan.async_tp:
+        notes.append("async TP (torch's micro-pipelined TP under torch.compile): not written; Megatron-LM's "
+                     "--tp-comm-overlap (Transformer Engine userbuffers) pipelines the TP collectives with "
+                     "their GEMMs the same way, where Transformer Engine is installed.")
     notes += _float8_notes(plan)
     notes += _recompute_notes(plan)
     return notes

@@ -89,6 +89,8 @@ def torchtitan_config(plan: Plan, version: str = CURRENT_VERSION) -> dict[str, d
     config["compile"] = {"enable": plan.compile}
     if plan.compile:  # the model's blocks, as autoplan's runtime compiles them (not the loss)
         config["compile"]["components"] = ["model"]
+    if plan.async_tp:
+        config["compile"]["enable_async_tensor_parallel"] = True
     config["activation_checkpoint"] = _activation_checkpoint(plan)
     config["optimizer"] = {"name": "AdamW", "lr": float(opt.get("lr", 3e-4)),
                            "beta1": float(opt.get("betas", [0.9, 0.95])[0]),

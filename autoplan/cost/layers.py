@@ -341,7 +341,7 @@ def layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clus
     c = config  # every field _layer_cost reads; not the schedule, virtual stages or partition
     key = ("layer_cost", id(graph), block.name, c.global_batch, c.seq_len, c.dp, c.tp, c.pp, c.cp, c.ep,
            c.zero_stage, c.offload, c.micro_batch, c.precision, c.sequence_parallel, c.dp_replicate,
-           c.compile, c.float8_recipe, c.float8_all_gather, id(cluster), recompute, flash_attention,
+           c.compile, c.async_tp, c.float8_recipe, c.float8_all_gather, id(cluster), recompute, flash_attention,
            runtime)
     return cache.get(key, lambda: _layer_cost(block, graph, config, cluster, recompute,
                                               flash_attention=flash_attention, runtime=runtime, cache=cache),
@@ -513,7 +513,8 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     tp = tp_comm_s(graph, block, config, fabric, groups, rc, runtime)
     total["tp"] = tp
     exposed["tp"] = tp_exposed_s(tp, config.tp, times.gemm_fwd_s * (1 + compute.BACKWARD_GEMM_FACTOR)
-                                 + (times.gemm_fwd_s if rc == "full" else 0.0)) if runtime.tp_comm_overlap else tp
+                                 + (times.gemm_fwd_s if rc == "full" else 0.0)) \
+        if runtime.tp_comm_overlap or config.async_tp else tp
     cp_total, cp_exposed = cp_comm_s(graph, block, config, fabric, groups, times.attention_fwd_s, rc, runtime)
     total["cp"], exposed["cp"] = cp_total, cp_exposed
     ep = ep_comm_s(graph, block, config, fabric, groups, rc, runtime.fp32_module_weights,

@@ -96,7 +96,8 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
         offload=offload, micro_batch=micro, recompute=recompute if every is None else "full", schedule=schedule,
         vpp=vpp, precision=precision, sequence_parallel=tp > 1 and bool(par.get("enable_sequence_parallel", True)),
         dp_replicate=replicate if shard > 1 else 1, stage_layers=stage_layers,
-        compile=_compiles_model(data, training), float8_recipe=recipe, float8_all_gather=all_gather)
+        compile=_compiles_model(data, training), async_tp=_async_tp(data, par, tp, notes),
+        float8_recipe=recipe, float8_all_gather=all_gather)
     if every is not None:
         notes.append(f"selective_ac_option {every}: every {every}-th block fully recomputed (placed per stage "
                      "once the model's block count is known; until then every block)")
@@ -111,6 +112,18 @@ def _compiles_model(data: dict[str, Any], training: dict[str, Any]) -> bool:
     if isinstance(section, dict) and section.get("enable"):
         return "model" in section.get("components", ["model", "loss"])
     return training.get("compile") is True
+
+
+def _async_tp(data: dict[str, Any], par: dict[str, Any], tp: int, notes: list[str]) -> bool:
+    """[compile] enable_async_tensor_parallel (torchtitan 0.3; [parallelism] before it), which
+    torchtitan applies only to a compiled model with a TP mesh."""
+    section = data.get("compile", {})
+    asked = (isinstance(section, dict) and section.get("enable_async_tensor_parallel") is True) \
+        or par.get("enable_async_tensor_parallel") is True
+    if asked and not (tp > 1 and _compiles_model(data, data.get("training", {}))):
+        notes.append("enable_async_tensor_parallel without tp > 1 and a compiled model: not applied")
+        return False
+    return asked
 
 
 def _section(data: dict[str, Any], name: str, source: str) -> dict[str, Any]:

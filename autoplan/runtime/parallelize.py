@@ -152,7 +152,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
         # 4. Activation recomputation, then compilation of the checkpointed blocks.
         apply_recompute(part, plan.recompute)
         if plan.compile:
-            apply_compile(part, list(plan.blocks))
+            apply_compile(part, list(plan.blocks), mesh.axis("tp") if plan.async_tp else None)
     # 5. Data parallelism (also over cp: CP ranks average gradients like DP ranks).
     if not data_parallel:
         return result

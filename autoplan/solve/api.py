@@ -13,7 +13,7 @@ from autoplan.trace.graph import ModelGraph, sequence_loop_notes
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve import preference
 from autoplan.solve.search import Candidate, SearchResult, estimate_candidate, search
-from autoplan.solve.space import Request, check_fixed
+from autoplan.solve.space import Request, async_tp_setting, check_fixed
 from autoplan.solve.plan_build import to_plan
 
 
@@ -39,8 +39,10 @@ def precisions_for(precision: str, cluster) -> tuple[str, ...]:
 def compile_gain_notes(graph: ModelGraph, best: Candidate, cluster, cache: CostCache) -> list[str]:
     """What `--compile` would gain on the best plan, by the cost model, when it is 1% or more:
     the same configuration with its blocks' kernels fused (cost.compute, torchtitan's
-    apply_compile rows)."""
-    compiled = estimate_candidate(graph, best.config.with_(compile=True), cluster, cache)
+    apply_compile rows), and its TP collectives pipelined with their matmuls (async TP)."""
+    c = best.config
+    compiled = estimate_candidate(graph, c.with_(compile=True, async_tp=async_tp_setting(
+        True, c.tp, c.sequence_parallel, cluster.gpu.key != "cpu")), cluster, cache)
     gain = 1.0 - compiled.step_time_s / best.step_time_s
     if gain < 0.01:
         return []
@@ -66,7 +68,7 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
                       else (fixed["precision"],),
                       fixed=dict(fixed or {}), objective=objective,
                       equivalence_band=preference.equivalence_band() if equivalence_band is None
-                      else equivalence_band, compile=compile_blocks)
+                      else equivalence_band, compile=compile_blocks, cuda=cluster.gpu.key != "cpu")
     check_fixed(graph, request)
     cache = CostCache() if cache is None else cache
     result = search(graph, cluster, request, top=top, progress=progress, time_limit_s=time_limit_s,

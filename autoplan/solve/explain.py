@@ -303,6 +303,7 @@ def candidate_json(cand: Candidate, best: Candidate | None = None) -> dict[str, 
     out = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
            "offload": c.offload, "micro_batch": c.micro_batch, "num_microbatches": c.num_microbatches,
            "schedule": c.schedule, "vpp": c.vpp, "precision": c.precision, "compile": c.compile,
+           **({"async_tp": True} if c.async_tp else {}),
            **({"float8_recipe": c.float8_recipe, "float8_all_gather": c.float8_all_gather}
               if c.precision == "fp8" else {}),
            "stage_layers": list(c.stage_layers or []),
@@ -355,7 +356,8 @@ def render_job(job, explanation: list[str], console) -> None:
                  f"{c.schedule} vpp={c.vpp}, blocks per stage {list(c.stage_layers or [])}")
     rc = {m: sum(1 for x in (c.layer_recompute or ()) if x == m) for m in ("selective", "full")}
     head.add_row("recompute", f"{rc['full']} blocks full, {rc['selective']} selective")
-    head.add_row("precision", c.precision + _float8_note(c) + (", blocks under torch.compile" if c.compile else ""))
+    head.add_row("precision", c.precision + _float8_note(c) + (", blocks under torch.compile" if c.compile else "")
+                 + (", async TP (collectives pipelined with their matmuls)" if c.async_tp else ""))
     head.add_row("step time", f"{e.step_time_s:.3f} s")
     head.add_row("tokens/s per GPU", f"{e.tokens_per_s_per_gpu:,.0f}")
     head.add_row("MFU / HFU", f"{e.mfu * 100:.1f}% / {e.hfu * 100:.1f}%")

@@ -47,6 +47,7 @@ class Request:
     # 0: the fastest plan
     equivalence_band: float = 0.0
     compile: bool = False  # every configuration runs its blocks under torch.compile
+    cuda: bool = True  # the GPUs are CUDA devices (async TP's symmetric memory), not CPU ranks
 
 
 def divisors(n: int) -> list[int]:
@@ -245,9 +246,19 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
                                 dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                 offload=offload, micro_batch=mb, schedule=schedule, vpp=vpp,
                                 precision=precision, sequence_parallel=sequence_parallel(graph, tp),
-                                compile=request.compile, recompute=fixed.get("recompute", "none"),
+                                compile=request.compile,
+                                async_tp=async_tp_setting(request.compile, tp, sequence_parallel(graph, tp),
+                                                          request.cuda),
+                                recompute=fixed.get("recompute", "none"),
                                 **float8_settings(precision, zero, fixed),
                             )
+
+
+def async_tp_setting(compile_: bool, tp: int, sequence_parallel: bool, cuda: bool) -> bool:
+    """Async TP wherever it can run (config.async_tp_problem): it only hides TP collectives
+    behind the matmuls that consume or produce them (cost.layers.tp_exposed_s), as torchtitan
+    turns it on with compile and TP."""
+    return compile_ and tp > 1 and sequence_parallel and cuda
 
 
 def float8_settings(precision: str, zero: int, fixed: dict) -> dict:

@@ -44,8 +44,8 @@ HERE = Path(__file__).resolve().parent
 
 # The plan, exactly as in plan.json. The runtime applies it: parallel degrees, ZeRO stage and
 # offload, micro-batching, pipeline stages (module paths), tensor-parallel styles per block class,
-# recomputation per block, torch.compile per block, precision and the optimizer. "estimate"
-# holds the predictions.
+# recomputation per block, torch.compile per block (and async TP with it), precision and the
+# optimizer. "estimate" holds the predictions.
 PLAN = {
     'model': {
         'source': 'catalog', 'name': 'llama3.1-8b', 'path': None,

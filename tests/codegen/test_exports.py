@@ -79,6 +79,7 @@ def same_configuration(plan: Plan, config) -> dict[str, tuple]:
                     * (config.pp * config.vpp)) if config.pp > 1 else None),
         "recompute": (plan_recompute(plan), stage_recompute(config, counts)),
         "float8": ((plan.float8_recipe, plan.float8_all_gather), (config.float8_recipe, config.float8_all_gather)),
+        "async_tp": (plan.async_tp, config.async_tp),
     }
     return {axis: pair for axis, pair in pairs.items() if pair[0] != pair[1]}
 
@@ -92,6 +93,7 @@ CASES = [
     ("zero2", dict(zero_stage=2), {}),
     ("tp-sp", dict(dp=4, tp=2, sequence_parallel=True), {}),
     ("tp-no-sp", dict(dp=4, tp=2, sequence_parallel=False), {}),
+    ("tp-async", dict(dp=4, tp=2, sequence_parallel=True, compile=True, async_tp=True), {"megatron": "async_tp"}),
     ("pp-1f1b", dict(dp=4, pp=2, schedule="1f1b"), {}),
     ("pp-gpipe", dict(dp=4, pp=2, schedule="gpipe"), {"megatron": "schedule"}),
     ("pp-uneven", dict(dp=4, pp=2, schedule="1f1b", counts=[3, 5]), {}),

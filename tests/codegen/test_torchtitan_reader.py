@@ -57,6 +57,8 @@ PLANS = {
     "selective-recompute": make_plan("llama3.1-8b", dp=4, tp=2, modes=("selective",) * 32),
     "mixed-recompute": make_plan("llama3.1-8b", modes=("full", "none", "none", "none") * 8),
     "compiled": make_plan("llama3.1-8b", dp=4, tp=2, compile=True),
+    # CompileConfig's own check: async TP needs compile with "model" among the components
+    "async-tp": make_plan("llama3.1-8b", dp=4, tp=2, compile=True, async_tp=True),
 }
 AC_CLASS = {"none": "NoneType", "full": "FullAC.Config", "selective": "SelectiveAC.Config"}
 
@@ -91,6 +93,7 @@ def test_torchtitan_accepts_the_file_and_reads_the_same_plan(case):
     assert config.training.global_batch_size == plan.global_batch
     assert config.compile.enable == plan.compile
     assert not plan.compile or config.compile.components == ["model"]
+    assert config.compile.enable_async_tensor_parallel == plan.async_tp
     modes = set(plan.recompute.values())
     written = "full" if len(modes) > 1 else modes.pop()  # a mix with full blocks: full, and noted
     assert type(config.activation_checkpoint).__qualname__ == AC_CLASS[written]

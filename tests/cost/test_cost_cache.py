@@ -26,7 +26,7 @@ STATES_KEY = {"dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "precision"
               "dp_shard"}  # = dp // dp_replicate
 LAYER_KEY = {"global_batch", "seq_len", "dp", "tp", "pp", "cp", "ep", "zero_stage", "offload", "micro_batch",
              "precision", "sequence_parallel", "dp_replicate", "compile",
-             "float8_recipe", "float8_all_gather",
+             "async_tp", "float8_recipe", "float8_all_gather",
              "dp_shard",  # = dp // dp_replicate
              "num_microbatches"}  # = global_batch // (dp * micro_batch)
 
