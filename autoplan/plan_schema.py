@@ -121,11 +121,10 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
         if data.get(name, allowed[0]) not in allowed:
             problems.append(f"{name} must be one of {list(allowed)}, got {_shown(data.get(name))}")
     flags = (("sequence_parallel", True), ("compile", False), ("async_tp", False), ("float8_all_gather", False))
-    for flag, default in flags:
-        if not isinstance(data.get(flag, default), bool):
-            problems.append(f"{flag} must be true or false, got {_shown(data.get(flag))}")
+    not_bools = [flag for flag, default in flags if not isinstance(data.get(flag, default), bool)]
+    problems += [f"{flag} must be true or false, got {_shown(data.get(flag))}" for flag in not_bools]
     problems += _float8_problems(data)
-    if all(isinstance(data.get(flag, default), bool) for flag, default in flags) and is_int(data.get("tp", 1)):
+    if not not_bools and is_int(data.get("tp", 1)):
         problem = async_tp_problem(data.get("async_tp", False), data.get("tp", 1),
                                    data.get("sequence_parallel", True), data.get("compile", False),
                                    str(data.get("gpu", "")))

@@ -84,6 +84,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
     precision = _precision(data, training, notes, unsupported)
     recipe, all_gather = _float8(data, precision, zero, source, notes, unsupported)
     offload = "both" if training.get("enable_cpu_offload") else "none"
+    compiled = _compiles_model(data, training)
     if offload != "none":
         notes.append("training.enable_cpu_offload: FSDP offloads parameters, gradients and optimizer state")
     _unknown(data, notes, unsupported)
@@ -96,7 +97,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
         offload=offload, micro_batch=micro, recompute=recompute if every is None else "full", schedule=schedule,
         vpp=vpp, precision=precision, sequence_parallel=tp > 1 and bool(par.get("enable_sequence_parallel", True)),
         dp_replicate=replicate if shard > 1 else 1, stage_layers=stage_layers,
-        compile=_compiles_model(data, training), async_tp=_async_tp(data, par, tp, notes),
+        compile=compiled, async_tp=_async_tp(data, par, tp, compiled, notes),
         float8_recipe=recipe, float8_all_gather=all_gather)
     if every is not None:
         notes.append(f"selective_ac_option {every}: every {every}-th block fully recomputed (placed per stage "
@@ -114,13 +115,13 @@ def _compiles_model(data: dict[str, Any], training: dict[str, Any]) -> bool:
     return training.get("compile") is True
 
 
-def _async_tp(data: dict[str, Any], par: dict[str, Any], tp: int, notes: list[str]) -> bool:
+def _async_tp(data: dict[str, Any], par: dict[str, Any], tp: int, compiled: bool, notes: list[str]) -> bool:
     """[compile] enable_async_tensor_parallel (torchtitan 0.3; [parallelism] before it), which
     torchtitan applies only to a compiled model with a TP mesh."""
     section = data.get("compile", {})
     asked = (isinstance(section, dict) and section.get("enable_async_tensor_parallel") is True) \
         or par.get("enable_async_tensor_parallel") is True
-    if asked and not (tp > 1 and _compiles_model(data, data.get("training", {}))):
+    if asked and not (tp > 1 and compiled):
         notes.append("enable_async_tensor_parallel without tp > 1 and a compiled model: not applied")
         return False
     return asked

@@ -74,6 +74,11 @@ def checked_batch(value, batch_size: int, call: str) -> Batch:
     return (dict(inputs) if keyword else tuple(inputs)), labels
 
 
+def _input_keys(inputs: Inputs) -> list:
+    """The names of keyword inputs, the positions of positional ones."""
+    return list(inputs) if isinstance(inputs, dict) else list(range(len(inputs)))
+
+
 def sample_rows(fn: Callable, seq_len: int, seed: int, step: int, rows: range) -> Batch:
     """Rows `rows` of step `step`'s global batch, each drawn by its own `fn(1)` call."""
     drawn = []
@@ -81,9 +86,8 @@ def sample_rows(fn: Callable, seq_len: int, seed: int, step: int, rows: range) -
         with torch.random.fork_rng(devices=[]):  # the training RNG stream is left as it was
             torch.manual_seed(((seed * 1_000_003 + step) * 1_000_033 + row) % (1 << 63))
             drawn.append(call_batch(fn, 1, seq_len, "the model file"))
-    keys = list(drawn[0][0].keys()) if isinstance(drawn[0][0], dict) else list(range(len(drawn[0][0])))
-    if any((list(inputs.keys()) if isinstance(inputs, dict) else list(range(len(inputs)))) != keys
-           for inputs, _ in drawn):
+    keys = _input_keys(drawn[0][0])
+    if any(_input_keys(inputs) != keys for inputs, _ in drawn):
         raise UserError(f"{BATCH_HOOK} in the model file returned different inputs from one call "
                         "to the next; return the same inputs every time.")
     joined = {key: torch.cat([inputs[key] for inputs, _ in drawn]) for key in keys}

@@ -20,10 +20,10 @@ every copy takes the same optimizer step.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import zlib
 from dataclasses import dataclass
-import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -32,14 +32,14 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
-if TYPE_CHECKING:
-    from torch.distributed.pipelining import PipelineStage
-
 from autoplan.errors import UserError
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.pipeline_hf import hf_block_paths, hf_split_problem, split_hf_stages
 from autoplan.runtime.tying import model_fqn, tied_groups
+
+if TYPE_CHECKING:  # imported where a pipeline is built (build_schedule, _stage_class)
+    from torch.distributed.pipelining import PipelineStage
 
 
 class _BlockTracer(fx.Tracer):

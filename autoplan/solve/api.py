@@ -42,7 +42,7 @@ def compile_gain_notes(graph: ModelGraph, best: Candidate, cluster, cache: CostC
     apply_compile rows), and its TP collectives pipelined with their matmuls (async TP)."""
     c = best.config
     compiled = estimate_candidate(graph, c.with_(compile=True, async_tp=async_tp_setting(
-        True, c.tp, c.sequence_parallel, cluster.gpu.key != "cpu")), cluster, cache)
+        True, c.tp, c.sequence_parallel, cluster.gpu.key)), cluster, cache)
     gain = 1.0 - compiled.step_time_s / best.step_time_s
     if gain < 0.01:
         return []
@@ -68,7 +68,7 @@ def plan_job(graph: ModelGraph, model: ModelRef, cluster, *, global_batch: int, 
                       else (fixed["precision"],),
                       fixed=dict(fixed or {}), objective=objective,
                       equivalence_band=preference.equivalence_band() if equivalence_band is None
-                      else equivalence_band, compile=compile_blocks, cuda=cluster.gpu.key != "cpu")
+                      else equivalence_band, compile=compile_blocks, gpu=cluster.gpu.key)
     check_fixed(graph, request)
     cache = CostCache() if cache is None else cache
     result = search(graph, cluster, request, top=top, progress=progress, time_limit_s=time_limit_s,

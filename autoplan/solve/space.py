@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from autoplan.config import FLOAT8_RECIPES, PRECISIONS, ParallelConfig
+from autoplan.config import FLOAT8_RECIPES, PRECISIONS, ParallelConfig, async_tp_problem
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph
 
@@ -47,7 +47,7 @@ class Request:
     # 0: the fastest plan
     equivalence_band: float = 0.0
     compile: bool = False  # every configuration runs its blocks under torch.compile
-    cuda: bool = True  # the GPUs are CUDA devices (async TP's symmetric memory), not CPU ranks
+    gpu: str = ""  # the GPU file's key: async TP runs on CUDA GPUs, not on "cpu" ranks
 
 
 def divisors(n: int) -> list[int]:
@@ -230,6 +230,7 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
     moe = any(b.experts for b in graph.blocks)
     eps = [e for e in divisors(dp * cp) if not ep_reason(graph, e, dp, cp)] if moe else [1]
     zeros = [0, 1, 2, 3] if dp > 1 else [0]
+    sp = sequence_parallel(graph, tp)
     for ep in pick("ep", eps):
         if ep_reason(graph, ep, dp, cp):
             continue
@@ -245,20 +246,18 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
                                 global_batch=request.global_batch, seq_len=request.seq_len,
                                 dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                 offload=offload, micro_batch=mb, schedule=schedule, vpp=vpp,
-                                precision=precision, sequence_parallel=sequence_parallel(graph, tp),
-                                compile=request.compile,
-                                async_tp=async_tp_setting(request.compile, tp, sequence_parallel(graph, tp),
-                                                          request.cuda),
+                                precision=precision, sequence_parallel=sp, compile=request.compile,
+                                async_tp=async_tp_setting(request.compile, tp, sp, request.gpu),
                                 recompute=fixed.get("recompute", "none"),
                                 **float8_settings(precision, zero, fixed),
                             )
 
 
-def async_tp_setting(compile_: bool, tp: int, sequence_parallel: bool, cuda: bool) -> bool:
+def async_tp_setting(compile_: bool, tp: int, sequence_parallel: bool, gpu: str) -> bool:
     """Async TP wherever it can run (config.async_tp_problem): it only hides TP collectives
     behind the matmuls that consume or produce them (cost.layers.tp_exposed_s), as torchtitan
     turns it on with compile and TP."""
-    return compile_ and tp > 1 and sequence_parallel and cuda
+    return async_tp_problem(True, tp, sequence_parallel, compile_, gpu) is None
 
 
 def float8_settings(precision: str, zero: int, fixed: dict) -> dict:
