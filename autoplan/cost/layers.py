@@ -98,6 +98,12 @@ class Runtime:
     float8_casts_fused: the activations' and gradients' float8 casts run inside the ops before
     them even when eager (Transformer Engine's fused norm, activation and dact kernels);
     torchao's fuse only under torch.compile.
+    fused_gated_activation: a gated MLP's act(gate) * up runs as one kernel that saves its
+    input only (Megatron-Core's bias_swiglu_impl; memory.block_activation_bytes); eager
+    PyTorch saves act(gate) as well.
+    float8_saved_inputs: an fp8 step's linears keep the float8 copy of their input for the
+    weight gradient (Transformer Engine; memory.float8_saved_input_delta_bytes); torchao's
+    Float8Linear saves the high-precision input and casts it again in backward.
     """
 
     tp_comm_overlap: bool = False
@@ -120,6 +126,8 @@ class Runtime:
     float8_scaling: str = ""
     float8_weights_per_step: bool = False
     float8_casts_fused: bool = False
+    float8_saved_inputs: bool = False
+    fused_gated_activation: bool = False
 
 
 DEFAULT_RUNTIME = Runtime()
@@ -398,7 +406,8 @@ def activation_bytes(block: BlockInfo, graph: ModelGraph, config: ParallelConfig
     c = config  # every field read by memory.block_activation_bytes and sac.op_sac_activation_bytes
     key = ("activation_bytes", id(graph), block.name, c.micro_batch, c.cp, c.tp, c.precision,
            c.sequence_parallel, recompute, flash_attention, runtime.selective_policy,
-           runtime.sp_saves_gathered_inputs, _autocasts(c, runtime))
+           runtime.sp_saves_gathered_inputs, _autocasts(c, runtime), _float8_input_bytes(block, c, runtime),
+           runtime.fused_gated_activation)
     return cache.get(key, lambda: _activation_bytes(block, graph, config, recompute, flash_attention, runtime),
                      graph)
 
@@ -409,7 +418,16 @@ def _activation_bytes(block: BlockInfo, graph: ModelGraph, config: ParallelConfi
         return sac.op_sac_activation_bytes(graph, block, config)
     return memory.block_activation_bytes(graph, block, config, recompute, flash_attention,
                                          _memory_policy(runtime), runtime.sp_saves_gathered_inputs,
-                                         _autocasts(config, runtime))
+                                         _autocasts(config, runtime),
+                                         _float8_input_bytes(block, config, runtime),
+                                         runtime.fused_gated_activation)
+
+
+def _float8_input_bytes(block: BlockInfo, config: ParallelConfig, runtime: Runtime) -> float:
+    """Bytes per element of the inputs the block's float8 linears save (0: 16-bit inputs)."""
+    if config.precision != "fp8" or not runtime.float8_saved_inputs or not float8_linears(block):
+        return 0.0
+    return memory.float8_saved_input_bytes_per_element(runtime.float8_scaling or config.float8_recipe)
 
 
 def _autocasts(config: ParallelConfig, runtime: Runtime) -> bool:

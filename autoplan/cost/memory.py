@@ -193,7 +193,8 @@ def replicated_saved_bytes(graph: ModelGraph, block: BlockInfo) -> float:
 def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
                            recompute: str, flash_attention: bool = True,
                            selective_policy: str = "op", sp_saves_gathered_inputs: bool = False,
-                           autocast_fp32_weights: bool = False) -> float:
+                           autocast_fp32_weights: bool = False,
+                           float8_input_bytes: float = 0.0, fused_gated_activation: bool = False) -> float:
     """Activation bytes one block copy keeps per micro-batch in flight on one rank: the
     traced bytes of `recompute` (trace/activations.py) rescaled, TP/SP-divided.
     `sp_saves_gathered_inputs`: under sequence parallelism the runtime's column-parallel
@@ -201,10 +202,45 @@ def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: Parallel
     parallelize_module, as autoplan's runtime and torchtitan run; measured by `autoplan
     check`), where Megatron keeps the 1/tp shard and gathers it again in backward.
     `autocast_fp32_weights`: torch.autocast computes from fp32 module weights
-    (autocast_extra_bytes; the weight casts are the layer cost's, held once)."""
+    (autocast_extra_bytes; the weight casts are the layer cost's, held once).
+    `float8_input_bytes`: bytes per element at which the linears save their inputs when
+    they keep the float8 copy (float8_saved_input_delta_bytes); 0 keeps the 16-bit input.
+    `fused_gated_activation`: a gated MLP's act(gate) * up runs as one kernel that saves its
+    input only (trace/activations.py gated_activation_excess_bytes)."""
     extra = autocast_extra_bytes(graph, block, config, recompute) if autocast_fp32_weights else 0.0
+    if float8_input_bytes and recompute != "full":
+        extra += float8_saved_input_delta_bytes(graph, block, config, float8_input_bytes)
     return extra + _traced_activation_bytes(graph, block, config, recompute, flash_attention,
-                                            selective_policy, sp_saves_gathered_inputs)
+                                            selective_policy, sp_saves_gathered_inputs,
+                                            fused_gated_activation)
+
+
+# A float8 element is one byte; MXFP8 adds one 8-bit (E8M0) scale per block of 32 elements
+# (OCP Microscaling Formats MX v1.0 spec, §5: block size 32), the per-tensor recipes one scale.
+FLOAT8_BYTES = 1.0
+MX_BLOCK = 32
+
+
+def float8_saved_input_bytes_per_element(scaling: str) -> float:
+    """Bytes per element of a float8 tensor saved for backward, with its scales."""
+    return FLOAT8_BYTES + (1.0 / MX_BLOCK if scaling == "mxfp8" else 0.0)
+
+
+def float8_saved_input_delta_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
+                                   float8_input_bytes: float) -> float:
+    """Change in one block copy's saved bytes per micro-batch when its linears keep the float8
+    copy of their input for the weight gradient instead of the 16-bit input, as Transformer
+    Engine's do (transformer_engine/pytorch/module/linear.py: under fp8 the quantized input
+    is saved, its row-wise data discarded as "not needed in backward pass"; TE 1.x saved the
+    float8 transpose). An input only the linears keep shrinks to `float8_input_bytes` per
+    element; one the attention kernel saves as its output (the output projection's) gains a
+    float8 copy beside it. TP divides it as it divides the linears' inputs (an approximation
+    for TP without SP, which keeps the column-parallel inputs whole: Korthikanti's 10sbh)."""
+    own, shared = activations.linear_saved_input_bytes(graph, block)
+    per_traced_byte = float8_input_bytes / graph.dtype_bytes
+    act_bytes = FP32_BYTES if config.precision == "fp32" else 2
+    delta = own * (per_traced_byte - act_bytes / graph.dtype_bytes) + shared * per_traced_byte
+    return delta * config.micro_batch / graph.batch_size / config.cp / config.tp
 
 
 def autocast_extra_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
@@ -234,11 +270,13 @@ def autocast_weight_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelC
 
 def _traced_activation_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
                              recompute: str, flash_attention: bool, selective_policy: str,
-                             sp_saves_gathered_inputs: bool) -> float:
+                             sp_saves_gathered_inputs: bool, fused_gated_activation: bool = False) -> float:
     scale = _scale(graph, config)
     tp = config.tp
     saved = saved_bytes_by_mode(graph, block, selective_policy=selective_policy,
                                 flash_attention=flash_attention)[recompute]
+    if fused_gated_activation and recompute != "full":
+        saved -= activations.gated_activation_excess_bytes(graph, block)
     if recompute == "full":
         return saved * scale / (tp if config.sequence_parallel else 1)
     if tp == 1:

@@ -75,6 +75,80 @@ def attention_output_reuse_bytes(graph: ModelGraph, block: BlockInfo) -> float:
     return reused
 
 
+@per_block
+def linear_saved_input_bytes(graph: ModelGraph, block: BlockInfo) -> tuple[float, float]:
+    """(own, shared) bytes of the inputs a block's linears save for their weight gradient, at
+    the traced batch and dtype, each input tensor once (q, k and v read one norm output):
+    `shared` are the inputs that are views of the attention kernel's output, which the kernel
+    saves as well (attention_output_reuse_bytes); `own` the rest, saved for the linears alone.
+    A MoE module traced as one op adds its routed experts' inputs: each routed token slot
+    (tokens x top_k) enters the first GEMMs at the hidden width and the last at the expert's."""
+    g = graph.graph
+    own: dict[str, float] = {}
+    shared = 0.0
+    for name in graph.block_nodes(block):
+        op = g.nodes[name]["op"]
+        if op.kind == "expert" and op.output_shape and block.top_k:
+            slots = _numel(op.output_shape[:-1]) * block.top_k
+            own[name] = float(slots * (block.hidden + routed_expert_width(op, block)[0])
+                              * graph.dtype_bytes)
+        if op.kind != "linear" or not op.input_shapes:
+            continue
+        nbytes = float(_numel(op.input_shapes[0]) * graph.dtype_bytes)
+        source = _through_views(g, name)
+        if source is not None and g.nodes[source]["op"].kind == "attention":
+            shared += nbytes
+        else:
+            own[source or name] = nbytes
+    return sum(own.values()), shared
+
+
+@per_block
+def gated_activation_excess_bytes(graph: ModelGraph, block: BlockInfo) -> float:
+    """Bytes the traced gated MLPs save beyond what a fused gated-activation kernel keeps, at
+    the traced batch and dtype. Run op by op, act(gate) * up saves the gate for the activation
+    and act(gate) and up for the product; a fused kernel (Megatron-Core's bias_swiglu_impl,
+    megatron/core/fusions/fused_bias_swiglu.py, saves its input, the gate and up halves, and
+    recomputes the activation in backward) does without act(gate). A MoE module traced as one
+    op runs its gated experts op by op: one act(gate) per routed token slot and expert width."""
+    g = graph.graph
+    excess = 0.0
+    for name in graph.block_nodes(block):
+        op = g.nodes[name]["op"]
+        if op.kind == "expert" and op.output_shape and block.top_k:
+            width, gated = routed_expert_width(op, block)
+            if gated:
+                excess += _numel(op.output_shape[:-1]) * block.top_k * width * graph.dtype_bytes
+        if op.kind != "elementwise" or op.target != "mul":
+            continue
+        for source in g.predecessors(name):
+            act = g.nodes[source]["op"]
+            if act.kind == "elementwise" and _is_gate_activation(act.target) and act.saved_bytes \
+                    and act.output_shape:
+                excess += _numel(act.output_shape) * graph.dtype_bytes
+    return excess
+
+
+GATE_ACTIVATIONS = ("silu", "gelu", "swish")
+
+
+def _is_gate_activation(target: str) -> bool:
+    return any(word in target.lower() for word in GATE_ACTIVATIONS)
+
+
+def routed_expert_width(op: OpInfo, block: BlockInfo) -> tuple[float, bool]:
+    """(inner width, gated) of one routed expert of a MoE module traced as one op. Its GEMMs
+    write per routed slot the expert's outputs, 2f + h when gated (gate, up, down) or f + h,
+    and it holds 3hf or 2hf parameters: the ratio of the two tells which, and f follows."""
+    slots = _numel(op.output_shape[:-1]) * block.top_k
+    if not slots or not block.experts or not op.routed_gemm_output_elements:
+        return float(block.ffn), False
+    inner = op.routed_gemm_output_elements / slots - block.hidden
+    per_expert = block.expert_parameters / block.experts / block.hidden
+    gated = abs(per_expert - 1.5 * inner) < abs(per_expert - 2.0 * inner)
+    return (inner / 2 if gated else inner), gated
+
+
 def _through_views(g, name: str) -> str | None:
     """The op feeding `name` through a chain of views of one tensor each (shape arguments,
     which have no output shape, aside), or None."""

@@ -71,6 +71,12 @@ def runtime_traits(family: str) -> dict[str, Any]:
     # and fuse the activations' and gradients' casts into their norm, activation and dact
     # kernels (LayerNormLinear, LayerNormMLP); torchao's casts fuse only when compiled
     out["float8_casts_fused"] = bool(traits.get("float8_casts_fused", True))
+    # and their linears save the float8 copy of their input for the weight gradient
+    # (transformer_engine/pytorch/module/linear.py); torchao's Float8Linear saves the bf16 input
+    out["float8_saved_inputs"] = bool(traits.get("float8_saved_inputs", True))
+    # Megatron-Core fuses a gated MLP's activation into one kernel that saves its input only
+    # (bias_activation_fusion: megatron/core/fusions/fused_bias_swiglu.py); eager PyTorch does not
+    out["fused_gated_activation"] = bool(traits.get("fused_gated_activation", True))
     if traits.get("reserved_memory"):
         out["allocator_reserve_fraction"] = allocator_reserve_fraction()
     return out

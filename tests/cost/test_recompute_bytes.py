@@ -9,15 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.config import ParallelConfig
-from autoplan.cost.memory import block_activation_bytes
+from autoplan.cost.memory import block_activation_bytes, float8_saved_input_delta_bytes
 from autoplan.models.llama import Attention, DecoderBlock, SwiGLU, rope_tables
 from autoplan.models.moe import MoE
 from autoplan.runtime.recompute import apply_recompute
-from autoplan.trace.activations import saved_bytes_by_mode
+from autoplan.trace.activations import (gated_activation_excess_bytes, linear_saved_input_bytes,
+                                        saved_bytes_by_mode)
 from autoplan.trace.tracer import trace_model
 
 H, HEADS, FFN, BATCH, SEQ = 96, 4, 256, 2, 64  # hidden != seq: no (b, s, s)-shaped residual
@@ -57,16 +59,19 @@ class _Blocks(nn.Module):
         return x
 
 
-def measured_kept_bytes(mode: str, fused_norm: bool = False, moe: bool = False) -> int:
+def measured_kept_bytes(mode: str, fused_norm: bool = False, moe: bool = False, kernels=None) -> int:
     """Bytes one block keeps from forward to backward under the runtime's wrapper (bf16, CPU);
-    `fused_norm`: RMSNorm keeps what the fused CUDA kernel saves (the dry run's shim)."""
+    `fused_norm`: RMSNorm keeps what the fused CUDA kernel saves (the dry run's shim);
+    `kernels`: a function that swaps the block's modules for ones saving what a library's do."""
     if fused_norm:
         from autoplan.dryrun.kernels import cuda_saved_tensors
 
         with cuda_saved_tensors():
-            return measured_kept_bytes(mode, moe=moe)
+            return measured_kept_bytes(mode, moe=moe, kernels=kernels)
     torch.manual_seed(0)
     model = _Blocks(1, moe).to(torch.bfloat16)
+    if kernels is not None:
+        kernels(model)
     apply_recompute(model, {"layers.0": mode})
     x0 = torch.randn(BATCH, SEQ, H, dtype=torch.bfloat16, requires_grad=True)
     outside = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers(), x0)}
@@ -148,3 +153,92 @@ def test_modes_order_and_the_cost_model_uses_them(traced_block):
     assert costed["full"] < costed["selective"] < costed["none"]
     megatron = block_activation_bytes(graph, block, config, "selective", selective_policy="attention_core")
     assert megatron == pytest.approx(costed["none"], rel=1e-9)  # SDPA: no s^2 tensors to drop
+
+
+class _FusedSwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up saving its inputs only, as Megatron-Core's SwiGLUFunction does
+    (megatron/core/fusions/fused_bias_swiglu.py); silu is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        return grad * up * sig * (1 + gate * (1 - sig)), grad * F.silu(gate)
+
+
+def _fused_swiglu(model: nn.Module) -> None:
+    for mlp in (m for m in model.modules() if isinstance(m, SwiGLU)):
+        mlp.forward = lambda x, m=mlp: m.down_proj(_FusedSwiGLUFn.apply(m.gate_proj(x), m.up_proj(x)))
+
+
+class _Float8InputLinearFn(torch.autograd.Function):
+    """A linear that keeps the float8 copy of its input for the weight gradient, as Transformer
+    Engine's Linear does under fp8; `cache` shares one copy between linears reading one tensor,
+    as Megatron's fused QKV and gate-up projections quantize it once."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cache):
+        key = x.untyped_storage()._cdata
+        if key not in cache:
+            cache[key] = x.detach().to(torch.float8_e4m3fn)
+        ctx.save_for_backward(cache[key], weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, weight = ctx.saved_tensors
+        x = x8.to(grad.dtype)
+        return grad @ weight, grad.flatten(0, -2).t() @ x.flatten(0, -2), None
+
+
+def _float8_input_linears(model: nn.Module) -> None:
+    cache: dict[int, torch.Tensor] = {}
+    for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
+        linear.forward = lambda x, m=linear: _Float8InputLinearFn.apply(x, m.weight, cache)
+
+
+def test_fused_gated_activation_keeps_what_the_cost_model_counts(traced_block):
+    # A fused SwiGLU saves gate and up but not silu(gate): the measured difference is the
+    # trace's gated-activation excess, and the cost model drops exactly that. Equal up to
+    # float rounding (one (batch, seq, ffn) bf16 tensor).
+    graph, block = traced_block
+    eager = measured_kept_bytes("none", fused_norm=True)
+    fused = measured_kept_bytes("none", fused_norm=True, kernels=_fused_swiglu)
+    excess = gated_activation_excess_bytes(graph, block)
+    assert excess == BATCH * SEQ * FFN * 2
+    assert eager - fused == pytest.approx(excess, rel=1e-9)
+    config = ParallelConfig(global_batch=BATCH, seq_len=SEQ, micro_batch=BATCH)
+    costed = block_activation_bytes(graph, block, config, "none", fused_gated_activation=True)
+    assert costed == pytest.approx(saved_bytes_by_mode(graph, block)["none"] - excess, rel=1e-9)
+    full = block_activation_bytes(graph, block, config, "full", fused_gated_activation=True)
+    assert full == block_activation_bytes(graph, block, config, "full")  # the block input only
+
+
+def test_float8_saved_inputs_change_what_the_block_keeps_as_measured(traced_block):
+    # Linears keeping a float8 copy of their input: the norm outputs and the down projection's
+    # input shrink to 1 B an element, the output projection's input (the attention kernel's
+    # saved output) gains a float8 copy beside it. The cost model's change is the measured one
+    # up to float rounding, and it is a saving.
+    graph, block = traced_block
+    config = ParallelConfig(global_batch=BATCH, seq_len=SEQ, micro_batch=BATCH, precision="fp8")
+    bf16 = measured_kept_bytes("none", fused_norm=True)
+    float8 = measured_kept_bytes("none", fused_norm=True, kernels=_float8_input_linears)
+    delta = float8_saved_input_delta_bytes(graph, block, config, 1.0)
+    assert delta < 0
+    assert float8 - bf16 == pytest.approx(delta, rel=1e-9)
+    own, shared = linear_saved_input_bytes(graph, block)
+    assert (own, shared) == (BATCH * SEQ * (2 * H + FFN) * 2, BATCH * SEQ * H * 2)
+
+
+def test_moe_gated_experts_excess_is_one_activation_per_routed_slot(traced_moe_block):
+    # The MoE traced as one op runs silu(gate) * up per expert: a fused kernel drops one
+    # (routed slot, expert width) tensor, and the routed experts' inputs are the slots at the
+    # hidden width (gate, up) and at the expert width (down).
+    graph, block = traced_moe_block
+    assert gated_activation_excess_bytes(graph, block) == BATCH * SEQ * TOP_K * FFN * 2
+    assert linear_saved_input_bytes(graph, block)[0] >= BATCH * SEQ * TOP_K * (H + FFN) * 2

@@ -94,17 +94,18 @@ def test_unstated_settings_are_reported(report):
 
 
 def test_unstated_recompute_may_be_partial(report):
-    # GB300 Llama 3.1 405B (seq 8192) fits only with recomputation; the best under the model
-    # recomputes some blocks of every stage (Megatron --recompute-num-layers), which is faster
-    # than recomputing all of them and slower than none (which does not fit)
-    run = next(r for r in report["runs"] if r["id"] == "mbridge_2511_dgx_gb300_llama3_1_405b_256gpu_fp8cs")
+    # H100 Qwen3-235B-A22B FP8 (EP 32, TP 2) fits only with recomputation; the best under the
+    # model recomputes some blocks of every stage (Megatron --recompute-num-layers), which is
+    # faster than recomputing all of them and slower than none (which does not fit)
+    run = next(r for r in report["runs"] if r["id"] == "mbridge_2511_dgx_h100_qwen3_235b_a22b_256gpu_fp8cs")
     assert run["assumed"]["recompute"].startswith("full on ")
     from autoplan.cost import Runtime, estimate
     from autoplan.validate.published import _cluster_for_run, _graph_for_run
 
     raw = next(r for r in load_runs(RUNS) if r["id"] == run["id"])
     graph, cluster = _graph_for_run(raw), _cluster_for_run(raw)
-    runtime = Runtime(tp_comm_overlap=True, float8_scaling=float8_scaling(raw), **runtime_traits("megatron"))
+    runtime = Runtime(tp_comm_overlap=run["assumed"].get("tp_comm_overlap", True),
+                      float8_scaling=float8_scaling(raw), **runtime_traits("megatron"))
     uniform = {c.recompute: estimate(graph, c, cluster, runtime=runtime)
                for c, a in candidate_configs(raw) if a["sequence_parallel"] and a["zero_stage"] == 1}
     assert not uniform["none"].feasible and uniform["full"].feasible

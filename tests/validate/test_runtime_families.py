@@ -87,10 +87,17 @@ def test_torchtitan_runtime_traits():
                                                    "checkpoint_early_stop": False,
                                                    "pp_hands_on_side_values": False,
                                                    "float8_weights_per_step": True,
-                                                   "float8_casts_fused": True}
-    # torchao's Float8Linear casts its weight at every forward, its casts fused only when compiled;
-    # Transformer Engine under Megatron keeps the step's float8 weights and fuses the casts
+                                                   "float8_casts_fused": True,
+                                                   "float8_saved_inputs": True,
+                                                   "fused_gated_activation": True}
+    # torchao's Float8Linear casts its weight at every forward, its casts fused only when compiled,
+    # and saves the bf16 input; Transformer Engine under Megatron keeps the step's float8
+    # weights, fuses the casts and saves the float8 input
     assert traits["float8_weights_per_step"] is False and traits["float8_casts_fused"] is False
+    assert traits["float8_saved_inputs"] is False
+    # eager SwiGLU (torchtitan, and MPT's ungated MLP) vs Megatron-Core's fused bias_swiglu_impl
+    assert traits["fused_gated_activation"] is False
+    assert families.runtime_traits("llm-foundry")["fused_gated_activation"] is False
     # Megatron's distributed optimizer and torchtitan's FSDP shard expert-parallel experts over
     # the TP ranks too; only autoplan's runtime keeps them whole on each (layers.Runtime default)
     assert traits["experts_replicated_over_tp"] is False
