@@ -216,7 +216,8 @@ def block_activation_bytes(graph: ModelGraph, block: BlockInfo, config: Parallel
 
 
 # A float8 element is one byte; MXFP8 adds one 8-bit (E8M0) scale per block of 32 elements
-# (OCP Microscaling Formats MX v1.0 spec, §5: block size 32), the per-tensor recipes one scale.
+# (OCP Microscaling Formats (MX) Specification v1.0: blocks of 32 share an E8M0 scale); the
+# per-tensor recipes keep one scale for the whole tensor.
 FLOAT8_BYTES = 1.0
 MX_BLOCK = 32
 
