@@ -264,12 +264,23 @@ def block_times(profile: BlockProfile, hidden: int, experts: int, config: Parall
         attention_bwd_s = BACKWARD_ATTENTION_FACTOR * flash2_s * slow_bwd
     memory = block_memory_bytes(profile, activation_dtype_bytes(config.precision), traced_dtype_bytes,
                                 compiled, rmsnorm_kernel, scale, scan_fused)
-    # without sequence parallelism the norms/dropouts run replicated on every TP rank
-    memory /= tp if config.sequence_parallel else 1
+    memory *= tp_memory_share(profile, tp, config.sequence_parallel)
     memory_s = memory / hw.hbm_bytes_per_s(gpu) + attention_memory_s
     fwd = gemm_s + attention_s + memory_s
     bwd = BACKWARD_GEMM_FACTOR * gemm_s + attention_bwd_s + BACKWARD_MEMORY_FACTOR * memory_s
     return BlockTimes(gemm_s, attention_s + attention_memory_s, memory_s, fwd, bwd, flops)
+
+
+def tp_memory_share(profile: BlockProfile, tp: int, sequence_parallel: bool) -> float:
+    """Share of a block's memory-bound traffic one TP rank runs: 1/tp with sequence parallelism
+    (Korthikanti et al. 2022 §4.2.2); without, the residual-stream ops run whole on every rank
+    (profile.replicated_memory_op) and the ops on sharded heads and ffn columns 1/tp."""
+    if sequence_parallel or tp == 1:
+        return 1.0 / tp
+    total = profile.memory_bytes
+    replicated = total if profile.replicated_memory_bytes is None else profile.replicated_memory_bytes
+    share = replicated / total if total else 1.0
+    return share + (1.0 - share) / tp
 
 
 def loss_times_s(tokens: float, vocab: int, tp: int, gpu) -> tuple[float, float]:

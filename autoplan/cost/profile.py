@@ -71,6 +71,9 @@ class BlockProfile:
     scan_memory_bytes: float = 0.0
     scan_kernels: int = 0
     scan_fused_bytes: float = 0.0
+    # the part of memory_bytes that tensor parallelism without sequence parallelism runs whole
+    # on every rank (replicated_memory_op); None where the graph has no ops (all of it)
+    replicated_memory_bytes: float | None = None
 
 
 def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> BlockProfile:
@@ -94,6 +97,7 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
     in_scan = set(scan)
     scan_gemms: list[Gemm] = []
     scan_memory = 0.0
+    replicated = 0.0
     for name, op in zip(names, ops):
         if op.kind == "view":
             continue
@@ -128,8 +132,11 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
         elif op.kind == "expert" and op.flops > 0:
             gemms.extend(_expert_gemms(op, block))
             memory += op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
+            replicated += op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
         else:
             memory += op.bytes_read + op.bytes_written
+            if replicated_memory_op(op, block.hidden):
+                replicated += op.bytes_read + op.bytes_written
     fused_memory = fused_kernels = None
     if fused:
         fused_bytes, regions = inductor_fused_traffic(graph, names)
@@ -141,7 +148,20 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
                         fused_kernels=fused_kernels, rmsnorm_elements=rmsnorm_elements,
                         rmsnorm_ops=rmsnorm_ops, scan_gemms=tuple(scan_gemms),
                         scan_memory_bytes=scan_memory, scan_kernels=len(scan),
-                        scan_fused_bytes=region_traffic_bytes(graph, scan) if scan else 0.0)
+                        scan_fused_bytes=region_traffic_bytes(graph, scan) if scan else 0.0,
+                        replicated_memory_bytes=replicated)
+
+
+def replicated_memory_op(op, hidden: int) -> bool:
+    """Whether tensor parallelism without sequence parallelism runs a memory-bound op whole on
+    every rank: the norms and the element-wise ops on the residual stream (dropout, residual
+    add, bias after a row-parallel linear), whose tensors have the hidden width (Korthikanti et
+    al. 2022 §4.2.2 and Eq. 2: the LayerNorms and the dropouts after attention and MLP are
+    replicated across the TP ranks, 10sbh of the 34sbh). The ops between a column- and a
+    row-parallel linear (rotary on the heads, the MLP activation on the ffn width) work on
+    their rank's shard. MoE modules, whose routing runs on every token, count as replicated."""
+    width = op.output_shape[-1] if op.output_shape else 0
+    return op.kind == "norm" or width == hidden
 
 
 def region_traffic_bytes(graph: ModelGraph, names: list[str]) -> float:
