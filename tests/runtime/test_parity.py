@@ -382,7 +382,8 @@ def _run_world(torchrun, tmp_path_factory, world: int, token_file, names: set[st
     for name in results:
         results[name]["state_path"] = str(tmp / "run" / f"{name}.pt")
     if proc.returncode != 0:
-        results["__failure__"] = proc.stdout[-4000:] + proc.stderr[-6000:]
+        # the rank that died first often printed its reason before the others' tracebacks
+        results["__failure__"] = proc.stdout[-4000:] + proc.stderr[-30000:]
     return {**results, "__unbuilt__": unbuilt}
 
 
