@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.config import ParallelConfig
+from autoplan.cost.compute import activation_dtype_bytes
 from autoplan.cost.kv_heads import kv_params_per_rank
 from autoplan.trace import activations
 from autoplan.trace.activations import sac_saved_bytes, saved_bytes_by_mode
@@ -162,7 +163,7 @@ def block_params_per_rank(block: BlockInfo, tp: int, ep: int) -> BlockParams:
 
 def _scale(graph: ModelGraph, config: ParallelConfig) -> float:
     """Rescale traced saved bytes to this micro-batch, CP shard and activation dtype."""
-    act_bytes = FP32_BYTES if config.precision == "fp32" else 2
+    act_bytes = activation_dtype_bytes(config.precision)
     return config.micro_batch / graph.batch_size / config.cp * act_bytes / graph.dtype_bytes
 
 
@@ -238,10 +239,9 @@ def float8_saved_input_delta_bytes(graph: ModelGraph, block: BlockInfo, config: 
     float8 copy beside it. TP divides it as it divides the linears' inputs (an approximation
     for TP without SP, which keeps the column-parallel inputs whole: Korthikanti's 10sbh)."""
     own, shared = activations.linear_saved_input_bytes(graph, block)
-    per_traced_byte = float8_input_bytes / graph.dtype_bytes
-    act_bytes = FP32_BYTES if config.precision == "fp32" else 2
-    delta = own * (per_traced_byte - act_bytes / graph.dtype_bytes) + shared * per_traced_byte
-    return delta * config.micro_batch / graph.batch_size / config.cp / config.tp
+    float8_per_act_byte = float8_input_bytes / activation_dtype_bytes(config.precision)
+    delta = own * (float8_per_act_byte - 1) + shared * float8_per_act_byte
+    return delta * _scale(graph, config) / config.tp
 
 
 def autocast_extra_bytes(graph: ModelGraph, block: BlockInfo, config: ParallelConfig,
@@ -335,7 +335,7 @@ def loss_bytes(graph: ModelGraph, config: ParallelConfig, *, keeps_logits: bool 
     logits, the fp32 log-probabilities, two fp32 gradients)."""
     tokens = config.micro_batch * graph.seq_len / config.cp
     logits = tokens * graph.vocab / config.tp
-    act = FP32_BYTES if config.precision == "fp32" else 2
+    act = activation_dtype_bytes(config.precision)
     if fused_vocab_cross_entropy:
         return {"activations": logits * FP32_BYTES, "temporaries": logits * act}
     gradients = (3 if config.tp > 1 else 2) * FP32_BYTES
@@ -347,7 +347,7 @@ def pipeline_buffer_bytes(graph: ModelGraph, config: ParallelConfig) -> float:
     """One send + one receive buffer of a micro-batch boundary activation."""
     if config.pp <= 1:
         return 0.0
-    act = FP32_BYTES if config.precision == "fp32" else 2
+    act = activation_dtype_bytes(config.precision)
     per = config.micro_batch * graph.seq_len / config.cp * _hidden(graph) * act
     if config.sequence_parallel:
         per /= config.tp

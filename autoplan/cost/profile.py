@@ -131,8 +131,9 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
             gemms.append(Gemm(*op.gemm_mnk, float(op.flops), kv_heads=kv_heads))
         elif op.kind == "expert" and op.flops > 0:
             gemms.extend(_expert_gemms(op, block))
-            memory += op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
-            replicated += op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
+            traffic = op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
+            memory += traffic
+            replicated += traffic
         else:
             memory += op.bytes_read + op.bytes_written
             if replicated_memory_op(op, block.hidden):

@@ -89,8 +89,7 @@ def linear_saved_input_bytes(graph: ModelGraph, block: BlockInfo) -> tuple[float
     for name in graph.block_nodes(block):
         op = g.nodes[name]["op"]
         if op.kind == "expert" and op.output_shape and block.top_k:
-            slots = _numel(op.output_shape[:-1]) * block.top_k
-            own[name] = float(slots * (block.hidden + routed_expert_width(op, block)[0])
+            own[name] = float(_routed_slots(op, block) * (block.hidden + routed_expert_width(op, block)[0])
                               * graph.dtype_bytes)
         if op.kind != "linear" or not op.input_shapes:
             continue
@@ -118,7 +117,7 @@ def gated_activation_excess_bytes(graph: ModelGraph, block: BlockInfo) -> float:
         if op.kind == "expert" and op.output_shape and block.top_k:
             width, gated = routed_expert_width(op, block)
             if gated:
-                excess += _numel(op.output_shape[:-1]) * block.top_k * width * graph.dtype_bytes
+                excess += _routed_slots(op, block) * width * graph.dtype_bytes
         if op.kind != "elementwise" or op.target != "mul":
             continue
         for source in g.predecessors(name):
@@ -140,13 +139,18 @@ def routed_expert_width(op: OpInfo, block: BlockInfo) -> tuple[float, bool]:
     """(inner width, gated) of one routed expert of a MoE module traced as one op. Its GEMMs
     write per routed slot the expert's outputs, 2f + h when gated (gate, up, down) or f + h,
     and it holds 3hf or 2hf parameters: the ratio of the two tells which, and f follows."""
-    slots = _numel(op.output_shape[:-1]) * block.top_k
+    slots = _routed_slots(op, block)
     if not slots or not block.experts or not op.routed_gemm_output_elements:
         return float(block.ffn), False
     inner = op.routed_gemm_output_elements / slots - block.hidden
     per_expert = block.expert_parameters / block.experts / block.hidden
     gated = abs(per_expert - 1.5 * inner) < abs(per_expert - 2.0 * inner)
     return (inner / 2 if gated else inner), gated
+
+
+def _routed_slots(op: OpInfo, block: BlockInfo) -> int:
+    """Routed token slots of a MoE module traced as one op: its tokens x top_k."""
+    return _numel(op.output_shape[:-1]) * block.top_k
 
 
 def _through_views(g, name: str) -> str | None:
