@@ -4,12 +4,15 @@ The host imports torch and the runtime once and runs no torch op itself (so it h
 threads or process group to fork); everything that runs torch (loading and tracing the model,
 each rank's step) runs in a process forked from it, which starts with the imports done. The
 caller's process never imports torch: `autoplan check` pays for torch's import once, in the
-host, and gets back plain values. This module imports no torch.
+host, and gets back plain values. Since nothing a dry run does changes the host, a process that
+checks several plans keeps one host for all of them. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -27,15 +30,39 @@ class WorkerTraceback(Exception):
     """The traceback of a failure in a forked process, as text (chained for --debug)."""
 
 
+_hosts: dict[tuple, ProcessPoolExecutor] = {}
+# set anew for every test by pytest; nothing a dry run reads
+_UNREAD_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _host() -> ProcessPoolExecutor:
+    """This process's host, spawned on first use and kept while the working directory, the
+    environment and sys.path it was spawned with are this process's (a host started under others
+    would resolve paths and settings differently); ended with the process (concurrent.futures
+    joins its workers at exit)."""
+    environment = tuple(sorted(item for item in os.environ.items() if item[0] not in _UNREAD_VARIABLES))
+    key = (os.getcwd(), environment, tuple(sys.path))
+    if key not in _hosts:
+        _end_host()
+        context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
+        _hosts[key] = ProcessPoolExecutor(max_workers=1, mp_context=context)
+    return _hosts[key]
+
+
+def _end_host() -> None:
+    for host in _hosts.values():
+        host.shutdown(wait=False)
+    _hosts.clear()
+
+
 def run_in_host(fn: Callable, *args):
-    """`fn(*args)` in a freshly spawned host process; a UserError it raises is raised here."""
-    context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as host:
-        try:
-            return host.submit(fn, *args).result()
-        except BrokenProcessPool as exc:
-            raise UserError("the dry run's host process ended without a result (was it killed, "
-                            "or out of memory?)") from exc
+    """`fn(*args)` in the host process; a UserError it raises is raised here."""
+    try:
+        return _host().submit(fn, *args).result()
+    except BrokenProcessPool as exc:
+        _end_host()  # the next dry run spawns a fresh host
+        raise UserError("the dry run's host process ended without a result (was it killed, "
+                        "or out of memory?)") from exc
 
 
 def _send(conn, fn: Callable, args: tuple) -> None:

@@ -13,6 +13,7 @@ import pytest
 from multirank import torchrun as _torchrun
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]  # test models import `tests.corpus`, whatever PYTHONPATH the run has
 
 
 def launch(script: str, nproc: int, *args: str, timeout: float = 240.0,
@@ -20,7 +21,7 @@ def launch(script: str, nproc: int, *args: str, timeout: float = 240.0,
     """Run `script` (a path, or a file name in tests/runtime) under torchrun on gloo."""
     path = Path(script) if Path(script).is_absolute() else HERE / script
     return _torchrun(path, nproc, *args, timeout=timeout, torchrun_args=torchrun_args, env=env,
-                     pythonpath=(HERE,))
+                     pythonpath=(HERE, REPO))
 
 
 @pytest.fixture(scope="session")
