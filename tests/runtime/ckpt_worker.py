@@ -1,10 +1,15 @@
 """Checkpoint/resume worker, through the public API (parse_args + train).
 
 usage: torchrun ... ckpt_worker.py PLAN.json RESULTS.json [train.py flags...]
+   or: torchrun ... ckpt_worker.py --jobs JOBS.json
+JOBS.json: [[PLAN.json, RESULTS.json, [train.py flags...]], ...], trained one after the other
+in one process group (a launch costs more than a tiny model's steps): each job a fresh
+train(), as a new launch would run it, resuming from what the jobs before it saved.
 Env AUTOPLAN_TEST_CRASH_STEP=k: on the first attempt (TORCHELASTIC_RESTART_COUNT=0), rank 1
 leaves a half-written checkpoint behind and dies at step k (tests --max-restarts).
 """
 
+import gc
 import json
 import os
 import sys
@@ -12,7 +17,7 @@ import sys
 import torch.distributed as dist
 
 import autoplan.runtime.loop as loop
-from autoplan.runtime import parse_args, train
+from autoplan.runtime import init_distributed, parse_args, train
 from runtime_models import builder
 
 
@@ -32,13 +37,25 @@ def _install_crash(step_to_die: int) -> None:
     loop.Trainer.step = step
 
 
+def run_job(plan_path: str, results_path: str, flags: list[str]) -> None:
+    plan = json.load(open(plan_path))
+    losses = train(builder(plan["model"]["name"].split("-", 1)[1]), plan, parse_args(flags))
+    if os.environ["RANK"] == "0":
+        json.dump(losses, open(results_path, "w"))
+
+
 def main() -> None:
-    plan = json.load(open(sys.argv[1]))
     if "AUTOPLAN_TEST_CRASH_STEP" in os.environ:
         _install_crash(int(os.environ["AUTOPLAN_TEST_CRASH_STEP"]))
-    losses = train(builder(plan["model"]["name"].split("-", 1)[1]), plan, parse_args(sys.argv[3:]))
-    if os.environ["RANK"] == "0":  # train() has closed the process group
-        json.dump(losses, open(sys.argv[2], "w"))
+    if sys.argv[1] != "--jobs":
+        run_job(sys.argv[1], sys.argv[2], sys.argv[3:])  # train() has closed the process group
+        return
+    init_distributed()  # held across the jobs: train() leaves a group it did not create
+    for plan_path, results_path, flags in json.load(open(sys.argv[2])):
+        run_job(plan_path, results_path, flags)
+    gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py _leave)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 The uninterrupted 6-step run (10 for the killed rank) is the single-process reference (runtime_models), so
 "identical" means within the 1e-5 relative fp32 tolerance of test_parity (resuming onto
 another plan changes the summation order); same-plan resume is checked at 1e-6.
+
+Resuming in a new launch is test_resume_same_and_other_plan's and the killed rank's; the
+layout tests save and resume as jobs of one launch (ckpt_worker --jobs), each a train() of
+its own that builds its model and loads the checkpoint afresh.
 """
 
 from __future__ import annotations
@@ -81,24 +85,44 @@ def test_killed_rank_resumes_from_last_complete_checkpoint(torchrun, tmp_path):
     assert _rel(losses[-1], ref_losses[-1]) <= 1e-6
 
 
-def _save_then_resume(torchrun, tmp_path, world: int, plan, others: list[tuple[str, object]],
-                      kind: str = "llama", again: bool = True) -> None:
-    """Train 3 steps under `plan` with a checkpoint at step 3, then resume steps 3..5 under
-    the same plan (if `again`) and under each of `others`; every resumed run matches the
-    reference within 1e-5 (as in test_parity: fp32 summation order only)."""
+def _save_job(plan, results, ckpt, run) -> list:
+    """3 steps under `plan`, a checkpoint at step 3 in `ckpt` (a job of ckpt_worker --jobs)."""
+    return [str(plan), str(results), ["--steps", "3", "--seed", "1234", "--checkpoint-dir", str(ckpt),
+                                      "--checkpoint-every", "3", "--run-dir", str(run)]]
+
+
+def _resume_job(plan, results, ckpt, run) -> list:
+    """Steps 3..5 under `plan`, resumed from the checkpoint in `ckpt`."""
+    return [str(plan), str(results), ["--steps", "6", "--seed", "1234", "--checkpoint-dir", str(ckpt),
+                                      "--resume", "--run-dir", str(run)]]
+
+
+def _run_jobs(torchrun, tmp_path, world: int, jobs: list) -> None:
+    """One launch of `world` ranks training `jobs` one after the other (ckpt_worker --jobs)."""
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    proc = torchrun("ckpt_worker.py", world, "--jobs", path, timeout=240 + 60 * len(jobs))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _assert_resumed(kind: str, *results) -> None:
+    """Each resumed run's losses are the reference's steps 3..5 within 1e-5 (as in
+    test_parity: fp32 summation order only)."""
     ref_losses, _ = reference_run(kind, steps=STEPS)
-    ckpt = tmp_path / "ckpt"
-    first = torchrun("ckpt_worker.py", world, plan, tmp_path / "first.json", "--steps", "3",
-                     "--seed", "1234", "--checkpoint-dir", ckpt, "--checkpoint-every", "3",
-                     "--run-dir", tmp_path / "run")
-    assert first.returncode == 0, first.stderr[-4000:]
-    for name, resumed in [("again", plan)] * again + others:
-        proc = torchrun("ckpt_worker.py", world, resumed, tmp_path / f"{name}.json", "--steps", "6",
-                        "--seed", "1234", "--checkpoint-dir", ckpt, "--resume",
-                        "--run-dir", tmp_path / "run")
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        losses = json.loads((tmp_path / f"{name}.json").read_text())
-        assert max(_rel(a, b) for a, b in zip(losses, ref_losses[3:])) <= 1e-5, name
+    for path in results:
+        losses = json.loads(path.read_text())
+        assert len(losses) == 3 and max(_rel(a, b) for a, b in zip(losses, ref_losses[3:])) <= 1e-5, path.name
+
+
+def _save_then_resume(torchrun, tmp_path, world: int, plan, others: list[tuple[str, object]],
+                      kind: str = "llama") -> None:
+    """Train 3 steps under `plan` with a checkpoint at step 3, then resume steps 3..5 under
+    each of `others`, each a train() of its own in one launch; every resumed run matches the
+    reference within 1e-5."""
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    _run_jobs(torchrun, tmp_path, world, [_save_job(plan, tmp_path / "first.json", ckpt, run)] + [
+        _resume_job(resumed, tmp_path / f"{name}.json", ckpt, run) for name, resumed in others])
+    _assert_resumed(kind, *(tmp_path / f"{name}.json" for name, _ in others))
 
 
 @pytest.mark.slow
@@ -106,7 +130,7 @@ def test_zero1_checkpoint_resumes_as_fsdp(torchrun, tmp_path):
     """ZeRO-1 keeps each optimizer state on one rank; the checkpoint must still hold all.
     (Resuming under the plan that saved is test_resume_same_and_other_plan's.)"""
     _save_then_resume(torchrun, tmp_path, 2, _write(tmp_path, "zero1.json", plan_dict(dp=2, zero_stage=1)),
-                      [("fsdp", _write(tmp_path, "zero2.json", plan_dict(dp=2, zero_stage=2)))], again=False)
+                      [("fsdp", _write(tmp_path, "zero2.json", plan_dict(dp=2, zero_stage=2)))])
 
 
 @pytest.mark.slow
@@ -114,7 +138,7 @@ def test_zero1_tp_checkpoint_resumes_as_zero1_without_tp(torchrun, tmp_path):
     """ZeRO-1 under TP saves its states as DTensors shaped like the parameters, so they
     load into a plan without TP."""
     _save_then_resume(torchrun, tmp_path, 4, _write(tmp_path, "tp_zero1.json", plan_dict(dp=2, tp=2, zero_stage=1)),
-                      [("dp4", _write(tmp_path, "dp4_zero1.json", plan_dict(dp=4, zero_stage=1)))], again=False)
+                      [("dp4", _write(tmp_path, "dp4_zero1.json", plan_dict(dp=4, zero_stage=1)))])
 
 
 @pytest.mark.slow
@@ -127,7 +151,7 @@ def test_fsdp_expert_checkpoint_resumes_outside_fsdp_and_at_another_ep(torchrun,
                       _write(tmp_path, "ep2_zero2.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=2)),
                       [("zero1", _write(tmp_path, "ep2_zero1.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=1))),
                        ("ep4", _write(tmp_path, "ep4_zero3.json", plan_dict("mixtral", dp=4, ep=4, zero_stage=3)))],
-                      kind="mixtral", again=False)
+                      kind="mixtral")
 
 
 @pytest.mark.slow
@@ -138,18 +162,15 @@ def test_fused_projection_checkpoint_is_in_the_models_own_layout(torchrun, tmp_p
     and a checkpoint saved without TP resumes at tp=2 (ZeRO-3 on top)."""
     tp2 = _write(tmp_path, "tp2.json", traced_plan_dict("hf_phi3", tp=2))
     dp2 = _write(tmp_path, "dp2.json", plan_dict("hf_phi3", dp=2))
-    for folder in ("from_tp2", "from_dp2"):
-        (tmp_path / folder).mkdir()
-    _save_then_resume(torchrun, tmp_path / "from_tp2", 2, tp2, [("dp2", dp2)], kind="hf_phi3", again=False)
+    from_tp2, from_dp2, run = tmp_path / "from_tp2", tmp_path / "from_dp2", tmp_path / "run"
+    _run_jobs(torchrun, tmp_path, 2, [_save_job(tp2, tmp_path / "tp2.losses.json", from_tp2, run),
+                                      _resume_job(dp2, tmp_path / "dp2.resumed.json", from_tp2, run),
+                                      _save_job(dp2, tmp_path / "dp2.losses.json", from_dp2, run)])
     tp2_zero3 = _write(tmp_path, "tp2_zero3.json", traced_plan_dict("hf_phi3", dp=2, tp=2, zero_stage=3))
-    _save_then_resume(torchrun, tmp_path / "from_dp2", 2, dp2, [], kind="hf_phi3", again=False)
-    ref_losses, _ = reference_run("hf_phi3", steps=STEPS)
-    proc = torchrun("ckpt_worker.py", 4, tp2_zero3, tmp_path / "tp2_zero3_losses.json", "--steps", "6",
-                    "--seed", "1234", "--checkpoint-dir", tmp_path / "from_dp2" / "ckpt", "--resume",
-                    "--run-dir", tmp_path / "run4")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    losses = json.loads((tmp_path / "tp2_zero3_losses.json").read_text())
-    assert max(_rel(a, b) for a, b in zip(losses, ref_losses[3:])) <= 1e-5
+    (tmp_path / "world4").mkdir()
+    _run_jobs(torchrun, tmp_path / "world4", 4,
+              [_resume_job(tp2_zero3, tmp_path / "tp2_zero3.resumed.json", from_dp2, tmp_path / "run4")])
+    _assert_resumed("hf_phi3", tmp_path / "dp2.resumed.json", tmp_path / "tp2_zero3.resumed.json")
 
 
 @pytest.mark.slow
@@ -161,7 +182,7 @@ def test_gpt2_conv1d_checkpoint_is_in_the_models_own_layout(torchrun, tmp_path):
 
     tp2 = _write(tmp_path, "tp2.json", traced_plan_dict("hf_gpt2", tp=2))
     dp2 = _write(tmp_path, "dp2.json", plan_dict("hf_gpt2", dp=2))
-    _save_then_resume(torchrun, tmp_path, 2, tp2, [("dp2", dp2)], kind="hf_gpt2", again=False)
+    _save_then_resume(torchrun, tmp_path, 2, tp2, [("dp2", dp2)], kind="hf_gpt2")
     saved = FileSystemReader(str(tmp_path / "ckpt" / "step_000003")).read_metadata().state_dict_metadata
     c_attn = "transformer.h.0.attn.c_attn.weight"
     assert tuple(saved[f"model.{c_attn}"].size) == (64, 192)
@@ -178,7 +199,7 @@ def test_replicated_kv_checkpoint_is_in_the_models_layout_and_resumes_at_another
 
     tp4 = _write(tmp_path, "tp4.json", traced_plan_dict("hf_llama", tp=4))
     dp2_tp2 = _write(tmp_path, "dp2_tp2_zero3.json", traced_plan_dict("hf_llama", dp=2, tp=2, zero_stage=3))
-    _save_then_resume(torchrun, tmp_path, 4, tp4, [("dp2_tp2_zero3", dp2_tp2)], kind="hf_llama", again=False)
+    _save_then_resume(torchrun, tmp_path, 4, tp4, [("dp2_tp2_zero3", dp2_tp2)], kind="hf_llama")
     saved = FileSystemReader(str(tmp_path / "ckpt" / "step_000003")).read_metadata().state_dict_metadata
     k_proj = "model.layers.0.self_attn.k_proj.weight"
     assert tuple(saved[f"model.{k_proj}"].size) == (32, 64)  # 2 heads of 16, the model's shape
@@ -202,24 +223,22 @@ def test_pipelined_tied_checkpoint_keeps_the_models_names_and_resumes(torchrun, 
     rank 0 holds both copies."""
     pipelined = _write(tmp_path, "tied_pp2.json", plan_dict("tied_llama", pp=2, schedule="1f1b"))
     unsplit = _write(tmp_path, "tied_zero3.json", plan_dict("tied_llama", dp=2, zero_stage=3))
-    (tmp_path / "pp").mkdir()
-    (tmp_path / "zero3").mkdir()
-    _save_then_resume(torchrun, tmp_path / "pp", 2, pipelined, [("zero3", unsplit)], kind="tied_llama",
-                      again=False)
-    keys = _saved_keys(tmp_path / "pp" / "ckpt" / "step_000003")
+    # the V placement: both copies on pipeline rank 0, one key; each copy loads it back
+    v_shape = _write(tmp_path, "tied_v.json", plan_dict("tied_llama", pp=2, vpp=2, schedule="zero-bubble"))
+    run = tmp_path / "run"
+    pairs = [("pp", pipelined, "zero3", unsplit), ("zero3", unsplit, "pp", pipelined),
+             ("v", v_shape, "pp", pipelined)]
+    _run_jobs(torchrun, tmp_path, 2, [job for saved, plan, resumed, other in pairs for job in (
+        _save_job(plan, tmp_path / f"{saved}.losses.json", tmp_path / saved, run),
+        _resume_job(other, tmp_path / f"{resumed}_from_{saved}.json", tmp_path / saved, run))])
+    _assert_resumed("tied_llama", *(tmp_path / f"{resumed}_from_{saved}.json" for saved, _, resumed, _ in pairs))
+    keys = _saved_keys(tmp_path / "pp" / "step_000003")
     assert {"model.embed_tokens.weight", "model.lm_head.weight"} <= keys
     assert {"optim.state.embed_tokens.weight.exp_avg", "optim.state.embed_tokens.weight.exp_avg_sq",
             "optim.param_groups.embed_tokens.weight.lr"} <= keys
     assert not [k for k in keys if k.startswith(("optim.state.lm_head", "optim.param_groups.lm_head"))]
-    _save_then_resume(torchrun, tmp_path / "zero3", 2, unsplit, [("pp", pipelined)], kind="tied_llama",
-                      again=False)
-    assert _saved_keys(tmp_path / "zero3" / "ckpt" / "step_000003") == keys
-    # the V placement: both copies on pipeline rank 0, one key; each copy loads it back
-    v_shape = _write(tmp_path, "tied_v.json", plan_dict("tied_llama", pp=2, vpp=2, schedule="zero-bubble"))
-    (tmp_path / "v").mkdir()
-    _save_then_resume(torchrun, tmp_path / "v", 2, v_shape, [("pp", pipelined)], kind="tied_llama",
-                      again=False)
-    assert _saved_keys(tmp_path / "v" / "ckpt" / "step_000003") == keys
+    assert _saved_keys(tmp_path / "zero3" / "step_000003") == keys
+    assert _saved_keys(tmp_path / "v" / "step_000003") == keys
 
 
 def _fake_checkpoint(root, step: int, payload: bytes):
