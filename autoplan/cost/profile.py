@@ -133,7 +133,8 @@ def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> B
             gemms.extend(_expert_gemms(op, block))
             traffic = op.bytes_read + op.bytes_written + _permutation_bytes(op, block)
             memory += traffic
-            replicated += traffic
+            if replicated_memory_op(op, block.hidden):
+                replicated += traffic
         else:
             memory += op.bytes_read + op.bytes_written
             if replicated_memory_op(op, block.hidden):
@@ -162,7 +163,7 @@ def replicated_memory_op(op, hidden: int) -> bool:
     row-parallel linear (rotary on the heads, the MLP activation on the ffn width) work on
     their rank's shard. MoE modules, whose routing runs on every token, count as replicated."""
     width = op.output_shape[-1] if op.output_shape else 0
-    return op.kind == "norm" or width == hidden
+    return op.kind in ("norm", "expert") or width == hidden
 
 
 def region_traffic_bytes(graph: ModelGraph, names: list[str]) -> float:
