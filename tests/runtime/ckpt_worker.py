@@ -9,7 +9,6 @@ Env AUTOPLAN_TEST_CRASH_STEP=k: on the first attempt (TORCHELASTIC_RESTART_COUNT
 leaves a half-written checkpoint behind and dies at step k (tests --max-restarts).
 """
 
-import gc
 import json
 import os
 import sys
@@ -53,9 +52,7 @@ def main() -> None:
     init_distributed()  # held across the jobs: train() leaves a group it did not create
     for plan_path, results_path, flags in json.load(open(sys.argv[2])):
         run_job(plan_path, results_path, flags)
-    gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py _leave)
-    dist.barrier()
-    dist.destroy_process_group()
+    loop._leave(owns_group=True)  # as train() leaves a group it created
 
 
 if __name__ == "__main__":
