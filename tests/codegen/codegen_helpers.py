@@ -68,6 +68,16 @@ def tiny_job(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def two_rank_job(tmp_path_factory) -> Path:
+    """tiny-gpt generated for 2 CPU ranks: the planner's DDP with one micro-batch a step, as at
+    4 ranks, for tests that launch it many times (a 4-rank launch costs twice the CPU)."""
+    out = tmp_path_factory.mktemp("jobs") / "tiny2"
+    code, stdout, stderr = generate("tiny-gpt", *TINY, "--gpus", "2", "--gpus-per-node", "2", "-o", str(out))
+    assert code == 0, stdout + stderr
+    return out
+
+
 @pytest.fixture
 def shellcheck() -> str:
     path = shutil.which("shellcheck")

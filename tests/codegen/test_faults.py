@@ -1,4 +1,4 @@
-"""Faults during training of the generated tiny job (4 gloo ranks, launch.sh as a user runs it):
+"""Faults during training of the generated tiny job (2 gloo ranks, launch.sh as a user runs it):
 a rank killed with SIGKILL, a corrupted checkpoint, a second job in the same run directory,
 and bad token files. The killed and the corrupted runs must end with the losses of the
 uninterrupted run: same plan, same seed, so the restarted steps replay bit for bit
@@ -39,10 +39,10 @@ def close(a: list[float], b: list[float]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def clean_run(tiny_job, tmp_path_factory) -> Path:
+def clean_run(two_rank_job, tmp_path_factory) -> Path:
     """The uninterrupted reference: 12 steps, checkpoints after steps 3, 6, 9 and 12."""
     run = tmp_path_factory.mktemp("clean") / "run"
-    result = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--checkpoint-every", EVERY,
+    result = run_script(two_rank_job / "launch.sh", "--steps", STEPS, "--checkpoint-every", EVERY,
                         "--run-dir", run, cwd=run.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["step"] for row in metrics(run)] == list(range(STEPS))
@@ -86,13 +86,13 @@ def _kill_rank_once_running(proc: subprocess.Popen, run: Path, rank: str, after_
     pytest.fail("the job ended or stalled before the rank could be killed")
 
 
-def test_killed_rank_restarts_and_ends_with_the_uninterrupted_losses(tiny_job, clean_run, tmp_path):
+def test_killed_rank_restarts_and_ends_with_the_uninterrupted_losses(two_rank_job, clean_run, tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
     for name in ("RDZV_ENDPOINT", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NPROC_PER_NODE"):
         env.pop(name, None)
-    proc = subprocess.Popen(["bash", str(tiny_job / "launch.sh"), "--steps", str(STEPS),
+    proc = subprocess.Popen(["bash", str(two_rank_job / "launch.sh"), "--steps", str(STEPS),
                              "--checkpoint-every", str(EVERY), "--run-dir", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=tmp_path, start_new_session=True)
@@ -118,12 +118,12 @@ def _flip_bytes(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tiny_job, clean_run, tmp_path):
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous(two_rank_job, clean_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(clean_run / "checkpoints", run / "checkpoints")
     _flip_bytes(run / "checkpoints" / "step_000012" / "__1_0.distcp")
     # steps 9..11 again from checkpoint 9, then nothing more: the losses of the clean run
-    result = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
+    result = run_script(two_rank_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
                         cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step_000012 is damaged" in result.stdout and "__1_0.distcp" in result.stdout
@@ -134,7 +134,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tiny_job, clean_
     for folder in (run / "checkpoints").glob("step_*"):
         _flip_bytes(folder / "__0_0.distcp")
     start = time.monotonic()
-    refused = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
+    refused = run_script(two_rank_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
                          cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "every one is damaged" in refused.stderr and "step_000003/__0_0.distcp" in refused.stderr
@@ -142,13 +142,13 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tiny_job, clean_
     assert time.monotonic() - start < 60
 
 
-def test_second_job_in_the_same_run_directory_is_refused(tiny_job, tmp_path):
+def test_second_job_in_the_same_run_directory_is_refused(two_rank_job, tmp_path):
     from autoplan.runtime.rundir import DirectoryLock
 
     run = tmp_path / "run"
     held = DirectoryLock(run).acquire("first-job")  # what the first job's rank 0 holds
     try:
-        result = run_script(tiny_job / "launch.sh", "--steps", 2, "--run-dir", run, cwd=tmp_path)
+        result = run_script(two_rank_job / "launch.sh", "--steps", 2, "--run-dir", run, cwd=tmp_path)
     finally:
         held.release()
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
@@ -156,7 +156,7 @@ def test_second_job_in_the_same_run_directory_is_refused(tiny_job, tmp_path):
     assert not (run / "metrics.jsonl").exists()
 
 
-def test_checkpoint_dir_inside_a_running_jobs_run_dir_is_refused(tiny_job, clean_run, tmp_path):
+def test_checkpoint_dir_inside_a_running_jobs_run_dir_is_refused(two_rank_job, clean_run, tmp_path):
     from autoplan.runtime.rundir import DirectoryLock
 
     first = tmp_path / "first"
@@ -164,7 +164,7 @@ def test_checkpoint_dir_inside_a_running_jobs_run_dir_is_refused(tiny_job, clean
     before = {p: p.read_bytes() for p in (first / "checkpoints").rglob("*") if p.is_file()}
     held = [DirectoryLock(first).acquire("first-job")]  # what the first job's rank 0 holds
     try:
-        result = run_script(tiny_job / "launch.sh", "--steps", EVERY, "--checkpoint-every", EVERY,
+        result = run_script(two_rank_job / "launch.sh", "--steps", EVERY, "--checkpoint-every", EVERY,
                             "--run-dir", tmp_path / "second", "--checkpoint-dir",
                             first / "checkpoints", cwd=tmp_path)
     finally:
@@ -204,13 +204,13 @@ _loop.init_distributed = _held_init_distributed
 '''
 
 
-def test_two_launches_at_once_one_runs_and_one_is_refused(tiny_job, tmp_path):
+def test_two_launches_at_once_one_runs_and_one_is_refused(two_rank_job, tmp_path):
     """Two launches of one job into one run directory. Started together, both may pass
     launch.sh's check before either rank 0 holds the lock; the refused rank 0 then makes
     torchrun restart that launch's workers, which must still be refused. The winner holds
     the directory until the loser has ended (a loaded machine would otherwise run them one
     after the other, and both would train)."""
-    job = _patched_job(tiny_job, tmp_path, _HOLD_UNTIL_RELEASED)
+    job = _patched_job(two_rank_job, tmp_path, _HOLD_UNTIL_RELEASED)
     run, release = tmp_path / "run", tmp_path / "release"
     env = dict(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
                OMP_NUM_THREADS="1", MAX_RESTARTS="1", HOLD_RELEASE_FILE=str(release),
@@ -255,7 +255,7 @@ def _token_file(path: Path, values: list[int] | None, dtype=torch.int16) -> Path
     ("ragged", "not a whole number of uint16 tokens"),
     ("id_too_large", "holds token id 30000"),
 ])
-def test_bad_token_file_stops_before_the_ranks_start(tiny_job, tmp_path, case, message):
+def test_bad_token_file_stops_before_the_ranks_start(two_rank_job, tmp_path, case, message):
     data = tmp_path / "tokens.bin"
     if case == "empty":
         _token_file(data, None)
@@ -266,7 +266,7 @@ def test_bad_token_file_stops_before_the_ranks_start(tiny_job, tmp_path, case, m
     elif case == "id_too_large":
         _token_file(data, [1, 2, 3] * 100 + [30000] + [4] * 100)
     start = time.monotonic()
-    result = run_script(tiny_job / "launch.sh", "--steps", 2, "--data", data, "--run-dir",
+    result = run_script(two_rank_job / "launch.sh", "--steps", 2, "--data", data, "--run-dir",
                         tmp_path / "run", cwd=tmp_path)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert message in result.stderr, result.stderr[-2000:]
@@ -277,10 +277,10 @@ def test_bad_token_file_stops_before_the_ranks_start(tiny_job, tmp_path, case, m
 
 # -- faults that stop the run on purpose: NaN/inf, preemption, a full disk ----------------------
 
-def _patched_job(tiny_job: Path, tmp_path: Path, code: str) -> Path:
+def _patched_job(source: Path, tmp_path: Path, code: str) -> Path:
     """A copy of the job whose train.py runs `code` before main() (a fault only the test makes)."""
     job = tmp_path / "job"
-    shutil.copytree(tiny_job, job)
+    shutil.copytree(source, job)
     train = job / "train.py"
     text = train.read_text()
     train.write_text(text.replace("\ndef main()", f"\n{code}\n\ndef main()", 1))
@@ -316,8 +316,8 @@ def build_model():
 '''
 
 
-def test_nan_loss_on_one_rank_stops_before_the_step_is_applied_or_saved(tiny_job, clean_run, tmp_path):
-    job, run = _patched_job(tiny_job, tmp_path, _NAN_ON_RANK_1), tmp_path / "run"
+def test_nan_loss_on_one_rank_stops_before_the_step_is_applied_or_saved(two_rank_job, clean_run, tmp_path):
+    job, run = _patched_job(two_rank_job, tmp_path, _NAN_ON_RANK_1), tmp_path / "run"
     # MAX_RESTARTS=1: the restarted workers must find exit.json and stop, not replay the steps
     result = run_script(job / "launch.sh", "--steps", STEPS, "--checkpoint-every", EVERY,
                         "--run-dir", run, cwd=tmp_path, env={"MAX_RESTARTS": "1"})
@@ -368,9 +368,9 @@ def _start(job: Path, tmp_path: Path, *args) -> subprocess.Popen:
 @pytest.mark.parametrize("signum,to_group", [(signal.SIGTERM, True), (signal.SIGUSR1, False)],
                          ids=["SIGTERM-to-the-process-group", "SIGUSR1-to-launch.sh"])
 def test_preempted_job_saves_exits_requeue_and_resumes_to_the_same_losses(
-        tiny_job, clean_run, tmp_path, signum, to_group):
+        two_rank_job, clean_run, tmp_path, signum, to_group):
     run = tmp_path / "run"
-    proc = _start(tiny_job, tmp_path, "--steps", STEPS, "--run-dir", run)  # no --checkpoint-every
+    proc = _start(two_rank_job, tmp_path, "--steps", STEPS, "--run-dir", run)  # no --checkpoint-every
     try:
         _signal_once_running(proc, run, 3, lambda: os.killpg(proc.pid, signum) if to_group
                              else os.kill(proc.pid, signum))
@@ -386,13 +386,13 @@ def test_preempted_job_saves_exits_requeue_and_resumes_to_the_same_losses(
     assert [row["step"] for row in metrics(run)] == list(range(stopped))
     assert _verified(run / "checkpoints" / f"step_{stopped:06d}")
     if to_group:  # the second half once: the resumed run ends with the uninterrupted losses
-        resumed = run_script(tiny_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
+        resumed = run_script(two_rank_job / "launch.sh", "--steps", STEPS, "--run-dir", run, "--resume",
                              cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"(step {stopped})" in resumed.stdout
         assert [row["step"] for row in metrics(run)] == list(range(STEPS))
         assert close(losses(run), losses(clean_run))
-_FULL_DISK_ON_RANK_2 = '''
+_FULL_DISK_ON_RANK_1 = '''
 import errno as _errno
 
 import torch.distributed.checkpoint.filesystem as _dcp_filesystem
@@ -401,8 +401,8 @@ _write_data = _dcp_filesystem._FileSystemWriter.write_data
 
 
 def _full_disk(self, plan, planner):
-    """Rank 2 finds the disk full while writing the checkpoint of step 6."""
-    if os.environ.get("RANK") == "2" and "step_000006" in str(self.path):
+    """Rank 1 finds the disk full while writing the checkpoint of step 6."""
+    if os.environ.get("RANK") == "1" and "step_000006" in str(self.path):
         raise OSError(_errno.ENOSPC, "No space left on device")
     return _write_data(self, plan, planner)
 
@@ -425,11 +425,11 @@ def small_filesystem(tmp_path, clean_run):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_full_disk_during_a_checkpoint_stops_with_one_paragraph(tiny_job, small_filesystem, tmp_path):
+def test_full_disk_during_a_checkpoint_stops_with_one_paragraph(two_rank_job, small_filesystem, tmp_path):
     if small_filesystem is not None and not os.environ.get("AUTOPLAN_TEST_INJECT_ENOSPC"):
-        job, checkpoints = tiny_job, small_filesystem / "checkpoints"  # a real full filesystem
-    else:  # no tmpfs without root: rank 2's write fails with ENOSPC instead
-        job, checkpoints = _patched_job(tiny_job, tmp_path, _FULL_DISK_ON_RANK_2), tmp_path / "ckpt"
+        job, checkpoints = two_rank_job, small_filesystem / "checkpoints"  # a real full filesystem
+    else:  # no tmpfs without root: rank 1's write fails with ENOSPC instead
+        job, checkpoints = _patched_job(two_rank_job, tmp_path, _FULL_DISK_ON_RANK_1), tmp_path / "ckpt"
     run = tmp_path / "run"
     result = run_script(job / "launch.sh", "--steps", 8, "--checkpoint-every", EVERY, "--run-dir", run,
                         "--checkpoint-dir", checkpoints, cwd=tmp_path, env={"MAX_RESTARTS": "1"})
