@@ -13,8 +13,8 @@ The correct runs differ from the reference only in fp32 summation order (sharded
 reduce-scatter/all-reduce order, ring attention's online softmax, MoE all-to-all regrouping,
 micro-batch accumulation), which training amplifies: AdamW turns the rounding of a near-zero
 gradient element into a +-lr step. Measured (4 steps, two micro-batches per data parallel
-rank where there is no pipeline: two_micro_batches), worst over the cases: losses 3.3e-7
-relative (8.1e-7 for a model file's own batch, below), grad norms 4.1e-6 (4.9e-5 for OLMo-2's
+rank and pipeline stage: two_micro_batches), worst over the cases: losses 3.4e-7
+relative (8.1e-7 for a model file's own batch, below), grad norms 4.9e-6 (4.9e-5 for OLMo-2's
 q/k norms, below), weights 4.7e-4 (GPT-NeoX's fused qkv bias; over 8 steps with one sequence
 per micro-batch 2.6e-7, 1.3e-5, 4.6e-4); tolerances 1e-5, 1e-4, 2e-3. The mutation figures
 were measured with one sequence per micro-batch; the EP one below, the closest to its
@@ -352,13 +352,14 @@ def case(world: int, name: str) -> tuple[str, dict]:
 
 
 def two_micro_batches(plan: dict) -> dict:
-    """A plan without a pipeline that leaves micro_batch at 1 runs two micro-batches per data
-    parallel rank instead: gradient accumulation stays under test, and a case costs two
-    forward-backwards a step instead of up to eight (most of a case's time on 2 cores)."""
-    dp = plan.get("dp", 1)
-    if plan.get("pp", 1) > 1 or plan["micro_batch"] != 1 or plan["global_batch"] < 4 * dp:
+    """A plan that leaves micro_batch at 1 runs two micro-batches per data parallel rank and
+    pipeline stage instead (two without a pipeline, four through two stages): gradient
+    accumulation and every schedule's warm-up, steady state and drain stay under test, and a
+    TP case costs two forward-backwards a step instead of up to eight (most of its time)."""
+    per_rank = plan.get("dp", 1) * 2 * plan.get("pp", 1)
+    if plan["micro_batch"] != 1 or plan["global_batch"] < 2 * per_rank:
         return plan
-    return {**plan, "micro_batch": plan["global_batch"] // (2 * dp)}
+    return {**plan, "micro_batch": plan["global_batch"] // per_rank}
 
 
 @pytest.fixture(scope="module")
