@@ -152,6 +152,9 @@ case("analyze-load-timeout-zero", "analyze", "tiny-gpt", "--load-timeout", "0", 
 case("analyze-load-timeout-negative", "analyze", "tiny-gpt", "--load-timeout", "-5", word="--load-timeout")
 case("analyze-load-timeout-nan", "analyze", "tiny-gpt", "--load-timeout", "nan", word="--load-timeout")
 case("analyze-hf-missing", "analyze", "hf:nowhere/config.json", word="nowhere")
+# the class's own constructor refuses it (nn.Embedding asserts the padding id is a token id)
+case("plan-hf-pad-outside-vocab", *MODEL_COMMANDS["plan"]("hf:config.json"),
+     files={"config.json": config(pad_token_id=300)}, word="could not build this config")
 
 # ---------------------------------------------------------------- analyze options
 case("analyze-batch-zero", "analyze", "tiny-gpt", "--batch-size", "0", word="--batch-size")

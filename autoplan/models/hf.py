@@ -6,6 +6,8 @@ torch-only reference models stay the default, and only this module imports it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from autoplan.errors import UserError
@@ -19,10 +21,46 @@ HF_PREFIX = "hf:"
 def build_transformers_model(config: dict[str, Any], where: str) -> nn.Module:
     """The transformers model of `config` (no weights: call it under torch.device("meta")),
     with SDPA attention. The class is the config's first `architectures` entry that
-    transformers has, else its causal-LM class (AutoModelForCausalLM)."""
+    transformers has, else its causal-LM class (AutoModelForCausalLM). A config the class
+    refuses, whatever it raises, is the user's error, with what transformers warned about it
+    (its warnings name the field; printed before the error, they would split the paragraph)."""
+    transformers = _transformers(where)
+    with _held_warnings(transformers) as records:
+        try:
+            return _build(transformers, config, where)
+        except UserError:
+            raise
+        except Exception as exc:
+            warned = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
+            said = "; transformers warned: " + " ".join(warned).rstrip(".") if warned else ""
+            raise UserError(f"{where}: transformers could not build this config ({type(exc).__name__}: "
+                            f"{exc}){said}; compare it with a config.json of that family") from None
+
+
+@contextlib.contextmanager
+def _held_warnings(transformers):
+    """Collect transformers' log records while building; print them as usual on success."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = transformers.utils.logging.get_logger()
+    transformers.utils.logging.disable_default_handler()
+    logger.addHandler(handler)
+    built = False
+    try:
+        yield records
+        built = True
+    finally:
+        logger.removeHandler(handler)
+        transformers.utils.logging.enable_default_handler()
+        if built:
+            for record in records:
+                logger.handle(record)
+
+
+def _build(transformers, config: dict[str, Any], where: str) -> nn.Module:
     import torch
 
-    transformers = _transformers(where)
     model_type = config.get("model_type")
     fields = {key: value for key, value in config.items() if key != "model_type"}
     try:

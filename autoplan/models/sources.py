@@ -291,14 +291,7 @@ def _build_transformers(config: dict[str, Any], where: str) -> nn.Module:
     from autoplan.models.hf import build_transformers_model
 
     with torch.device("meta"):
-        try:
-            return build_transformers_model(config, where)
-        except UserError:
-            raise
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise UserError(f"{where}: transformers could not build this config "
-                            f"({type(exc).__name__}: {exc}); compare it with a config.json of that "
-                            "family") from None
+        return build_transformers_model(config, where)
 
 
 # ---------------------------------------------------------------- Python files
