@@ -5,8 +5,9 @@ The uninterrupted 6-step run (10 for the killed rank) is the single-process refe
 another plan changes the summation order); same-plan resume is checked at 1e-6.
 
 Resuming in a new launch is test_resume_same_and_other_plan's and the killed rank's; the
-layout tests save and resume as jobs of one launch (ckpt_worker --jobs), each a train() of
-its own that builds its model and loads the checkpoint afresh.
+layout tests save and resume as jobs of one launch per world size for all of them
+(ckpt_worker --jobs, the `layouts` fixture), each a train() of its own that builds its model
+and loads the checkpoint afresh.
 """
 
 from __future__ import annotations
@@ -114,93 +115,152 @@ def _assert_resumed(kind: str, *results) -> None:
         assert len(losses) == 3 and max(_rel(a, b) for a, b in zip(losses, ref_losses[3:])) <= 1e-5, path.name
 
 
-def _save_then_resume(torchrun, tmp_path, world: int, plan, others: list[tuple[str, object]],
-                      kind: str = "llama") -> None:
-    """Train 3 steps under `plan` with a checkpoint at step 3, then resume steps 3..5 under
-    each of `others`, each a train() of its own in one launch; every resumed run matches the
-    reference within 1e-5."""
+def _save_then_resume(tmp_path, plan, others: list[tuple[str, object]]) -> list:
+    """Jobs: 3 steps under `plan` with a checkpoint at step 3, then steps 3..5 resumed under
+    each of `others` (their losses in tmp_path/<name>.json)."""
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
-    _run_jobs(torchrun, tmp_path, world, [_save_job(plan, tmp_path / "first.json", ckpt, run)] + [
-        _resume_job(resumed, tmp_path / f"{name}.json", ckpt, run) for name, resumed in others])
-    _assert_resumed(kind, *(tmp_path / f"{name}.json" for name, _ in others))
+    return [_save_job(plan, tmp_path / "first.json", ckpt, run)] + [
+        _resume_job(resumed, tmp_path / f"{name}.json", ckpt, run) for name, resumed in others]
+
+
+# The layout tests' jobs, by test: {world size: jobs} from the test's own folder. They run in
+# one launch per world size (the `layouts` fixture), world 2 first: a world-4 job may resume
+# what a world-2 job saved.
+
+def _zero1_to_fsdp(tmp) -> dict:
+    return {2: _save_then_resume(tmp, _write(tmp, "zero1.json", plan_dict(dp=2, zero_stage=1)),
+                                 [("fsdp", _write(tmp, "zero2.json", plan_dict(dp=2, zero_stage=2)))])}
+
+
+def _zero1_tp_to_zero1(tmp) -> dict:
+    return {4: _save_then_resume(tmp, _write(tmp, "tp_zero1.json", plan_dict(dp=2, tp=2, zero_stage=1)),
+                                 [("dp4", _write(tmp, "dp4_zero1.json", plan_dict(dp=4, zero_stage=1)))])}
+
+
+def _fsdp_experts(tmp) -> dict:
+    return {4: _save_then_resume(
+        tmp, _write(tmp, "ep2_zero2.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=2)),
+        [("zero1", _write(tmp, "ep2_zero1.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=1))),
+         ("ep4", _write(tmp, "ep4_zero3.json", plan_dict("mixtral", dp=4, ep=4, zero_stage=3)))])}
+
+
+def _fused_projection(tmp) -> dict:
+    tp2 = _write(tmp, "tp2.json", traced_plan_dict("hf_phi3", tp=2))
+    dp2 = _write(tmp, "dp2.json", plan_dict("hf_phi3", dp=2))
+    tp2_zero3 = _write(tmp, "tp2_zero3.json", traced_plan_dict("hf_phi3", dp=2, tp=2, zero_stage=3))
+    from_tp2, from_dp2, run = tmp / "from_tp2", tmp / "from_dp2", tmp / "run"
+    return {2: [_save_job(tp2, tmp / "tp2.losses.json", from_tp2, run),
+                _resume_job(dp2, tmp / "dp2.resumed.json", from_tp2, run),
+                _save_job(dp2, tmp / "dp2.losses.json", from_dp2, run)],
+            4: [_resume_job(tp2_zero3, tmp / "tp2_zero3.resumed.json", from_dp2, tmp / "run4")]}
+
+
+def _gpt2_conv1d(tmp) -> dict:
+    return {2: _save_then_resume(tmp, _write(tmp, "tp2.json", traced_plan_dict("hf_gpt2", tp=2)),
+                                 [("dp2", _write(tmp, "dp2.json", plan_dict("hf_gpt2", dp=2)))])}
+
+
+def _replicated_kv(tmp) -> dict:
+    dp2_tp2 = _write(tmp, "dp2_tp2_zero3.json", traced_plan_dict("hf_llama", dp=2, tp=2, zero_stage=3))
+    return {4: _save_then_resume(tmp, _write(tmp, "tp4.json", traced_plan_dict("hf_llama", tp=4)),
+                                 [("dp2_tp2_zero3", dp2_tp2)])}
+
+
+TIED_PAIRS = [("pp", "zero3"), ("zero3", "pp"), ("v", "pp")]  # (saved by, resumed by)
+
+
+def _pipelined_tied(tmp) -> dict:
+    plans = {"pp": _write(tmp, "tied_pp2.json", plan_dict("tied_llama", pp=2, schedule="1f1b")),
+             "zero3": _write(tmp, "tied_zero3.json", plan_dict("tied_llama", dp=2, zero_stage=3)),
+             # the V placement: both copies on pipeline rank 0, one key; each copy loads it back
+             "v": _write(tmp, "tied_v.json", plan_dict("tied_llama", pp=2, vpp=2, schedule="zero-bubble"))}
+    return {2: [job for saved, resumed in TIED_PAIRS for job in (
+        _save_job(plans[saved], tmp / f"{saved}.losses.json", tmp / saved, tmp / "run"),
+        _resume_job(plans[resumed], tmp / f"{resumed}_from_{saved}.json", tmp / saved, tmp / "run"))]}
+
+
+LAYOUT_JOBS = {"zero1_to_fsdp": _zero1_to_fsdp, "zero1_tp_to_zero1": _zero1_tp_to_zero1,
+               "fsdp_experts": _fsdp_experts, "fused_projection": _fused_projection,
+               "gpt2_conv1d": _gpt2_conv1d, "replicated_kv": _replicated_kv,
+               "pipelined_tied": _pipelined_tied}
+
+
+@pytest.fixture(scope="module")
+def layouts(torchrun, tmp_path_factory):
+    """Every layout test's jobs, one launch per world size (a launch costs 6-20 CPU s before
+    its first step); returns the folder holding each test's folder."""
+    root = tmp_path_factory.mktemp("layouts")
+    by_world: dict[int, list] = {2: [], 4: []}
+    for name, jobs_of in LAYOUT_JOBS.items():
+        (root / name).mkdir()
+        for world, jobs in jobs_of(root / name).items():
+            by_world[world] += jobs
+    for world, jobs in by_world.items():
+        (root / f"world{world}").mkdir()
+        _run_jobs(torchrun, root / f"world{world}", world, jobs)
+    return root
 
 
 @pytest.mark.slow
-def test_zero1_checkpoint_resumes_as_fsdp(torchrun, tmp_path):
+def test_zero1_checkpoint_resumes_as_fsdp(layouts):
     """ZeRO-1 keeps each optimizer state on one rank; the checkpoint must still hold all.
     (Resuming under the plan that saved is test_resume_same_and_other_plan's.)"""
-    _save_then_resume(torchrun, tmp_path, 2, _write(tmp_path, "zero1.json", plan_dict(dp=2, zero_stage=1)),
-                      [("fsdp", _write(tmp_path, "zero2.json", plan_dict(dp=2, zero_stage=2)))])
+    _assert_resumed("llama", layouts / "zero1_to_fsdp" / "fsdp.json")
 
 
 @pytest.mark.slow
-def test_zero1_tp_checkpoint_resumes_as_zero1_without_tp(torchrun, tmp_path):
+def test_zero1_tp_checkpoint_resumes_as_zero1_without_tp(layouts):
     """ZeRO-1 under TP saves its states as DTensors shaped like the parameters, so they
     load into a plan without TP."""
-    _save_then_resume(torchrun, tmp_path, 4, _write(tmp_path, "tp_zero1.json", plan_dict(dp=2, tp=2, zero_stage=1)),
-                      [("dp4", _write(tmp_path, "dp4_zero1.json", plan_dict(dp=4, zero_stage=1)))])
+    _assert_resumed("llama", layouts / "zero1_tp_to_zero1" / "dp4.json")
 
 
 @pytest.mark.slow
-def test_fsdp_expert_checkpoint_resumes_outside_fsdp_and_at_another_ep(torchrun, tmp_path):
+def test_fsdp_expert_checkpoint_resumes_outside_fsdp_and_at_another_ep(layouts):
     """At ZeRO-2 the experts are FSDP units on their replicas' mesh, their weights and Adam
     states DTensors sharded by FSDP within each ep shard; the checkpoint loads into
     ZeRO-1 (experts outside DDP, states sharded by ZeroRedundancyOptimizer) and into ep4
     ZeRO-3 (a different expert split and no expert replicas)."""
-    _save_then_resume(torchrun, tmp_path, 4,
-                      _write(tmp_path, "ep2_zero2.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=2)),
-                      [("zero1", _write(tmp_path, "ep2_zero1.json", plan_dict("mixtral", dp=4, ep=2, zero_stage=1))),
-                       ("ep4", _write(tmp_path, "ep4_zero3.json", plan_dict("mixtral", dp=4, ep=4, zero_stage=3)))],
-                      kind="mixtral")
+    tmp = layouts / "fsdp_experts"
+    _assert_resumed("mixtral", tmp / "zero1.json", tmp / "ep4.json")
 
 
 @pytest.mark.slow
-def test_fused_projection_checkpoint_is_in_the_models_own_layout(torchrun, tmp_path):
+def test_fused_projection_checkpoint_is_in_the_models_own_layout(layouts):
     """Phi-3 at tp=2 holds qkv_proj and gate_up_proj rows rank-major ([q, k, v heads of rank
     0 | of rank 1], runtime/fused_projection.py); its checkpoint holds them, and their Adam
     states, in the model's own order: it resumes without TP (dp=2) on the reference's losses,
     and a checkpoint saved without TP resumes at tp=2 (ZeRO-3 on top)."""
-    tp2 = _write(tmp_path, "tp2.json", traced_plan_dict("hf_phi3", tp=2))
-    dp2 = _write(tmp_path, "dp2.json", plan_dict("hf_phi3", dp=2))
-    from_tp2, from_dp2, run = tmp_path / "from_tp2", tmp_path / "from_dp2", tmp_path / "run"
-    _run_jobs(torchrun, tmp_path, 2, [_save_job(tp2, tmp_path / "tp2.losses.json", from_tp2, run),
-                                      _resume_job(dp2, tmp_path / "dp2.resumed.json", from_tp2, run),
-                                      _save_job(dp2, tmp_path / "dp2.losses.json", from_dp2, run)])
-    tp2_zero3 = _write(tmp_path, "tp2_zero3.json", traced_plan_dict("hf_phi3", dp=2, tp=2, zero_stage=3))
-    (tmp_path / "world4").mkdir()
-    _run_jobs(torchrun, tmp_path / "world4", 4,
-              [_resume_job(tp2_zero3, tmp_path / "tp2_zero3.resumed.json", from_dp2, tmp_path / "run4")])
-    _assert_resumed("hf_phi3", tmp_path / "dp2.resumed.json", tmp_path / "tp2_zero3.resumed.json")
+    tmp = layouts / "fused_projection"
+    _assert_resumed("hf_phi3", tmp / "dp2.resumed.json", tmp / "tp2_zero3.resumed.json")
 
 
 @pytest.mark.slow
-def test_gpt2_conv1d_checkpoint_is_in_the_models_own_layout(torchrun, tmp_path):
+def test_gpt2_conv1d_checkpoint_is_in_the_models_own_layout(layouts):
     """GPT-2 at tp=2 holds c_attn's weight columns rank-major (its Conv1D weight is (in, out));
     the checkpoint holds them, and their Adam states, in the model's own (in, out) layout and
     resumes without TP (dp=2) on the reference's losses, its head still tied."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    tp2 = _write(tmp_path, "tp2.json", traced_plan_dict("hf_gpt2", tp=2))
-    dp2 = _write(tmp_path, "dp2.json", plan_dict("hf_gpt2", dp=2))
-    _save_then_resume(torchrun, tmp_path, 2, tp2, [("dp2", dp2)], kind="hf_gpt2")
-    saved = FileSystemReader(str(tmp_path / "ckpt" / "step_000003")).read_metadata().state_dict_metadata
+    tmp = layouts / "gpt2_conv1d"
+    _assert_resumed("hf_gpt2", tmp / "dp2.json")
+    saved = FileSystemReader(str(tmp / "ckpt" / "step_000003")).read_metadata().state_dict_metadata
     c_attn = "transformer.h.0.attn.c_attn.weight"
     assert tuple(saved[f"model.{c_attn}"].size) == (64, 192)
     assert tuple(saved[f"optim.state.{c_attn}.exp_avg"].size) == (64, 192)
 
 
 @pytest.mark.slow
-def test_replicated_kv_checkpoint_is_in_the_models_layout_and_resumes_at_another_tp(torchrun, tmp_path):
+def test_replicated_kv_checkpoint_is_in_the_models_layout_and_resumes_at_another_tp(layouts):
     """hf_llama's 2 K/V heads over tp=4 ranks: each rank computes one from k and v weights
     held whole (runtime/kv_replication.py); the checkpoint holds them, and their Adam states,
     as the model's own tensors, and resumes at dp2 x tp2 with ZeRO-3 (the K/V heads sharded,
     one a rank) on the reference's losses."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    tp4 = _write(tmp_path, "tp4.json", traced_plan_dict("hf_llama", tp=4))
-    dp2_tp2 = _write(tmp_path, "dp2_tp2_zero3.json", traced_plan_dict("hf_llama", dp=2, tp=2, zero_stage=3))
-    _save_then_resume(torchrun, tmp_path, 4, tp4, [("dp2_tp2_zero3", dp2_tp2)], kind="hf_llama")
-    saved = FileSystemReader(str(tmp_path / "ckpt" / "step_000003")).read_metadata().state_dict_metadata
+    tmp = layouts / "replicated_kv"
+    _assert_resumed("hf_llama", tmp / "dp2_tp2_zero3.json")
+    saved = FileSystemReader(str(tmp / "ckpt" / "step_000003")).read_metadata().state_dict_metadata
     k_proj = "model.layers.0.self_attn.k_proj.weight"
     assert tuple(saved[f"model.{k_proj}"].size) == (32, 64)  # 2 heads of 16, the model's shape
     assert tuple(saved[f"optim.state.{k_proj}.exp_avg"].size) == (32, 64)
@@ -213,7 +273,7 @@ def _saved_keys(folder) -> set[str]:
 
 
 @pytest.mark.slow
-def test_pipelined_tied_checkpoint_keeps_the_models_names_and_resumes(torchrun, tmp_path):
+def test_pipelined_tied_checkpoint_keeps_the_models_names_and_resumes(layouts):
     """A head tied to the embedding is a copy on each of 2 pipeline stages; the checkpoint
     holds the weights under the model's names (both, as the unsplit model's state dict) and
     the optimizer state once, under the model's own name (embed_tokens.weight), as the
@@ -221,24 +281,15 @@ def test_pipelined_tied_checkpoint_keeps_the_models_names_and_resumes(torchrun, 
     checkpoint of either loads into the other (the RoPE tables of the fx stages, buffers the
     unsplit checkpoint lacks, built afresh); so does one of the V placement, whose pipeline
     rank 0 holds both copies."""
-    pipelined = _write(tmp_path, "tied_pp2.json", plan_dict("tied_llama", pp=2, schedule="1f1b"))
-    unsplit = _write(tmp_path, "tied_zero3.json", plan_dict("tied_llama", dp=2, zero_stage=3))
-    # the V placement: both copies on pipeline rank 0, one key; each copy loads it back
-    v_shape = _write(tmp_path, "tied_v.json", plan_dict("tied_llama", pp=2, vpp=2, schedule="zero-bubble"))
-    run = tmp_path / "run"
-    pairs = [("pp", pipelined, "zero3", unsplit), ("zero3", unsplit, "pp", pipelined),
-             ("v", v_shape, "pp", pipelined)]
-    _run_jobs(torchrun, tmp_path, 2, [job for saved, plan, resumed, other in pairs for job in (
-        _save_job(plan, tmp_path / f"{saved}.losses.json", tmp_path / saved, run),
-        _resume_job(other, tmp_path / f"{resumed}_from_{saved}.json", tmp_path / saved, run))])
-    _assert_resumed("tied_llama", *(tmp_path / f"{resumed}_from_{saved}.json" for saved, _, resumed, _ in pairs))
-    keys = _saved_keys(tmp_path / "pp" / "step_000003")
+    tmp = layouts / "pipelined_tied"
+    _assert_resumed("tied_llama", *(tmp / f"{resumed}_from_{saved}.json" for saved, resumed in TIED_PAIRS))
+    keys = _saved_keys(tmp / "pp" / "step_000003")
     assert {"model.embed_tokens.weight", "model.lm_head.weight"} <= keys
     assert {"optim.state.embed_tokens.weight.exp_avg", "optim.state.embed_tokens.weight.exp_avg_sq",
             "optim.param_groups.embed_tokens.weight.lr"} <= keys
     assert not [k for k in keys if k.startswith(("optim.state.lm_head", "optim.param_groups.lm_head"))]
-    assert _saved_keys(tmp_path / "zero3" / "step_000003") == keys
-    assert _saved_keys(tmp_path / "v" / "step_000003") == keys
+    assert _saved_keys(tmp / "zero3" / "step_000003") == keys
+    assert _saved_keys(tmp / "v" / "step_000003") == keys
 
 
 def _fake_checkpoint(root, step: int, payload: bytes):
