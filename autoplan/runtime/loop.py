@@ -198,6 +198,7 @@ class Trainer:
                   "this rank's zig-zag positions; only RoPE-style tables listed in cp_buffers "
                   "are re-indexed.", flush=True)
         self._note_batch_norm()
+        self._note_dropout()
         if plan.offload == "none":
             return
         if self.device_type == "cpu" or plan.zero_stage < 2 or plan.offload == "optimizer":
@@ -213,6 +214,14 @@ class Trainer:
                   f"micro-batch of dp x micro_batch = {plan.dp * plan.cp * plan.micro_batch} samples "
                   "(statistics synchronised over the DP ranks); a plan with another dp x "
                   "micro_batch normalises over other groups, so its losses differ.", flush=True)
+
+    def _note_dropout(self) -> None:
+        count = sum(rng.dropout_layers(part) for part in self.par.parts)
+        if count and self.plan.tp > 1:
+            print(f"autoplan: {count} dropout layers on this rank under tp={self.plan.tp}: every rank "
+                  "draws from one seed, so the shards of one activation (a TP rank's heads, an SP "
+                  "rank's tokens) get the same mask pattern, and the losses differ from a run at "
+                  "another tp by the masks (README: Not guaranteed).", flush=True)
 
     # -- one step -----------------------------------------------------------------
     def _context(self):

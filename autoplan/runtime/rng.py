@@ -5,6 +5,11 @@ other torch.rand* in forward draw from the process's default generators, which a
 process would otherwise restart from the seed. Saved: torch's CPU generator, every CUDA
 device's generator (when CUDA is present) and Python's `random` (user models may use it).
 Stored as JSON, not pickle: loading a checkpoint must never run code.
+
+Every rank seeds one stream, so a dropout mask on an activation every rank holds whole is the
+same on each, as it must be; but ranks that hold shards of one activation (a TP rank's heads,
+an SP rank's tokens) draw the same pattern for their own shard. `dropout_layers` counts what
+draws such masks, so the job can say so.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import base64
 import random
 
 import torch
+import torch.nn as nn
 
 
 def _encode(state: torch.Tensor) -> str:
@@ -36,3 +42,12 @@ def restore(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state_all([_decode(s) for s in state["cuda"]])
+
+
+def dropout_layers(model: nn.Module) -> int:
+    """Modules that draw a dropout mask in training: nn.Dropout* with p > 0, and attention
+    modules that pass a float `attention_dropout` > 0 to their attention kernel (Hugging Face
+    transformers' convention)."""
+    return sum(1 for module in model.modules()
+               if (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
+               or (isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0))

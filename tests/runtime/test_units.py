@@ -251,3 +251,22 @@ def test_inputs_with_defaults_split_as_the_pipeline_calls_the_model():
 def test_a_forward_needing_inputs_besides_the_tokens_is_refused_naming_them():
     reason = pipeline_split_problem(_EncoderDecoder(), [["layers.0", "layers.1"], ["layers.2", "layers.3"]])
     assert reason is not None and "decoder_input_ids besides the token ids" in reason
+
+
+def test_dropout_layers_counts_what_draws_a_mask():
+    from autoplan.runtime.rng import dropout_layers
+
+    transformers = pytest.importorskip("transformers")
+    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64)
+    with torch.device("meta"):
+        quiet = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attention_dropout=0.0))
+        attention = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attention_dropout=0.1))
+        bert = transformers.BertModel(transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64))
+    assert dropout_layers(quiet) == 0
+    assert dropout_layers(attention) == 2  # a float attention_dropout per layer's attention
+    # BERT's 0.1 defaults: the embeddings' dropout, and per layer attention probs, attention
+    # output and MLP output
+    assert dropout_layers(bert) == 1 + 3 * 2
+    assert dropout_layers(torch.nn.Sequential(torch.nn.Dropout(0.0), torch.nn.Dropout(0.5))) == 1
