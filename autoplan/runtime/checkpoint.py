@@ -237,12 +237,20 @@ def _attempt(action) -> BaseException | None:
     return None
 
 
+def failure_text(error: BaseException) -> str:
+    """One line naming what failed: the OSError underneath if there is one, else the first
+    cause that is not DCP's CheckpointException (whose text is every rank's traceback), with
+    its whitespace folded and its length capped, so the job's error stays one paragraph."""
+    found = causes(error)
+    root = next((e for e in found if isinstance(e, OSError)), None) or \
+        next((e for e in found if not isinstance(e, CheckpointException)), error)
+    text = " ".join(f"{type(root).__name__}: {root}".split())
+    return text if len(text) <= 300 else text[:299] + "…"
+
+
 def _agree(error: BaseException | None, tmp: Path, step: int) -> None:
     """Every rank learns whether any rank failed; then all of them raise, the .tmp removed."""
-    mine = None
-    if error is not None:
-        root = next((e for e in causes(error) if isinstance(e, OSError)), error)
-        mine = (f"rank {dist.get_rank()}: {type(root).__name__}: {root}", is_no_space(error))
+    mine = None if error is None else (f"rank {dist.get_rank()}: {failure_text(error)}", is_no_space(error))
     shares: list = [None] * dist.get_world_size()
     dist.all_gather_object(shares, mine)
     failed = [share for share in shares if share is not None]

@@ -334,3 +334,25 @@ def test_verified_checkpoint_falls_back_then_refuses_naming_files(tmp_path):
     with pytest.raises(UserError, match=r"every one is damaged: .*step_000006/__0_0.distcp.*step_000003/.metadata"):
         verified_checkpoint(tmp_path, said.append)
     assert verified_checkpoint(tmp_path / "none", said.append) is None
+
+
+def test_a_failed_write_is_named_in_one_line():
+    """DCP wraps each rank's failure in a CheckpointException whose text is every rank's
+    traceback; the job's error names the failure underneath, on one line."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from autoplan.runtime.checkpoint import failure_text
+
+    stack = traceback.extract_stack()
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter\nfailed writing file")
+    wrapped = CheckpointException("CheckpointException ranks:dict_keys([0, 1])",
+                                  {0: (torch_save, stack), 1: (torch_save, stack)})
+    assert "\n" in str(wrapped)
+    assert failure_text(wrapped) == ("RuntimeError: [enforce fail at inline_container.cc:664] . "
+                                     "PytorchStreamWriter failed writing file")
+    full = OSError(28, "No space left on device")
+    assert failure_text(CheckpointException("x", {1: (full, stack)})) == "OSError: [Errno 28] No space left on device"
+    long = failure_text(RuntimeError("no space\n" * 100))
+    assert "\n" not in long and len(long) == 300
