@@ -46,16 +46,13 @@ def _held_warnings(transformers):
     logger = transformers.utils.logging.get_logger()
     transformers.utils.logging.disable_default_handler()
     logger.addHandler(handler)
-    built = False
     try:
         yield records
-        built = True
     finally:
         logger.removeHandler(handler)
         transformers.utils.logging.enable_default_handler()
-        if built:
-            for record in records:
-                logger.handle(record)
+    for record in records:  # reached only when the build raised nothing
+        logger.handle(record)
 
 
 def _build(transformers, config: dict[str, Any], where: str) -> nn.Module:
