@@ -89,21 +89,44 @@ def vocab_size_of(model: nn.Module) -> int:
                     "your own loop using the plan's degrees.")
 
 
+def sliding_window(module: nn.Module) -> int | None:
+    """The window of a Hugging Face attention module's sliding-window attention, or None: its
+    own `sliding_window` (None on the full-attention layers of a model mixing both, as
+    Gemma-2/3 and Qwen2 set it), else its config's (Mistral and Starcoder2 read one window
+    for every layer from the config)."""
+    if "sliding_window" in vars(module):
+        window = module.sliding_window
+    else:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def attention_window(model: nn.Module) -> int:
+    """The smallest sliding window of a Hugging Face model's attention (0: none). transformers
+    builds an attention mask for it in the model's own code, from the length of the input the
+    model sees, once the window is no longer than the sequence (`_ignore_causal_mask_sdpa`):
+    a sequence-parallel or context-parallel rank would get a mask of its shard's length."""
+    own = [m for m in model.modules() if "sliding_window" in vars(m)]
+    windows = [sliding_window(m) for m in own] if own else [sliding_window(model)]
+    return min((w for w in windows if w), default=0)
+
+
 def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
     """`kwargs` of a Hugging Face SDPA attention module without the attention_mask
     transformers materialises only when it sees fake tensors (its `is_tracing` check: the
     plan-time capability probe). A real run with these inputs (no padding) passes no mask:
     SDPA applies causality (is_causal=True), or attends to every token (a bidirectional
-    encoder's, BERT's, without a sliding window), which is what ring attention and the
-    sequence-parallel gather of the full sequence rely on; the fake mask would have the
-    local length."""
+    encoder's, BERT's), which is what ring attention and the sequence-parallel gather of the
+    full sequence rely on; the fake mask would have the local length. A sliding window no
+    longer than the mask's keys is a mask the real run builds too, so it stays."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     config = getattr(module, "config", None)
+    window = sliding_window(module)
     hf_sdpa_unmasked = (getattr(config, "_attn_implementation", None) == "sdpa"
-                        and (getattr(module, "is_causal", False)
-                             or getattr(config, "sliding_window", None) is None))
+                        and (getattr(module, "is_causal", False) or window is None))
     for name in ("attention_mask", "mask"):  # "mask": T5Attention's
-        if hf_sdpa_unmasked and isinstance(kwargs.get(name), FakeTensor):
+        mask = kwargs.get(name)
+        if hf_sdpa_unmasked and isinstance(mask, FakeTensor) and not (window and mask.shape[-1] >= window):
             kwargs = {**kwargs, name: None}
     return kwargs

@@ -152,6 +152,11 @@ def cp_reason(graph: ModelGraph, cp: int, tp: int, seq_len: int, gpus_per_node: 
                 "over the token sequence")
     if "cp" in graph.refused:
         return f"autoplan's runtime cannot apply context parallelism to this model: {graph.refused['cp']}"
+    if graph.window_masked:
+        return (f"the model's sliding-window attention (a {graph.attention_window}-token window, no "
+                f"longer than the {graph.seq_len}-token sequence) needs the window mask the model "
+                "builds, and the ring attention of context parallelism runs causal attention "
+                "without a mask; plan a sequence shorter than the window, or cp=1")
     if seq_len % (2 * cp):
         return f"cp={cp} does not divide seq_len {seq_len} into 2*cp zig-zag chunks"
     group = tp * cp

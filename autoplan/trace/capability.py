@@ -86,8 +86,8 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
     if kv_tp:  # K/V heads replicated: another code path of the same styles
         styles = {k: dict(v) for k, v in graph.tp_styles.items() if k == "" or "*" in k or k in blocks}
         plans["tp_kv"] = base.with_(world_size=kv_tp, gpus_per_node=kv_tp, tp=kv_tp,
-                                    sequence_parallel=True, tp_styles=styles)
-    if graph.context_parallel and seq_len % 4 == 0:
+                                    sequence_parallel=graph.sequence_shardable, tp_styles=styles)
+    if graph.context_parallel and seq_len % 4 == 0 and not graph.window_masked:
         plans["cp"] = base.with_(world_size=2, gpus_per_node=2, cp=2,
                                  cp_modules=[m for m in graph.context_parallel if inside(m)],
                                  cp_buffers=dict(graph.cp_buffers))

@@ -183,9 +183,11 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
         return "the linears do not map hidden -> X -> hidden"
     inside = region | feeders
     widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
+    head_dims = {by_name[n].input_shapes[0][-1] for n in region if by_name[n].kind == "attention"
+                 and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4}
     for name in region:
         op = by_name[name]
-        if op.kind == "norm" and op.module not in sharded_norms and not _one_head_each(op, widths):
+        if op.kind == "norm" and op.module not in sharded_norms and not _one_head_each(op, widths, head_dims):
             return f"{name} normalises a tensor that is not one head's features of a column's output"
         # a residual is hidden wide; head-layout tensors (RoPE tables beside one KV head) are not
         if op.kind == "elementwise" and op.output_shape and op.output_shape[-1] in hidden:
@@ -204,11 +206,15 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
     return None
 
 
-def _one_head_each(op: OpInfo, widths: set[int]) -> bool:
+def _one_head_each(op: OpInfo, widths: set[int], head_dims: set[int]) -> bool:
     """A per-head norm op (or a step of one traced op by op: its statistics end in 1) on a
-    column's output viewed as (..., heads, head_dim): every row it reduces is one head's."""
+    column's output viewed as (..., heads, head_dim), or on the attention's own layout
+    (batch, heads, seq, head_dim) (Gemma-3 and Persimmon normalise q and k after the
+    transpose): every row it reduces is one head's."""
     shape = op.input_shapes[0]
     heads, features = shape[-2], shape[-1]
+    if len(shape) == 4 and features in head_dims:
+        return True
     return heads > 1 and any(w % heads == 0 and features in (1, w // heads) for w in widths)
 
 

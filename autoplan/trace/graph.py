@@ -155,6 +155,9 @@ class ModelGraph:
     # runtime's own token or image objective)
     user_batch_inputs: int = 0
     user_batch_keywords: bool = False  # ... given by keyword (a dict)
+    # the smallest sliding window of a Hugging Face model's attention (0: none), whose mask
+    # the model's own code builds from the length it sees (runtime/model_io.attention_window)
+    attention_window: int = 0
     # per cut after block copy k (layer_order[k], k < num_layers - 1): what a pipeline stage
     # ending there hands on beside the hidden states (trace/side_values.py); empty where the
     # runtime hands on the hidden states alone (Hugging Face models) or cannot split the model
@@ -183,8 +186,16 @@ class ModelGraph:
         """Whether sequence parallelism may shard what runs between TP regions along dim 1:
         a token model's vocab-parallel embedding hands on its sequence shard; nothing before
         an image model's first block shards its patch sequence, and in the model file's own
-        example_batch which dimension is a sequence only the file knows."""
-        return not self.image_size and not self.user_batch_inputs
+        example_batch which dimension is a sequence only the file knows. A sliding-window
+        mask (window <= seq_len) is built by the model's own code from the length it sees,
+        which under SP would be the shard's."""
+        return not self.image_size and not self.user_batch_inputs and not self.window_masked
+
+    @property
+    def window_masked(self) -> bool:
+        """Whether the model's sliding window is short enough that transformers builds its
+        mask at this sequence length (model_io.attention_window)."""
+        return 0 < self.attention_window <= self.seq_len
 
     def vocab_parameters(self, block: BlockInfo) -> int:
         """Parameters of `block` in a vocabulary-sized table (the token embedding, an untied

@@ -120,7 +120,7 @@ _GRAPH_SCALARS = ("batch_size", "seq_len", "dtype_bytes", "parameters", "embeddi
                   "tensor_parallel", "context_parallel", "cp_buffers", "expert_parallel", "fallback_modules", "sequence_loops",
                   "tp_unsplit", "tp_styles", "refused", "capability_probe_s", "fingerprint", "model_name",
                   "image_size", "image_channels", "num_classes", "user_batch_inputs",
-                  "user_batch_keywords")
+                  "user_batch_keywords", "attention_window")
 
 
 def graph_to_json(graph: ModelGraph) -> dict[str, Any]:

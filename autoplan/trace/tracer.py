@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.runtime.transposed_linear import is_transposed_linear
+from autoplan.runtime.model_io import attention_window
 from autoplan.trace.ops import classify, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.autocast import MetaAutocast
 from autoplan.trace.blocks import build_segments, find_block_groups
@@ -336,6 +337,7 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         sequence_loops=sequence_loops(rec.ops, seq, module),
         user_batch_inputs=len(args) + len(kwargs) if user_batch else 0,
         user_batch_keywords=user_batch and bool(kwargs),
+        attention_window=attention_window(module),
     )
     add_parallelism_facts(model_graph, module, gm, groups, first_path, rec.edges)
     if probe_runtime:

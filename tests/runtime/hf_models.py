@@ -28,6 +28,13 @@ CONFIGS = {
     # one K/V head (Gemma-2B's multi-query attention): tp > 1 replicates it
     "hf_gemma_mqa": ("GemmaConfig", "GemmaForCausalLM", dict(_COMMON, num_key_value_heads=1, head_dim=16)),
     "hf_mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, num_key_value_heads=2)),
+    # q/k norms after the transpose to (batch, heads, seq, head_dim), a tied head, and local
+    # layers whose sliding window (8) is shorter than the sequence: the model builds a window
+    # mask from the length it sees, so TP runs without SP (graph.sequence_shardable)
+    "hf_gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                  dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                       tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # tied head and Granite's multipliers (embedding, residual, attention, logits)
     "hf_granite": ("GraniteConfig", "GraniteForCausalLM",
                    dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=12.0,
@@ -82,7 +89,7 @@ CONFIGS = {
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
                "hf_qwen2": "model.layers", "hf_mistral": "model.layers", "hf_gemma": "model.layers",
-               "hf_gemma_mqa": "model.layers",
+               "hf_gemma_mqa": "model.layers", "hf_gemma3": "model.layers",
                "hf_granite": "model.layers", "hf_deepseek_v3": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",

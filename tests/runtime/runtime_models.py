@@ -302,7 +302,7 @@ def traced_plan_dict(kind: str, **over) -> dict:
     if not graph.tensor_parallel or "tp" in graph.refused:
         raise AssertionError(f"{kind}: no tensor parallelism offered: {graph.tp_unsplit} {graph.refused}")
     plan["tp_styles"] = {scope: dict(styles) for scope, styles in graph.tp_styles.items()}
-    if kind in IMAGE_KINDS:  # as the planner chooses (solve/space.py sequence_parallel)
+    if not graph.sequence_shardable:  # as the planner chooses (solve/space.py sequence_parallel)
         plan["sequence_parallel"] = False
     plan["format_version"] = 2  # styles per block class
     if over.get("ep", 1) > 1:

@@ -290,6 +290,9 @@ CONFIGS = {
             traced_plan_dict, "hf_phi3", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_gptj_dp2_tp2_sp_traced": ("hf_gptj", functools.partial(
             traced_plan_dict, "hf_gptj", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
+        # q/k norms on (batch, heads, seq, head_dim) and a sliding-window mask: TP without SP
+        "hf_gemma3_dp2_tp2_traced": ("hf_gemma3", functools.partial(
+            traced_plan_dict, "hf_gemma3", dp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         # more TP ranks than K/V heads (kv_replication.py): one K/V head at tp=2 beside dp=2,
         # with ZeRO-1 and ZeRO-3, and two K/V heads at tp=4 (each computed on two ranks)
         "hf_gemma_mqa_dp2_tp2_zero3_traced": ("hf_gemma_mqa", functools.partial(

@@ -14,7 +14,7 @@ from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.runtime.context_parallel import context_parallel_supported
 from autoplan.runtime.expert_parallel import expert_parallel_supported
-from autoplan.runtime.model_io import logits_of, model_call, without_fake_causal_mask
+from autoplan.runtime.model_io import attention_window, logits_of, model_call, without_fake_causal_mask
 from autoplan.runtime.mesh import build_mesh
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.trace.fake_group import fake_process_group
@@ -178,3 +178,22 @@ def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
     bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self
     assert without_fake_causal_mask(bert_attention, fake)["attention_mask"] is None
     assert without_fake_causal_mask(bert_attention, real) is real
+    # a sliding window no longer than the mask's keys: the real run builds that mask too
+    local, whole = _meta("hf_gemma3").model.layers  # windows 8 and none (hf_models)
+    with FakeTensorMode() as mode:
+        short = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
+        long = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 8, 8))}
+    assert without_fake_causal_mask(local.self_attn, short)["attention_mask"] is None
+    assert without_fake_causal_mask(local.self_attn, long) is long
+    assert without_fake_causal_mask(whole.self_attn, long)["attention_mask"] is None
+
+
+@pytest.mark.parametrize("kind,config,window", [
+    ("hf_gemma3", {}, 8),  # on its local layers only (module attribute, None on the others)
+    ("hf_mistral", {"sliding_window": 24}, 24),  # one window for every layer, read from the config
+    ("hf_mistral", {"sliding_window": None}, 0),
+    ("hf_qwen2", {"sliding_window": 16, "use_sliding_window": False}, 0),  # configured but unused
+    ("hf_llama", {}, 0),
+])
+def test_attention_window_is_the_one_transformers_masks_by(kind, config, window):
+    assert attention_window(_meta(kind, **config)) == window

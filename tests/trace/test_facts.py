@@ -430,6 +430,25 @@ def test_per_head_q_k_norms_are_sharded_with_their_heads():
     assert "tp" not in graph.refused  # the runtime applied them at tp=2 on the fake process group
 
 
+def test_q_k_norms_after_the_head_transpose_and_a_window_mask_get_tp_without_sp():
+    # Gemma-3: q_norm/k_norm on (batch, heads, seq, head_dim); local layers with a window of 8
+    from dataclasses import replace
+
+    from autoplan.solve.space import cp_reason, sequence_parallel
+
+    model = _hf_meta("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=16, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"])
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    styles = graph.tp_styles["model.layers.*"]
+    assert styles["self_attn.q_norm"] == styles["self_attn.k_norm"] == "head_norm"
+    assert graph.tp_unsplit == [] and "tp" not in graph.refused
+    # the model builds the window mask from the length it sees: no sequence shard may see it
+    assert graph.attention_window == 8 and not sequence_parallel(graph, 2)
+    assert "sliding-window" in cp_reason(graph, 2, 1, 32, 8)
+    shorter = replace(graph, seq_len=4)  # a sequence within the window: no mask is built
+    assert sequence_parallel(shorter, 2) and cp_reason(shorter, 2, 1, 4, 8) is None
+
+
 def test_a_transformer_at_a_short_sequence_has_no_sequence_loop():
     graph = trace_model(_hf_meta("Qwen3Config", "Qwen3ForCausalLM", head_dim=16),
                         (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
