@@ -148,8 +148,11 @@ def estimate_partition(graph: ModelGraph, config: ParallelConfig, cluster,
                        stages_layers: list[list[tuple[BlockInfo, str]]], *,
                        flash_attention: bool = True, runtime: Runtime = DEFAULT_RUNTIME,
                        cache: CostCache | None = None) -> Estimate:
-    """`estimate` for an explicit partition: (block, recompute) of every virtual stage."""
+    """`estimate` for an explicit partition: (block, recompute) of every virtual stage. The
+    stages' copies of one block cost the same: without a search's `cache`, one for this call
+    costs each once."""
     check_config(graph, config, cluster)
+    cache = CostCache() if cache is None else cache
     if len(stages_layers) != num_virtual_stages(config):
         raise UserError(f"the partition has {len(stages_layers)} stages, the configuration "
                         f"{num_virtual_stages(config)} (pp x vpp)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.trace.graph import BlockInfo, ModelGraph
+from autoplan.trace.graph import BlockInfo, ModelGraph, per_block
 from autoplan.trace.ops import MHA_TARGETS, mha_parts
 
 GEMM_KINDS = ("linear", "matmul", "conv")
@@ -76,6 +76,7 @@ class BlockProfile:
     replicated_memory_bytes: float | None = None
 
 
+@per_block
 def block_profile(graph: ModelGraph, block: BlockInfo, fused: bool = False) -> BlockProfile:
     """GEMMs, attention and memory traffic of one block copy (traced batch/seq/dtype); with
     `fused`, also its traffic and kernels under torch.compile (inductor_fused_traffic)."""
