@@ -134,6 +134,19 @@ class FusedColwiseParallel(ParallelStyle):
         return colwise._apply(module, device_mesh)
 
 
+def names_a_head_count(name: str) -> bool:
+    """An attribute name that counts heads (`num_heads`, `n_head`), not a head's size
+    (`head_dim`, `attention_head_size`)."""
+    return "head" in name and not any(w in name for w in ("dim", "size"))
+
+
+def holds_head_count(module: nn.Module, heads: int) -> bool:
+    """`module` has an integer attribute named for heads holding `heads` (OPT's and
+    Persimmon's `num_heads`), which its forward may view q, k and v by."""
+    return any(type(value) is int and value == heads and names_a_head_count(name)
+               for name, value in vars(module).items())
+
+
 def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: int,
                          local_kv: int | None = None, q_width: int = 0) -> None:
     """Give `attention` (and a shallow copy of its `config`) the rank's head counts: every
@@ -153,10 +166,10 @@ def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: in
                 continue
             if "split" in name and q_width and value == q_width:
                 setattr(owner, name, q_width // tp)
+            elif names_a_head_count(name) and value in local:
+                setattr(owner, name, local[value])
             elif any(w in name for w in ("dim", "size")):
                 continue
-            elif "head" in name and value in local:
-                setattr(owner, name, local[value])
             elif "group" in name and value in groups:
                 setattr(owner, name, groups[value])
 

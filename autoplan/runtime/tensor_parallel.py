@@ -166,12 +166,12 @@ def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor, mesh: Device
     return out.redistribute(mesh, [output_layout]).to_local()
 
 
-class HeadCountedColwise(ColwiseParallel):
+class HeadCountedColwise(InlineColwiseParallel):
     """A plain column-parallel q, k or v whose attention reads its head count in forward:
     `style` ("colwise_heads:<heads>,<kv_heads>") tells `_localise_attention` the counts."""
 
-    def __init__(self, style: str) -> None:
-        super().__init__()
+    def __init__(self, style: str, input_layout: Placement) -> None:
+        super().__init__(input_layouts=input_layout)
         self.style = style
 
 
@@ -202,7 +202,7 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name.partition(":")[0] == KV_STYLE:
         return KVColwiseParallel(name)
     if name.partition(":")[0] == "colwise_heads":
-        return HeadCountedColwise(name)
+        return HeadCountedColwise(name, seq)
     if name.partition(":")[0] == MHA_STYLE:  # nn.MultiheadAttention, split by heads whole
         return MultiheadAttentionParallel(sequence_parallel)
     if name == "head_embedding":  # a table of one column per head (T5's relative position

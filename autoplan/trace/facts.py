@@ -46,6 +46,7 @@ from collections import defaultdict
 import torch.fx as fx
 import torch.nn as nn
 
+from autoplan.runtime.fused_projection import holds_head_count
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED
 from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
@@ -220,17 +221,24 @@ def _one_head_each(op: OpInfo, widths: set[int], head_dims: set[int]) -> bool:
 
 def _head_major(feeder: str, region: set[str], by_name: dict, inputs: dict) -> bool:
     """A fused q/k/v column laid out head by head (GPT-NeoX's query_key_value): its output is
-    first viewed as (..., heads, 3 * head_dim) with the attention's own head count, so a
-    contiguous row slice of the weight holds whole heads, each with its q, k and v, and the
-    forward's -1 head count reads the rank's heads. (timm's (..., 3, heads, head_dim) and
+    first viewed as (..., heads, 3 * head_dim) or (..., heads, 3, head_dim) with the
+    attention's own head count, so a contiguous row slice of the weight holds whole heads,
+    each with its q, k and v, and the forward's -1 head count (or its own, which the runtime
+    localises: "colwise_heads") reads the rank's heads. (timm's (..., 3, heads, head_dim) and
     GPT-2's split by width put q, k and v outermost: a row slice mixes them.)"""
     width = by_name[feeder].output_shape[-1] if by_name[feeder].output_shape else 0
     heads = {int(by_name[n].input_shapes[0][1]) for n in region if by_name[n].kind == "attention"
              and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4}
     views = [by_name[n] for n in region if feeder in inputs.get(n, ()) and by_name[n].kind == "view"]
-    return len(heads) == 1 and bool(views) and all(
-        len(v.output_shape) >= 4 and v.output_shape[-2] in heads and v.output_shape[-2] * v.output_shape[-1] == width
-        for v in views)
+    return len(heads) == 1 and bool(views) and all(_whole_heads_view(v.output_shape, heads, width) for v in views)
+
+
+def _whole_heads_view(shape: tuple, heads: set[int], width: int) -> bool:
+    """(..., heads, 3 * head_dim), or (..., heads, 3, head_dim) (Persimmon, Bloom): each head's
+    q, k and v lie together in the column's output."""
+    if len(shape) >= 5 and shape[-2] == 3 and shape[-3] in heads:
+        return shape[-3] * 3 * shape[-1] == width
+    return len(shape) >= 4 and shape[-2] in heads and shape[-2] * shape[-1] == width
 
 
 def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict) -> bool:
@@ -630,12 +638,16 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
                 "divides": divides, "kv_replicable": bool(pair.get("kv_styles")),
             })
         styles = _block_styles(block_ops, facts["pairs"], first)
-        if block.heads and counted_heads:  # its attention builds a tensor of its head count
-            for pair in facts["pairs"]:
-                for column in (pair["column"] if pair["kind"] == "attention" else []):
-                    path = _relative(module_of[column], first)
-                    if styles.get(path) == "colwise":
-                        styles[path] = f"colwise_heads:{block.heads},{block.kv_heads or block.heads}"
+        for pair in facts["pairs"] if block.heads else []:
+            # its attention builds a tensor of its head count, or views q, k and v by one it
+            # holds: the runtime gives it the rank's
+            columns = [module_of[c] for c in pair["column"]] if pair["kind"] == "attention" else []
+            parent = _common_parent([c.rpartition(".")[0] for c in columns])
+            if columns and (counted_heads or holds_head_count(model.get_submodule(parent), block.heads)):
+                for column in columns:
+                    if styles.get(_relative(column, first)) == "colwise":
+                        styles[_relative(column, first)] = f"colwise_heads:{block.heads},{block.kv_heads or block.heads}"
+        if block.heads and counted_heads:
             for path in _head_tables(model.get_submodule(first), block.heads):
                 styles[path] = "head_embedding"
         moe = _moe_module(model.get_submodule(first))

@@ -1,4 +1,4 @@
-"""Generated jobs run: launch.sh on 4 gloo ranks trains, checkpoints and resumes; PP+TP matches 1 rank.
+"""Generated jobs run: launch.sh on 2 gloo ranks trains, checkpoints and resumes; PP+TP matches 1 rank.
 
 Slow (each launch starts torch in every rank: 10-30 s on 2 cores); run with `-m slow`.
 """
@@ -27,10 +27,10 @@ def launch(job, *args, cwd, env=None):
     return result
 
 
-def test_tiny_job_trains_checkpoints_and_resumes(tiny_job, tmp_path):
+def test_tiny_job_trains_checkpoints_and_resumes(two_rank_job, tmp_path):
     data = pattern_tokens(tmp_path / "data dir" / "tokens.bin")  # a space: "$@" must stay quoted
     run = tmp_path / "run"
-    launch(tiny_job, "--steps", 6, "--checkpoint-every", 3, "--run-dir", run, "--data", data, cwd=tmp_path)
+    launch(two_rank_job, "--steps", 6, "--checkpoint-every", 3, "--run-dir", run, "--data", data, cwd=tmp_path)
     first = metrics(run)
     assert [m["step"] for m in first] == list(range(6))
     assert all(METRIC_KEYS <= set(m) for m in first)
@@ -42,7 +42,7 @@ def test_tiny_job_trains_checkpoints_and_resumes(tiny_job, tmp_path):
     assert len(checkpoints) == 2, checkpoints  # after steps 3 and 6
 
     # the second launch goes through the c10d rendezvous of RDZV_ENDPOINT (multi-node path)
-    result = launch(tiny_job, "--steps", 9, "--checkpoint-every", 3, "--run-dir", run, "--data", data,
+    result = launch(two_rank_job, "--steps", 9, "--checkpoint-every", 3, "--run-dir", run, "--data", data,
                     "--resume", cwd=tmp_path, env={"RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
                                                     "RDZV_ID": "resume-test"})
     assert "resumed" in result.stdout + result.stderr

@@ -73,6 +73,11 @@ CONFIGS = {
     "hf_gptneox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
                    dict(_COMMON, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0,
                         use_parallel_residual=True)),
+    # one query_key_value viewed as (batch, seq, self.num_heads, 3, head_dim), per-head
+    # LayerNorms on q and k: TP hands the attention the rank's head count ("colwise_heads")
+    "hf_persimmon": ("PersimmonConfig", "PersimmonForCausalLM",
+                     dict(_COMMON, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0,
+                          bos_token_id=0, eos_token_id=0)),
     "hf_phi3": ("Phi3Config", "Phi3ForCausalLM",
                 dict(_COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
                      resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
@@ -93,7 +98,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_granite": "model.layers", "hf_deepseek_v3": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",
-               "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers"}
+               "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers",
+               "hf_persimmon": "model.layers"}
 
 
 def build(kind: str, **overrides):

@@ -82,9 +82,9 @@ def test_an_encoder_gets_context_parallelism_and_the_cause_of_its_tp_refusal():
     graph = _graph("encoder_full_width.py")
     assert graph.context_parallel == ["blocks.0.attn", "blocks.1.attn"]
     assert "cp" not in graph.refused  # ring attention without causality ran on the fake group
-    # its view(b, s, self.heads, -1) runs every head at half size on a rank before its
-    # reshape(b, s, d) would fail: the probe names the first
-    assert "blocks.0.attn" in graph.refused["tp"] and "runs 4 heads of size 8" in graph.refused["tp"]
+    # its view(b, s, self.heads, -1) gets the rank's head count (an attribute named for
+    # heads), and its reshape(b, s, d) to the full width then fails: the probe names that
+    assert "blocks.0.attn" in graph.refused["tp"] and "reshape with -1" in graph.refused["tp"]
 
 
 def test_reference_llama_passes_every_probe():

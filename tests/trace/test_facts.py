@@ -449,6 +449,22 @@ def test_q_k_norms_after_the_head_transpose_and_a_window_mask_get_tp_without_sp(
     assert sequence_parallel(shorter, 2) and cp_reason(shorter, 2, 1, 4, 8) is None
 
 
+def test_a_head_major_qkv_viewed_by_the_modules_head_count_gets_the_ranks_count():
+    # Persimmon: query_key_value viewed as (batch, seq, self.num_heads, 3, head_dim)
+    import transformers
+
+    config = transformers.PersimmonConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=128, vocab_size=256, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.PersimmonForCausalLM(config)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    styles = graph.tp_styles["model.layers.*"]
+    assert styles["self_attn.query_key_value"] == "colwise_heads:4,4" and styles["self_attn.dense"] == "rowwise"
+    assert styles["self_attn.q_layernorm"] == styles["self_attn.k_layernorm"] == "head_norm"
+    assert graph.tp_unsplit == [] and "tp" not in graph.refused
+
+
 def test_a_transformer_at_a_short_sequence_has_no_sequence_loop():
     graph = trace_model(_hf_meta("Qwen3Config", "Qwen3ForCausalLM", head_dim=16),
                         (torch.zeros(1, 16, dtype=torch.long, device="meta"),))

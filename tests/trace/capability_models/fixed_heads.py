@@ -1,24 +1,28 @@
-"""Attention that views its q/k/v with a hard-coded head count: legal TP pairs in the data
-flow, but a column-sharded q_proj no longer has `heads * head_dim` features per rank."""
+"""Attention that views its q/k/v with a hard-coded head count (a constant of the file, which
+the runtime cannot set to a rank's count as it does an attribute named for heads): legal TP
+pairs in the data flow, but a column-sharded q_proj no longer has `HEADS * head_dim`
+features per rank."""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+HEADS = 4
+
 
 class Attention(nn.Module):
-    def __init__(self, d: int = 64, heads: int = 4):
+    def __init__(self, d: int = 64):
         super().__init__()
-        self.heads, self.head_dim = heads, d // heads
+        self.head_dim = d // HEADS
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.o_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        q, k, v = (p(x).view(b, s, HEADS, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, HEADS * self.head_dim))
 
 
 class MLP(nn.Module):
