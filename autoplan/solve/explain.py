@@ -50,7 +50,7 @@ def _main_cause(new, old) -> str:
     return f"{kind.replace('_', ' ')} {_pct(old.step_time_s + value, old.step_time_s)}"
 
 
-def _neighbours(c: ParallelConfig, n: int, image: bool = False) -> list[tuple[str, ParallelConfig]]:
+def _neighbours(c: ParallelConfig, n: int, sequence_shardable: bool = True) -> list[tuple[str, ParallelConfig]]:
     out = []
     for key in ("tp", "pp", "cp"):
         for value in (getattr(c, key) * 2, getattr(c, key) // 2):
@@ -69,7 +69,7 @@ def _neighbours(c: ParallelConfig, n: int, image: bool = False) -> list[tuple[st
             ep = c.ep if (dp * degrees["cp"]) % c.ep == 0 else 1
             out.append((f"{key}={value}", replace(c, dp=dp, micro_batch=mb, vpp=vpp, schedule=schedule,
                                                   ep=ep, stage_layers=None, layer_recompute=None,
-                                                  sequence_parallel=degrees["tp"] > 1 and not image,  # space.py
+                                                  sequence_parallel=degrees["tp"] > 1 and sequence_shardable,  # space.py
                                                   **degrees)))
     if c.dp > 1:
         for zero in (0, 1, 2, 3):
@@ -118,7 +118,7 @@ def explain(job) -> list[str]:
     if e.bubble_fraction:
         lines.append(f"pipeline bubble: {e.bubble_fraction * 100:.1f}% of the step ({c.schedule}, "
                      f"{c.num_microbatches} micro-batches over {c.pp} stages)")
-    for label, neighbour in _neighbours(c, c.world_size, bool(job.graph.image_size)):
+    for label, neighbour in _neighbours(c, c.world_size, job.graph.sequence_shardable):
         reason = _illegal(job, neighbour)
         if reason is None:
             solved = solve_config(job, neighbour)

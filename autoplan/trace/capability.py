@@ -440,18 +440,29 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         plans = probe_plans(graph, seq, blocks)
         routing = _routing(graph)
         run = bool(plans) and _run_on_fake_group(model, single, args, kwargs, routing) is None
+        heads = _attention_heads(graph) | _mha_heads(model)
+
+        def probe(plan: Plan, run_axis: bool) -> str | None:
+            return (_position_bias(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \
+                _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
+                                   heads if plan.tp > 1 else frozenset())
+
         _CACHE[key] = {}
         for axis, plan in plans.items():
             if axis == "pp_tp" and (_CACHE[key].get("tp") or _CACHE[key].get("pp")):
                 continue  # each refused alone: the pair says nothing more
             # an EP step moves tokens by exchanged counts, which balanced values cannot model
             run_axis = run and not (axis == "ep" and routing is not None)
-            heads = _attention_heads(graph) | _mha_heads(model)
-            reason = (_position_bias(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \
-                _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
-                                   heads if plan.tp > 1 else frozenset())
+            if plan.tp > 1 and _CACHE[key].get("sp"):
+                plan = plan.with_(sequence_parallel=False)
+            reason = probe(plan, run_axis)
             degrees = ("pp", "tp") if axis == "pp_tp" else (axis.partition("_")[0],)
             probed = " ".join(f"{d}={getattr(plan, d)}" for d in degrees)
+            if axis == "tp" and reason and plan.parallel.sequence_parallel \
+                    and probe(plan.with_(sequence_parallel=False), run_axis) is None:
+                # the model's own code between its blocks cannot take a sequence shard
+                # (positions added to it, tokens flattened by the full width): TP without SP
+                _CACHE[key]["sp"], reason = f"(probed at {probed} with SP) {reason}", None
             _CACHE[key][axis] = reason and f"(probed at {probed}) {reason}"
     return dict(_CACHE[key])
 

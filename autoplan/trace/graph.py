@@ -188,8 +188,10 @@ class ModelGraph:
         an image model's first block shards its patch sequence, and in the model file's own
         example_batch which dimension is a sequence only the file knows. A sliding-window
         mask (window <= seq_len) is built by the model's own code from the length it sees,
-        which under SP would be the shard's."""
-        return not self.image_size and not self.user_batch_inputs and not self.window_masked
+        which under SP would be the shard's. "sp" in `refused`: the capability probe ran TP
+        only without SP (trace/capability.py)."""
+        return (not self.image_size and not self.user_batch_inputs and not self.window_masked
+                and "sp" not in self.refused)
 
     @property
     def window_masked(self) -> bool:

@@ -78,6 +78,14 @@ CONFIGS = {
     "hf_persimmon": ("PersimmonConfig", "PersimmonForCausalLM",
                      dict(_COMMON, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0,
                           bos_token_id=0, eos_token_id=0)),
+    # tokens flattened to (batch * seq, hidden) between attention and MLP, learned positions
+    # with an offset: its code cannot take a sequence shard, so TP runs without SP
+    "hf_opt": ("OPTConfig", "OPTForCausalLM",
+               {"hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+                "vocab_size": 256, "max_position_embeddings": 128, "word_embed_proj_dim": 64,
+                "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "layerdrop": 0.0,
+                "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "use_cache": False,
+                "attn_implementation": "sdpa"}),
     "hf_phi3": ("Phi3Config", "Phi3ForCausalLM",
                 dict(_COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
                      resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
@@ -99,7 +107,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",
                "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers",
-               "hf_persimmon": "model.layers"}
+               "hf_persimmon": "model.layers", "hf_opt": "model.decoder.layers"}
 
 
 def build(kind: str, **overrides):

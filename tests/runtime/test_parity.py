@@ -195,6 +195,8 @@ CONFIGS = {
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
         # GPT-2's Conv1D c_attn ([all q | all k | all v] along weight dim 1), its head tied
+        "hf_opt_tp2_traced": ("hf_opt", functools.partial(
+            traced_plan_dict, "hf_opt", tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_persimmon_tp2_traced": ("hf_persimmon", functools.partial(
             traced_plan_dict, "hf_persimmon", tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_tp2_traced": ("hf_gpt2", functools.partial(
@@ -451,6 +453,7 @@ def _rel(a: float, b: float) -> float:
 # score of a query), so it holds AdamW's +-lr steps on rounding noise (measured 1.4 relative
 # in BERT); nn.MultiheadAttention's in_proj_bias holds that key bias in its middle third.
 NOISE_ONLY = ("attention.self.key.bias", "self_attn.in_proj_bias",
+              "self_attn.k_proj.bias",  # OPT's (1.2 under TP without SP)
               "attn.k.bias",  # the image ViT's (1.2e-3; its other tensors 4.8e-6 under TP)
               "attn.qkv.bias",  # timm's fused [q | k | v] bias, k in its middle third (1.5e-3)
               # Persimmon's LayerNorm on k: the bias of the features partial rotary leaves

@@ -465,6 +465,18 @@ def test_a_head_major_qkv_viewed_by_the_modules_head_count_gets_the_ranks_count(
     assert graph.tp_unsplit == [] and "tp" not in graph.refused
 
 
+def test_a_model_whose_code_cannot_take_a_sequence_shard_gets_tp_without_sp():
+    # OPT flattens its tokens by the full width between attention and MLP: the probe runs TP
+    # with SP, which fails, then without, which runs
+    from autoplan.solve.space import sequence_parallel, tp_reason
+
+    model = _hf_meta("OPTConfig", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=64, pad_token_id=0,
+                     dropout=0.0)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert "tp" not in graph.refused and "with SP" in graph.refused["sp"]
+    assert tp_reason(graph, 2, 4) is None and not sequence_parallel(graph, 2)
+
+
 def test_a_transformer_at_a_short_sequence_has_no_sequence_loop():
     graph = trace_model(_hf_meta("Qwen3Config", "Qwen3ForCausalLM", head_dim=16),
                         (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
