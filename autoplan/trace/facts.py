@@ -174,6 +174,12 @@ def _region(feeders: set[str], through: set[str], users: dict) -> set[str]:
     return region
 
 
+def _query_shapes(region: set[str], by_name: dict) -> list[tuple]:
+    """The (batch, heads, seq, head_dim) query shapes of the attention ops in `region`."""
+    return [tuple(by_name[n].input_shapes[0]) for n in region if by_name[n].kind == "attention"
+            and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4]
+
+
 def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict,
              users: dict, sharded_norms: frozenset = frozenset()) -> str | None:
     """Why `feeders` -> `row` is not a column/row pair, or None when it is one; the ops of
@@ -184,8 +190,7 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
         return "the linears do not map hidden -> X -> hidden"
     inside = region | feeders
     widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
-    head_dims = {by_name[n].input_shapes[0][-1] for n in region if by_name[n].kind == "attention"
-                 and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4}
+    head_dims = {shape[-1] for shape in _query_shapes(region, by_name)}
     for name in region:
         op = by_name[name]
         if op.kind == "norm" and op.module not in sharded_norms and not _one_head_each(op, widths, head_dims):
@@ -210,8 +215,8 @@ def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, input
 def _one_head_each(op: OpInfo, widths: set[int], head_dims: set[int]) -> bool:
     """A per-head norm op (or a step of one traced op by op: its statistics end in 1) on a
     column's output viewed as (..., heads, head_dim), or on the attention's own layout
-    (batch, heads, seq, head_dim) (Gemma-3 and Persimmon normalise q and k after the
-    transpose): every row it reduces is one head's."""
+    (batch, heads, seq, head_dim) (Gemma-3 normalises q and k after the transpose): every row
+    it reduces is one head's."""
     shape = op.input_shapes[0]
     heads, features = shape[-2], shape[-1]
     if len(shape) == 4 and features in head_dims:
@@ -227,8 +232,7 @@ def _head_major(feeder: str, region: set[str], by_name: dict, inputs: dict) -> b
     localises: "colwise_heads") reads the rank's heads. (timm's (..., 3, heads, head_dim) and
     GPT-2's split by width put q, k and v outermost: a row slice mixes them.)"""
     width = by_name[feeder].output_shape[-1] if by_name[feeder].output_shape else 0
-    heads = {int(by_name[n].input_shapes[0][1]) for n in region if by_name[n].kind == "attention"
-             and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4}
+    heads = {int(shape[1]) for shape in _query_shapes(region, by_name)}
     views = [by_name[n] for n in region if feeder in inputs.get(n, ()) and by_name[n].kind == "view"]
     return len(heads) == 1 and bool(views) and all(_whole_heads_view(v.output_shape, heads, width) for v in views)
 
@@ -248,8 +252,7 @@ def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs
     widths = {by_name[f].output_shape[-1] for f in feeders if by_name[f].output_shape}
     # one head's features split in halves (RoPE's rotate-half) are no parts, also where a
     # column is one head wide (the k and v of a single K/V head)
-    head_dims = {by_name[n].input_shapes[0][-1] for n in region if by_name[n].kind == "attention"
-                 and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4}
+    head_dims = {shape[-1] for shape in _query_shapes(region, by_name)}
     split_whole = any(by_name[n].target in _SPLITS and by_name[n].input_shapes
                       and by_name[n].input_shapes[0] and by_name[n].input_shapes[0][-1] in widths - head_dims
                       for n in region)  # fused k,v beside a separate q
@@ -638,15 +641,16 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
                 "divides": divides, "kv_replicable": bool(pair.get("kv_styles")),
             })
         styles = _block_styles(block_ops, facts["pairs"], first)
-        for pair in facts["pairs"] if block.heads else []:
+        for pair in (p for p in facts["pairs"] if p["kind"] == "attention" and block.heads):
             # its attention builds a tensor of its head count, or views q, k and v by one it
             # holds: the runtime gives it the rank's
-            columns = [module_of[c] for c in pair["column"]] if pair["kind"] == "attention" else []
+            columns = [module_of[c] for c in pair["column"]]
             parent = _common_parent([c.rpartition(".")[0] for c in columns])
-            if columns and (counted_heads or holds_head_count(model.get_submodule(parent), block.heads)):
-                for column in columns:
-                    if styles.get(_relative(column, first)) == "colwise":
-                        styles[_relative(column, first)] = f"colwise_heads:{block.heads},{block.kv_heads or block.heads}"
+            if not (counted_heads or holds_head_count(model.get_submodule(parent), block.heads)):
+                continue
+            for path in (_relative(c, first) for c in columns):
+                if styles.get(path) == "colwise":
+                    styles[path] = f"colwise_heads:{block.heads},{block.kv_heads or block.heads}"
         if block.heads and counted_heads:
             for path in _head_tables(model.get_submodule(first), block.heads):
                 styles[path] = "head_embedding"
