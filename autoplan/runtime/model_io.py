@@ -77,11 +77,30 @@ def logits_of(output) -> torch.Tensor:
                     "(batch, seq, vocab), an object with `.logits`, or a tuple starting with it.")
 
 
+def vocab_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The embedding that reads token ids: the model's own `get_input_embeddings()` (Hugging
+    Face models), else the first nn.Embedding as wide as an output Linear (the head predicts
+    over the same vocabulary), else the first nn.Embedding. Not the largest one: a position
+    table may hold more rows than the vocabulary (a character model's 65 tokens, 256 positions)."""
+    own = getattr(model, "get_input_embeddings", None)
+    if callable(own):
+        try:
+            found = own()
+        except (NotImplementedError, AttributeError):
+            found = None
+        if isinstance(found, nn.Embedding):
+            return found
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    heads = {m.out_features for m in model.modules() if isinstance(m, nn.Linear)}
+    return next((e for e in embeddings if e.num_embeddings in heads),
+                embeddings[0] if embeddings else None)
+
+
 def vocab_size_of(model: nn.Module) -> int:
-    """The vocabulary of a token-id model: the size of its first nn.Embedding."""
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            return module.num_embeddings
+    """The vocabulary of a token-id model: the size of its token embedding (`vocab_embedding`)."""
+    embedding = vocab_embedding(model)
+    if embedding is not None:
+        return embedding.num_embeddings
     raise UserError(f"{type(model).__name__} has no nn.Embedding, so it does not read token ids "
                     "(an image model?), and the plan trains on token ids (it has no image "
                     "`inputs`). Make the plan for this model with `autoplan plan` (an image "

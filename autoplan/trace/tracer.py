@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.runtime.transposed_linear import is_transposed_linear
-from autoplan.runtime.model_io import attention_window
+from autoplan.runtime.model_io import attention_window, vocab_embedding
 from autoplan.trace.ops import classify, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.autocast import MetaAutocast
 from autoplan.trace.blocks import build_segments, find_block_groups
@@ -510,8 +510,9 @@ def image_channels(args: tuple, kwargs: dict) -> int:
 
 
 def _vocab(module: nn.Module) -> int:
-    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-    return max((m.num_embeddings for m in embeddings), default=0)
+    """The vocabulary as the runtime draws tokens from it (0: no token embedding)."""
+    embedding = vocab_embedding(module)
+    return embedding.num_embeddings if embedding is not None else 0
 
 
 def _outermost(fallbacks: list[str], block_of: dict[str, str], first_path: dict[str, str]) -> list[str]:

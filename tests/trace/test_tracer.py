@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.errors import UserError
-from gpt_blocks import Stack
+from gpt_blocks import MathAttentionBlock, Stack
 from autoplan.models import build_model
 from autoplan.trace.graph import SideValue
 from autoplan.trace.tracer import trace_model
@@ -312,3 +312,32 @@ def test_a_hugging_face_split_hands_on_the_hidden_states_alone():
         model = transformers.LlamaForCausalLM(config)
     graph = trace_model(model, tokens(1, 32), probe_runtime=False)
     assert graph.num_layers == 2 and graph.pipeline_side_values == []
+
+
+class CharacterModel(nn.Module):
+    """nanoGPT's shakespeare-char shape: 65 tokens, a 256-row position table, declared first."""
+
+    def __init__(self, vocab=65, positions=256, h=32):
+        super().__init__()
+        self.wpe, self.wte = nn.Embedding(positions, h), nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(MathAttentionBlock(h, 4) for _ in range(2))
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def test_the_vocabulary_is_the_token_table_not_a_larger_position_table():
+    # the runtime draws token ids below this number: a position table styled as the
+    # vocabulary would be cut vocab-parallel and the data drawn past the token table
+    from autoplan.runtime.model_io import vocab_size_of
+    with torch.device("meta"):
+        model = CharacterModel()
+    graph = trace_model(model, tokens(2, 16))
+    assert graph.vocab == vocab_size_of(model) == 65
+    assert graph.tp_styles[""]["wte"] == "vocab_embedding"
+    assert graph.tp_styles[""]["wpe"] == "whole_embedding"
+    assert graph.tp_styles[""]["lm_head"] == "vocab_head"
