@@ -36,6 +36,7 @@ from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.tensor_parallel import uses_loss_parallel
 from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
+from autoplan.trace.ops import per_head_matmul
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
 # probe results by model and call convention: running the runtime on fake tensors takes
@@ -220,8 +221,9 @@ class LocalHeads(RuntimeError):
 
 
 class _LocalHeadsGuard(TorchFunctionMode):
-    """Under TP each rank's attention runs its share of the heads: a traced attention of H
-    heads of size d runs H/tp heads of size d. A forward that takes a head count or size
+    """Under TP each rank's attention runs its share of the heads: a traced attention (its
+    SDPA, or the per-head matmuls of one written out) of H heads of size d runs H/tp heads of
+    size d. A forward that takes a head count or size
     from the whole model where the runtime cannot give it the rank's (an attribute not named
     for heads, `hidden_size // num_attention_heads` computed in forward) can still reshape
     without an error, into other heads (H/tp heads of 2d...), and train wrong; the
@@ -233,14 +235,20 @@ class _LocalHeadsGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         query = args[0] if args else (kwargs or {}).get("query")
-        if func is torch.nn.functional.scaled_dot_product_attention and isinstance(query, torch.Tensor) \
-                and not hasattr(query, "device_mesh") and query.dim() == 4 \
+        if func is torch.nn.functional.scaled_dot_product_attention and _plain_4d(query) \
                 and (query.shape[1] * self.tp, query.shape[-1]) not in self.heads:
-            share = " or ".join(f"{h // self.tp} of size {d}" for h, d in sorted(self.heads))
-            raise LocalHeads(
-                f"its attention runs {query.shape[1]} heads of size {query.shape[-1]} per rank at "
-                f"tp={self.tp}, not {share}: {self._cause(query.shape[1])}")
+            self._refuse(query.shape[1], query.shape[-1])
+        if func in _MATMULS and len(args) == 2 and _plain_4d(args[0]) \
+                and _plain_4d(args[1]) and per_head_matmul(args[0].shape, args[1].shape) \
+                and not any((args[0].shape[1] * self.tp, d) in self.heads
+                            for d in (args[0].shape[-1], args[1].shape[-1])):
+            self._refuse(args[0].shape[1], args[0].shape[-1])
         return func(*args, **(kwargs or {}))
+
+    def _refuse(self, heads: int, size: int) -> None:
+        share = " or ".join(f"{h // self.tp} of size {d}" for h, d in sorted(self.heads))
+        raise LocalHeads(f"its attention runs {heads} heads of size {size} per rank at "
+                         f"tp={self.tp}, not {share}: {self._cause(heads)}")
 
     def _cause(self, heads: int) -> str:
         if heads in {h for h, _ in self.heads}:  # every head, each cut: the count came whole
@@ -250,6 +258,14 @@ class _LocalHeadsGuard(TorchFunctionMode):
                     "the head size instead (`view(batch, seq, -1, head_dim)`)")
         return ("its forward takes a head count or size from the whole model that the runtime "
                 "cannot set to the rank's, so it would train wrong silently")
+
+
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+def _plain_4d(value) -> bool:
+    """A plain (not DTensor) tensor of 4 dims: a rank's own (batch, heads, seq, head size)."""
+    return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and value.dim() == 4
 
 
 def _heads_guard(plan: Plan, heads: frozenset):
@@ -318,6 +334,20 @@ def _attention_heads(graph: ModelGraph) -> frozenset:
     return frozenset((int(op.input_shapes[0][1]), int(op.input_shapes[0][-1])) for op in ops
                      if op.kind == "attention" and op.target == "scaled_dot_product_attention"
                      and op.input_shapes and len(op.input_shapes[0]) == 4)
+
+
+def _written_out_heads(graph: ModelGraph) -> frozenset:
+    """(heads, head size) of each attention written out with matmuls (facts.py takes it as
+    the block's attention), from its q @ k^T: of a module's per-head matmuls at a block's head
+    count, in the order they ran, every other one (the other is the product with the values)."""
+    counts = {block.heads for block in graph.blocks if block.heads}
+    by_module: dict[str, list] = {}
+    for op in (graph.graph.nodes[n]["op"] for n in graph.graph.nodes):
+        if op.kind == "matmul" and len(op.input_shapes) >= 2 and per_head_matmul(*op.input_shapes[:2]) \
+                and op.input_shapes[0][1] in counts:
+            by_module.setdefault(op.module, []).append(op)
+    return frozenset((int(op.input_shapes[0][1]), int(op.input_shapes[0][-1]))
+                     for ops in by_module.values() for op in ops[::2])
 
 
 def _mha_heads(model: nn.Module) -> frozenset:
@@ -427,10 +457,10 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
     already has a process group (a training job)."""
     if dist.is_initialized():
         return {}
-    # parameters alone do not tell models apart (two files can differ only in forward code),
-    # and what the probe runs depends on how the model is called
-    key = (graph.fingerprint, type(model).__module__, type(model).__qualname__, len(args),
-           tuple(sorted(kwargs)), graph.batch_size, graph.seq_len)
+    # parameters alone do not tell models apart (two files, or two classes of a submodule,
+    # can differ only in forward code), and what the probe runs depends on how the model is called
+    classes = tuple(sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
+    key = (graph.fingerprint, classes, len(args), tuple(sorted(kwargs)), graph.batch_size, graph.seq_len)
     if key not in _CACHE:
         seq = _probe_seq(graph)
         args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)
@@ -440,7 +470,7 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         plans = probe_plans(graph, seq, blocks)
         routing = _routing(graph)
         run = bool(plans) and _run_on_fake_group(model, single, args, kwargs, routing) is None
-        heads = _attention_heads(graph) | _mha_heads(model)
+        heads = _attention_heads(graph) | _written_out_heads(graph) | _mha_heads(model)
 
         def probe(plan: Plan, run_axis: bool) -> str | None:
             return (_position_bias(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \

@@ -53,7 +53,7 @@ from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.trace.recorder import func_name
-from autoplan.trace.ops import MHA_TARGETS
+from autoplan.trace.ops import MHA_TARGETS, per_head_matmul
 
 _STOP_KINDS = {"linear", "norm", "embedding", "expert", "other", "conv", "moe_router", "loss"}
 _SPLITS = {"split", "chunk", "split_with_sizes", "unbind", "tensor_split"}
@@ -358,6 +358,18 @@ def _kv_styles(columns: list[str], attention: list[OpInfo], by_name: dict) -> di
     return {c: f"colwise_kv:{heads},{widths[c] // head_dim}" for c in kv}
 
 
+def _written_out_attention(region: set[str], by_name: dict, order: list[str]) -> list[OpInfo]:
+    """The matmuls of an attention written out (q @ k^T, softmax, @ v), q @ k^T first, which
+    then stand for its SDPA: the first's query shape (batch, heads, seq, head size) gives the
+    heads, so the runtime can hand the module the rank's head count and the probe can check
+    each rank runs its share of them. [] when the region's matmuls are not per head."""
+    matmuls = [by_name[n] for n in sorted(region, key=order.index) if by_name[n].kind == "matmul"
+               and len(by_name[n].input_shapes) >= 2]
+    if not matmuls or not all(per_head_matmul(*op.input_shapes[:2]) for op in matmuls):
+        return []
+    return matmuls
+
+
 def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
     """Column/row linear pairs of one block's ops (full op names), each marked "fused" when
     a column computes several parts (a fused qkv / kv / gate_up projection)."""
@@ -374,7 +386,7 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
             continue
         kind = "attention" if kinds & {"attention", "matmul"} else "mlp"
         attention = [by_name[n] for n in sorted(region, key=order.index)
-                     if by_name[n].kind == "attention"]
+                     if by_name[n].kind == "attention"] or _written_out_attention(region, by_name, order)
         across = sorted(n for n in norms if _fed_by_linear(n, by_name, inputs))
         if kind == "attention" and across:  # q/k normalised over all heads
             pairs.append(_across_heads_pair(op.name, across, by_name, inputs, users, order, attention)

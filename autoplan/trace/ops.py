@@ -121,6 +121,14 @@ def gemm_mnk(kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
 MHA_TARGETS = frozenset({"MultiheadAttention", "multi_head_attention_forward"})
 
 
+def per_head_matmul(a: tuple, b: tuple) -> bool:
+    """Whether a matmul of shapes `a` by `b` is one of an attention written out with matmuls,
+    batched over (batch, heads): q @ k^T, (batch, heads, seq, head size) by (batch, heads,
+    head size, keys), or the scores' product with the values, (..., seq, keys) by (...,
+    keys, head size). Its heads are dim 1; q @ k^T, the first, has the head size last."""
+    return len(a) == 4 and len(b) == 4 and tuple(a[:2]) == tuple(b[:2]) and a[-1] == b[-2]
+
+
 def mha_parts(op) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
     """(attention-core FLOPs, (M, N, K, FLOPs) of its projection GEMMs) of one recorded
     nn.MultiheadAttention op (`op.flops` counts both): q, k and v projections (one [q | k | v]

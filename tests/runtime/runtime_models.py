@@ -8,8 +8,10 @@ when the runtime's data order, loss averaging, clipping or LR schedule drift.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -192,6 +194,9 @@ def builder(kind: str):
         return lambda: TinyGPT(manual_attention=True)
     if kind == "loop_moe":
         return LoopMoELM
+    if kind == "written_out_gpt":  # attention as matmuls, viewed by the `n_head` it holds
+        models = _capability_models("written_out_heads.py")
+        return lambda: models.WrittenOut(models.HeadCounted, vocab=256, layers=4)
     if kind in hf_models.CONFIGS:
         return lambda: hf_models.build(kind)
     if kind in IMAGE_KINDS:
@@ -201,6 +206,15 @@ def builder(kind: str):
     if kind == "tabular":
         return batch_models.TabularRegressor
     raise ValueError(kind)
+
+
+def _capability_models(name: str):
+    """A model file of tests/trace/capability_models, imported as a module."""
+    path = Path(__file__).resolve().parents[1] / "trace" / "capability_models" / name
+    spec = importlib.util.spec_from_file_location(f"capability_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def hooks(kind: str) -> dict:
@@ -395,7 +409,7 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
     gradient scale factor, so a wrong DP/CP/EP averaging would barely move the losses;
     the final weights catch a gradient of the wrong direction (an untied weight)."""
     torch.manual_seed(seed)
-    if kind in ("gpt", "encoder", "loop_moe", "tabular") or kind in IMAGE_KINDS:
+    if kind in ("gpt", "encoder", "loop_moe", "tabular", "written_out_gpt") or kind in IMAGE_KINDS:
         model = builder(kind)()
     elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
         with torch.device("meta"):

@@ -58,7 +58,11 @@ its rank's shard of the encoder output gives losses 2.5e-3, grad norms 3.4e-1, w
 1.7e-7, grad norms 2.1e-7, weights 2.9e-6; its in_proj rows split contiguously instead of
 each rank taking its heads' q, k and v rows gives losses 2.4e-3, grad norms 1.1e-2, weights
 5.2e-1. Under ring attention (cp2, not causal) 2.5e-7, 1.0e-7, 4.5e-6; attending to its own
-shard only, 2.7e-3, 9.7e-3, 2.1e-1. OLMo-2's q_norm/k_norm over all heads, each rank normalising its
+shard only, 2.7e-3, 9.7e-3, 2.1e-1. An attention written out with matmuls (no SDPA) and handed
+the rank's `n_head` (tp2, written_out_tp2_traced): losses 8.4e-8, grad norms 1.0e-7,
+weights 7.8e-6; left with the model's whole count, each rank running all heads at half their
+size (what the planner offered before it checked a written-out attention's heads), losses
+4.7e-4, grad norms 8.0e-4, weights 2.2e-1. OLMo-2's q_norm/k_norm over all heads, each rank normalising its
 columns with the mean square summed over the ranks (dp2 x tp2 ZeRO-3): losses 1.7e-7, grad
 norms 4.9e-5, weights 3.4e-4; with the statistic's gradient left as each rank's own instead
 of summed over the ranks (to_local without its Partial gradient placement), losses 6.0e-4,
@@ -199,6 +203,9 @@ CONFIGS = {
             traced_plan_dict, "hf_opt", tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_persimmon_tp2_traced": ("hf_persimmon", functools.partial(
             traced_plan_dict, "hf_persimmon", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # an attention written out with matmuls (no SDPA), handed the rank's `n_head`
+        "written_out_tp2_traced": ("written_out_gpt", functools.partial(
+            traced_plan_dict, "written_out_gpt", tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_tp2_traced": ("hf_gpt2", functools.partial(
             traced_plan_dict, "hf_gpt2", tp=2, optimizer=PARITY_OPTIMIZER)),
         # one K/V head, tp=2: each rank computes it from a replicated k/v weight

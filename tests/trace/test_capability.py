@@ -290,3 +290,25 @@ def test_a_known_failure_is_said_as_its_cause_without_torchs_words():
     assert reason.startswith("its forward reshapes to a size fixed in its code")
     assert "RuntimeError" not in reason and "invalid for input" not in reason
     assert known_failure("CUDA out of memory", "RuntimeError") is None  # unknown: quoted by the caller
+
+
+def test_attention_written_out_with_matmuls_is_checked_for_its_share_of_the_heads():
+    # no SDPA: q @ k^T and @ v on `view(b, s, self.n, -1)`, which at tp=2 runs all 4 heads at
+    # half their size without an error; the probe checks its per-head matmuls as an SDPA's
+    graph = _graph("written_out_heads.py")
+    assert graph.segment("blocks").heads == 4
+    reason = graph.refused["tp"]
+    assert "blocks.0.attn" in reason and "runs 4 heads of size 8 per rank at tp=2, not 2 of size 16" in reason
+    assert set(graph.refused) == {"tp"}
+
+
+def test_attention_written_out_holding_its_head_count_is_split_by_heads():
+    # the same attention holding its count as `n_head`: the runtime hands it the rank's
+    # (tests/runtime/test_parity.py written_out_tp2_traced trains it)
+    loaded = load_model(str(MODELS / "written_out_heads.py"))
+    module = __import__(type(loaded.module).__module__, fromlist=["build_head_counted"])
+    with torch.device("meta"):
+        model = module.build_head_counted()
+    graph = trace_model(model, loaded.example_inputs(1, 32))
+    assert graph.tp_styles["blocks.*"]["attn.q"] == "colwise_heads:4,4"
+    assert "tp" not in graph.refused
