@@ -31,8 +31,10 @@ plain RMSNorm (checked on the module's own code); any other such norm is left un
 Left unsplit, with the reason recorded (`ModelGraph.tp_unsplit`), and then no block of the
 model is tensor-parallel (the sequence-sharded residual stream needs every block sharded):
 other fused layouts (a fused k/v beside a separate q: a ColwiseParallel row slice would mix
-the parts), and an `nn.MultiheadAttention` the runtime cannot split
-(mha_parallel.mha_split_problem).
+the parts), an `nn.MultiheadAttention` the runtime cannot split
+(mha_parallel.mha_split_problem), and an attention written out with matmuls whose heads are
+not read (folded into the batch, an einsum). One written out as q @ k^T and @ v on (batch,
+heads, seq, head_dim) stands for an SDPA (`_written_out_attention`).
 
 An `nn.MultiheadAttention` (q, k, v packed in `in_proj_weight`, attention and `out_proj`
 inside one call) is a column/row pair by itself: the runtime splits it by heads as one
@@ -69,6 +71,10 @@ _SHARED_ACROSS_HEADS = ("its output is broadcast to every head (as MLA's shared 
                         "latent are), so a head split would need it "
                         "computed whole with its gradient summed over the ranks, which autoplan's "
                         "runtime does not do yet; left unsplit")
+_UNREAD_HEADS = ("its attention is written out with matmuls whose heads autoplan does not read "
+                 "(heads folded into the batch, or an einsum), so a rank could run other heads "
+                 "than its share and train wrong; left unsplit (F.scaled_dot_product_attention, "
+                 "or q @ k^T on (batch, heads, seq, head_dim), is split by heads)")
 
 
 def _mha_pairs(block: nn.Module, ops: list[OpInfo]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -370,6 +376,13 @@ def _written_out_attention(region: set[str], by_name: dict, order: list[str]) ->
     return matmuls
 
 
+def _batched_matmuls(region: set[str], by_name: dict) -> bool:
+    """Whether `region` multiplies two tensors of 3 dims or more (an attention's per-head
+    matmuls), not an input by a weight."""
+    return any(by_name[n].kind == "matmul" and len(by_name[n].input_shapes) >= 2
+               and all(len(shape) >= 3 for shape in by_name[n].input_shapes[:2]) for n in region)
+
+
 def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
     """Column/row linear pairs of one block's ops (full op names), each marked "fused" when
     a column computes several parts (a fused qkv / kv / gate_up projection)."""
@@ -387,6 +400,11 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
         kind = "attention" if kinds & {"attention", "matmul"} else "mlp"
         attention = [by_name[n] for n in sorted(region, key=order.index)
                      if by_name[n].kind == "attention"] or _written_out_attention(region, by_name, order)
+        if not attention and _batched_matmuls(region, by_name):
+            pairs.append({"column": sorted(feeders, key=order.index), "row": op.name, "kind": kind,
+                          "fused": False, "attention": [], "norm_across_heads": [], "head_norms": [],
+                          "unread_heads": True})
+            continue
         across = sorted(n for n in norms if _fed_by_linear(n, by_name, inputs))
         if kind == "attention" and across:  # q/k normalised over all heads
             pairs.append(_across_heads_pair(op.name, across, by_name, inputs, users, order, attention)
@@ -488,6 +506,8 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
     reasons = [(module_of[c], _FUSED) for p in pairs if p["fused"] for c in p["column"]]
     reasons += [(module_of[n], _NORM_ACROSS_HEADS) for p in pairs for n in p.get("norm_across_heads", [])]
     reasons += [(module_of[n], _SHARED_ACROSS_HEADS) for p in pairs for n in p.get("shared_across_heads", [])]
+    reasons += [(_common_parent([module_of[n] for n in [*p["column"], p["row"]]]), _UNREAD_HEADS)
+                for p in pairs if p.get("unread_heads")]
     covered = {a.name for p in pairs for a in p["attention"]}
     reasons += [(op.module or op.name, "its attention is not between a column and a row linear "
                  "found in the data flow; left unsplit")
@@ -510,7 +530,8 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
     for pair in mha_pairs:
         _add_mha_facts(facts, pair)
     for pair in pairs:
-        if pair["fused"] or pair.get("norm_across_heads") or pair.get("shared_across_heads"):
+        if pair["fused"] or pair.get("norm_across_heads") or pair.get("shared_across_heads") \
+                or pair.get("unread_heads"):
             continue
         linears = [by_name[n] for n in pair["column"]] + [by_name[pair["row"]]]
         facts["tp_parameters"] += sum(op.parameters for op in linears)

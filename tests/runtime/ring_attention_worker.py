@@ -10,6 +10,7 @@ Rank 0 writes {"errors": {case: max abs error}, "sent": {case: {dtype: [messages
 what each case's forward and backward sent on this rank.
 """
 
+import gc
 import json
 import sys
 from collections import defaultdict
@@ -101,6 +102,7 @@ def main(results: str) -> None:
     if dist.get_rank() == 0:
         with open(results, "w") as f:
             json.dump({"errors": errors, "sent": SENT}, f)
+    gc.collect()  # free DTensor cycles before teardown (runtime/loop.py train)
     dist.barrier()  # nobody tears down while a peer still talks
     dist.destroy_process_group()
 

@@ -7,6 +7,7 @@ backpropagate the same output gradient; rank 0 writes {case: [output max abs dif
 weight-gradient max abs difference]}, the differences taken over every rank's shards.
 """
 
+import gc
 import json
 import sys
 
@@ -58,6 +59,7 @@ def main(results_path: str) -> None:
     if dist.get_rank() == 0:
         with open(results_path, "w") as f:
             json.dump(results, f)
+    gc.collect()  # free DTensor cycles before teardown (runtime/loop.py train)
     dist.barrier()  # nobody tears down while a peer still talks
     dist.destroy_process_group()
 

@@ -312,3 +312,17 @@ def test_attention_written_out_holding_its_head_count_is_split_by_heads():
     graph = trace_model(model, loaded.example_inputs(1, 32))
     assert graph.tp_styles["blocks.*"]["attn.q"] == "colwise_heads:4,4"
     assert "tp" not in graph.refused
+
+
+@pytest.mark.parametrize("builder", ["build_model", "build_einsum"])
+def test_attention_written_out_in_a_form_whose_heads_are_not_read_is_left_whole(builder):
+    # torch.bmm on heads folded into the batch, or an einsum: each rank could run all `n`
+    # heads at half their size without an error, so no block is split (tp is not offered)
+    loaded = load_model(str(MODELS / "folded_heads.py"))
+    module = __import__(type(loaded.module).__module__, fromlist=[builder])
+    with torch.device("meta"):
+        model = getattr(module, builder)()
+    graph = trace_model(model, loaded.example_inputs(1, 32))
+    assert graph.tensor_parallel == [] and graph.tp_styles == {}
+    assert [(u["module"], "heads folded into the batch, or an einsum" in u["reason"])
+            for u in graph.tp_unsplit] == [("attn", True)]
