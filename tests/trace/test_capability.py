@@ -314,11 +314,11 @@ def test_attention_written_out_holding_its_head_count_is_split_by_heads():
     assert "tp" not in graph.refused
 
 
-@pytest.mark.parametrize("builder", ["build_model", "build_einsum"])
+@pytest.mark.parametrize("builder", ["build_folded", "build_einsum"])
 def test_attention_written_out_in_a_form_whose_heads_are_not_read_is_left_whole(builder):
     # torch.bmm on heads folded into the batch, or an einsum: each rank could run all `n`
     # heads at half their size without an error, so no block is split (tp is not offered)
-    loaded = load_model(str(MODELS / "folded_heads.py"))
+    loaded = load_model(str(MODELS / "written_out_heads.py"))
     module = __import__(type(loaded.module).__module__, fromlist=[builder])
     with torch.device("meta"):
         model = getattr(module, builder)()

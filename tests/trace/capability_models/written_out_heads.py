@@ -1,7 +1,9 @@
 """Attention written out with matmuls (q @ k^T, softmax, @ v: no SDPA), viewing q/k/v as `n`
 heads (an attribute not named for heads) of whatever size is left: with q column-sharded
 every reshape still works, each rank running all `n` heads at half their size, and nothing
-fails. `HeadCounted` holds its count as `n_head`, which the runtime sets to the rank's."""
+fails. `HeadCounted` holds its count as `n_head`, which the runtime sets to the rank's.
+`Folded` (heads folded into the batch for torch.bmm) and `Einsum` are forms whose heads the
+trace does not read: left whole."""
 
 import torch
 import torch.nn as nn
@@ -34,6 +36,27 @@ class HeadCounted(Attention):
 
     def count(self) -> int:
         return self.n_head
+
+
+class Folded(Attention):
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.n, -1).transpose(1, 2).reshape(b * self.n, s, -1)
+                   for p in (self.q, self.k, self.v))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = (torch.bmm(q, k.transpose(1, 2)) * q.shape[-1] ** -0.5).masked_fill(~causal, float("-inf"))
+        out = torch.bmm(scores.softmax(-1), v).view(b, self.n, s, -1)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Einsum(Attention):
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.n, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+        out = torch.einsum("bhqk,bhkd->bhqd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
@@ -69,3 +92,11 @@ def build_model():
 
 def build_head_counted():
     return WrittenOut(HeadCounted)
+
+
+def build_folded():
+    return WrittenOut(Folded)
+
+
+def build_einsum():
+    return WrittenOut(Einsum)
