@@ -4,6 +4,7 @@ refuses the axes it cannot run, naming the module; the search and --fix obey it.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,15 @@ MODELS = Path(__file__).parent / "capability_models"
 PLAN = ["--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--seq-len", "32", "--json"]
 
 
-def _graph(name: str):
+def _graph(name: str, builder: str = ""):
+    """The traced model of a capability model file; `builder`: a build function of the file
+    other than its build_model."""
     loaded = load_model(str(MODELS / name))
-    return trace_model(loaded.module, loaded.example_inputs(1, 32))
+    model = loaded.module
+    if builder:
+        with torch.device("meta"):
+            model = getattr(sys.modules[type(model).__module__], builder)()
+    return trace_model(model, loaded.example_inputs(1, 32))
 
 
 def test_expert_parallelism_of_a_hand_written_loop_moe_is_offered():
@@ -305,11 +312,7 @@ def test_attention_written_out_with_matmuls_is_checked_for_its_share_of_the_head
 def test_attention_written_out_holding_its_head_count_is_split_by_heads():
     # the same attention holding its count as `n_head`: the runtime hands it the rank's
     # (tests/runtime/test_parity.py written_out_tp2_traced trains it)
-    loaded = load_model(str(MODELS / "written_out_heads.py"))
-    module = __import__(type(loaded.module).__module__, fromlist=["build_head_counted"])
-    with torch.device("meta"):
-        model = module.build_head_counted()
-    graph = trace_model(model, loaded.example_inputs(1, 32))
+    graph = _graph("written_out_heads.py", "build_head_counted")
     assert graph.tp_styles["blocks.*"]["attn.q"] == "colwise_heads:4,4"
     assert "tp" not in graph.refused
 
@@ -318,11 +321,7 @@ def test_attention_written_out_holding_its_head_count_is_split_by_heads():
 def test_attention_written_out_in_a_form_whose_heads_are_not_read_is_left_whole(builder):
     # torch.bmm on heads folded into the batch, or an einsum: each rank could run all `n`
     # heads at half their size without an error, so no block is split (tp is not offered)
-    loaded = load_model(str(MODELS / "written_out_heads.py"))
-    module = __import__(type(loaded.module).__module__, fromlist=[builder])
-    with torch.device("meta"):
-        model = getattr(module, builder)()
-    graph = trace_model(model, loaded.example_inputs(1, 32))
+    graph = _graph("written_out_heads.py", builder)
     assert graph.tensor_parallel == [] and graph.tp_styles == {}
     assert [(u["module"], "heads folded into the batch, or an einsum" in u["reason"])
             for u in graph.tp_unsplit] == [("attn", True)]
