@@ -449,6 +449,17 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
     return None
 
 
+def _settings(model: nn.Module) -> str:
+    """A Hugging Face model's configuration, whole: one class runs other code by its settings
+    (the attention implementation: eager attention adds a mask made for the whole sequence,
+    SDPA takes it as is)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return ""
+    fields = getattr(config, "__dict__", None)  # a user's model may hold any kind of `config`
+    return repr(sorted((k, repr(v)) for k, v in fields.items())) if isinstance(fields, dict) else repr(config)
+
+
 def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
                        kwargs: dict) -> dict[str, str | None]:
     """axis -> None (the runtime applies it) or the reason it does not, for each axis the
@@ -460,7 +471,8 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
     # parameters alone do not tell models apart (two files, or two classes of a submodule,
     # can differ only in forward code), and what the probe runs depends on how the model is called
     classes = tuple(sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
-    key = (graph.fingerprint, classes, len(args), tuple(sorted(kwargs)), graph.batch_size, graph.seq_len)
+    key = (graph.fingerprint, classes, _settings(model), len(args), tuple(sorted(kwargs)),
+           graph.batch_size, graph.seq_len)
     if key not in _CACHE:
         seq = _probe_seq(graph)
         args, kwargs = _shorter(args, graph.seq_len, seq), _shorter(kwargs, graph.seq_len, seq)

@@ -220,6 +220,24 @@ def test_t5_tensor_parallelism_is_probed_on_the_blocks_the_copy_keeps():
     assert "relative position bias" in graph.refused["cp"], graph.refused["cp"]
 
 
+def test_one_class_run_with_other_settings_is_probed_again():
+    # the same T5 classes and parameters, attention by SDPA or written out ("eager"): the
+    # eager one adds a mask made for the whole sequence to a rank's shard of the scores, so
+    # it cannot take SP; probed in one process, the second must not get the first's verdict
+    transformers = pytest.importorskip("transformers")
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    shardable = {}
+    for attention in ("sdpa", "eager"):
+        config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                       num_heads=4, use_cache=False)
+        config._attn_implementation = attention
+        with torch.device("meta"):
+            model = transformers.T5ForConditionalGeneration(config)
+        graph = trace_model(model, (ids,), example_kwargs={"decoder_input_ids": ids.clone()})
+        shardable[attention] = graph.sequence_shardable
+    assert shardable == {"sdpa": True, "eager": False}
+
+
 def test_context_parallel_refused_at_run_time_names_the_module(tmp_path):
     # ring attention refuses a masked SDPA when the forward calls it, in its own words;
     # the refusal names the module that called it
