@@ -217,11 +217,17 @@ class Trainer:
 
     def _note_dropout(self) -> None:
         count = sum(rng.dropout_layers(part) for part in self.par.parts)
-        if count and self.plan.tp > 1:
-            print(f"autoplan: {count} dropout layers on this rank under tp={self.plan.tp}: every rank "
-                  "draws from one seed, so the shards of one activation (a TP rank's heads, an SP "
-                  "rank's tokens) get the same mask pattern, and the losses differ from a run at "
-                  "another tp by the masks (README: Not guaranteed).", flush=True)
+        if not count or self.plan.tp == 1:
+            return
+        if self.plan.compile:
+            print(f"autoplan: {count} dropout layers on this rank under tp={self.plan.tp} and "
+                  "torch.compile: compiled blocks draw from one seed on every rank, so the shards of "
+                  "one activation (a TP rank's heads, an SP rank's tokens) get the same mask pattern "
+                  "(README: Not guaranteed).", flush=True)
+            return
+        print(f"autoplan: {count} dropout layers on this rank under tp={self.plan.tp}: masks over "
+              "this rank's shards come from a stream of its own, so the losses differ from a run at "
+              "another tp by the masks.", flush=True)
 
     # -- one step -----------------------------------------------------------------
     def _context(self):

@@ -5,7 +5,8 @@
                   also where two of them are on this rank (untie_on_one_rank).
      fp8        - torchao's Float8Linear for the blocks' linears when the plan is fp8, with the
                   plan's recipe and, at ZeRO-3, its float8 all-gather (float8.py).
-  2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage.
+  2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage; dropout
+                  on a rank's heads or columns draws from the rank's own stream (rng.py).
   3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
                   experts sharded over the ep axis.
   4. recompute  - checkpoint wrappers per block (after TP so the wrapped code is the TP code).
@@ -140,7 +141,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
         # 2. Tensor (+ sequence) parallelism.
         if plan.tp > 1:
             result.tp_token_local += apply_tensor_parallel(part, plan.tp_styles, mesh.axis("tp"),
-                                                           plan.sequence_parallel)
+                                                           plan.sequence_parallel,
+                                                           dropout_streams=not plan.compile)
         # 3. Context and expert parallelism.
         if plan.cp > 1:
             apply_context_parallel(part, plan.cp_modules, plan.cp_buffers, mesh.group("cp"),

@@ -7,9 +7,11 @@ device's generator (when CUDA is present) and Python's `random` (user models may
 Stored as JSON, not pickle: loading a checkpoint must never run code.
 
 Every rank seeds one stream, so a dropout mask on an activation every rank holds whole is the
-same on each, as it must be; but ranks that hold shards of one activation (a TP rank's heads,
-an SP rank's tokens) draw the same pattern for their own shard. `dropout_layers` counts what
-draws such masks, so the job can say so.
+same on each, as it must be: replicas that drew different masks would compute different
+gradients for one replicated weight. Ranks that hold shards of one activation (a TP rank's
+heads or columns) draw their masks from a stream of their own (`ShardDropouts`), as
+Megatron-LM's model-parallel RNG tracker does, derived from the shared stream so that
+nothing more needs saving and checkpointed recomputation draws the same masks again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import random
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 
 def _encode(state: torch.Tensor) -> str:
@@ -51,3 +56,117 @@ def dropout_layers(model: nn.Module) -> int:
     return sum(1 for module in model.modules()
                if (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
                or (isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0))
+
+
+# The calls that draw an element-wise mask over their input (or, for attention, over its
+# probabilities). Other random ops (a drop-path's per-sample draw, router jitter) keep the
+# shared stream: their shapes need not follow the shard.
+_MASK_DRAWS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                         F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
+                         torch.feature_dropout, torch.feature_alpha_dropout})
+_ATTENTION = F.scaled_dot_product_attention
+_MIX = 0x9E3779B97F4A7C15  # a 64-bit odd constant (golden ratio): rank seeds spread apart
+
+
+def _draws_mask(func, args, kwargs) -> bool:
+    if func in _MASK_DRAWS:
+        return True
+    if func is _ATTENTION:
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return p > 0
+    return False
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None
+                                             else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _advance(gen: torch.Generator, device: torch.device) -> int:
+    """A number drawn from the shared stream, which moves on alike on every rank. On CUDA the
+    Philox offset is moved by hand: a tensor draw would wait for the device to read it."""
+    if device.type == "cuda":
+        offset = gen.get_offset()
+        gen.set_offset(offset + 4)  # Philox offsets advance in fours
+        return gen.initial_seed() * 1_000_003 + offset
+    return int(torch.randint(2**62, (1,), generator=gen))
+
+
+def _first_tensor(values) -> torch.Tensor | None:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+class ShardDropouts(TorchFunctionMode):
+    """While active, every dropout call (and an attention kernel's dropout) draws its mask
+    from this tp rank's stream: a seed mixed from a number the shared stream yields, the
+    same on every rank, and the rank. The shared stream moves on by that one draw on every
+    rank alike, and the mask is a pure function of the shared stream's state, so
+    torch.utils.checkpoint (which restores that state before recomputing) draws it again."""
+
+    def __init__(self, tp_rank: int) -> None:
+        super().__init__()
+        self.tp_rank = tp_rank
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = _first_tensor(args)
+        # a DTensor's random ops follow its placements (DTensor's own RNG tracker on CUDA)
+        if not _draws_mask(func, args, kwargs) or tensor is None or isinstance(tensor, DTensor):
+            return func(*args, **kwargs)
+        device = tensor.device
+        gen = _generator(device)
+        key = _advance(gen, device)
+        shared = gen.get_state()
+        gen.manual_seed((key * _MIX + self.tp_rank + 1) % 2**63)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            gen.set_state(shared)
+
+
+class ShardRegions:
+    """Opens `ShardDropouts` where this rank's activations are its own shard and closes it
+    where they are whole again, from module hooks (tensor_parallel.py places them). Nothing
+    happens on meta or fake tensors: the plan-time probe and the dry run draw no masks.
+
+    A region is open while its mode is on torch's function-mode stack, which is what the
+    hooks test, not a flag: checkpointing stops a recomputation as soon as it has what
+    backward needs (torch.utils.checkpoint's early stop), so a region opened there is never
+    closed by its hook; the autograd engine restores the stack after that node."""
+
+    def __init__(self, tp_rank: int) -> None:
+        self.tp_rank = tp_rank
+        self.mode = ShardDropouts(tp_rank)
+
+    def open(self, output) -> None:
+        tensor = _first_tensor(output if isinstance(output, (tuple, list)) else (output,))
+        if tensor is None or not _real(tensor) or _stack_index(self.mode) is not None:
+            return
+        self.mode.__enter__()
+
+    def close(self) -> None:
+        index = _stack_index(self.mode)
+        if index is None:
+            return
+        if index != torch._C._len_torch_function_stack() - 1:
+            raise RuntimeError("autoplan: a torch function mode entered inside a tensor-parallel "
+                               "region is still active at its end; the dropout streams cannot close")
+        self.mode.__exit__(None, None, None)
+
+
+def _stack_index(mode: TorchFunctionMode) -> int | None:
+    for index in range(torch._C._len_torch_function_stack()):
+        if torch._C._get_function_stack_at(index) is mode:
+            return index
+    return None
+
+
+def _real(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.device.type != "meta" and not is_fake(tensor)

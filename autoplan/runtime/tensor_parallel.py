@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module applies)
 from autoplan.errors import UserError
+from autoplan.runtime import rng
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.inline_colwise import InlineColwiseParallel
@@ -256,7 +257,7 @@ def expand_tp_styles(table: dict[str, dict[str, str]], module_names) -> dict[str
 
 
 def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp_mesh: DeviceMesh,
-                          sequence_parallel: bool) -> list[nn.Module]:
+                          sequence_parallel: bool, dropout_streams: bool = True) -> list[nn.Module]:
     """parallelize_module with every style of the plan that exists in this (stage) module.
 
     MoE layers marked "prepare_input" are token-wise, so with SP they simply run on this
@@ -264,9 +265,12 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
     weights stay plain replicas whose gradients cover only the local tokens, as do those of
     the "replicated" down-projections of a latent attention (their gradients come from this
     rank's heads only): the returned modules need their gradients summed over the tp group
-    after backward."""
+    after backward.
+
+    `dropout_streams`: dropout on a rank's heads or columns draws from the rank's own stream
+    (rng.ShardDropouts); off under torch.compile, whose graphs draw their own seeds."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    plan, token_local = {}, []
+    plan, names, token_local = {}, {}, []
     styled: dict[int, tuple[str, str]] = {}  # a module used at several paths is styled once
     for path, name in expand_tp_styles(table, modules).items():
         if path not in modules or isinstance(modules[path], StageGap):
@@ -289,13 +293,62 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         style = style_for(name, sequence_parallel)
         if style is not None:
             plan[path] = for_module(style, modules[path])
+            names[path] = name
     if plan:
         groups = tied_groups(model)
         parallelize_module(model, tp_mesh, plan)
         retie(model, groups, "tensor parallelism")
     _localise_attention(modules, plan, tp_mesh.size())
     _shard_global_attention_tables(modules, plan, tp_mesh)
+    if dropout_streams and rng.dropout_layers(model):
+        _mark_shard_regions(model, modules, table, names, sequence_parallel,
+                            rng.ShardRegions(tp_mesh.get_local_rank()))
     return token_local
+
+
+# Styles after whose output a rank holds its own heads or columns, until the row-parallel
+# linear that sums them. Left out: MLA's up-projections (their module also computes the
+# latent every rank holds whole) and the attention run on DTensors (global_attention.py).
+_SHARD_OPENERS = ("colwise", "colwise_qkv", "colwise_gate_up", KV_STYLE, "colwise_heads")
+
+
+def _mark_shard_regions(model: nn.Module, modules: dict[str, nn.Module], table: dict[str, dict[str, str]],
+                        names: dict[str, str], sequence_parallel: bool, regions: rng.ShardRegions) -> None:
+    """Hooks that open the rank's dropout stream where its activations are its own shard and
+    close it where they are whole again.
+
+    Under SP a block holds nothing whole but DTensors (the gathered inputs of its column
+    linears, which keep DTensor's own random streams): the region is each block, and the
+    embedding's output (the rank's tokens) up to the first block. Without SP it runs from a
+    column-parallel linear's output to the row-parallel linear that sums the shards, or the
+    end of the module holding them, whichever comes first; a head-split
+    nn.MultiheadAttention throughout. The model's end closes any region left open."""
+    model.register_forward_hook(lambda m, args, out: regions.close())
+    blocks = [path for path in expand_tp_styles({scope: {"": "block"} for scope in table if scope}, modules)
+              if path in modules] if sequence_parallel else []
+    if blocks:  # a plan naming its blocks (a flat table names none: the pairs below)
+        for path in blocks:
+            modules[path].register_forward_pre_hook(
+                lambda m, args, kwargs: regions.open((*args, *kwargs.values())), with_kwargs=True)
+            modules[path].register_forward_hook(lambda m, args, out: regions.close())
+        for path, name in names.items():
+            if name == "vocab_embedding":
+                modules[path].register_forward_hook(lambda m, args, out: regions.open(out))
+        return
+    parents = set()
+    for path, name in names.items():
+        module, kind = modules[path], name.partition(":")[0]
+        if kind == MHA_STYLE:
+            module.register_forward_pre_hook(lambda m, args, kwargs: regions.open((*args, *kwargs.values())),
+                                             with_kwargs=True)
+            module.register_forward_hook(lambda m, args, out: regions.close())
+        elif kind in _SHARD_OPENERS:
+            module.register_forward_hook(lambda m, args, out: regions.open(out))
+            parents.add(path.rpartition(".")[0])
+        elif kind == "rowwise":
+            module.register_forward_pre_hook(lambda m, args: regions.close())
+    for parent in parents:
+        modules[parent].register_forward_hook(lambda m, args, out: regions.close())
 
 
 def _localise_attention(modules: dict[str, nn.Module], plan: dict[str, ParallelStyle], tp: int) -> None:

@@ -98,6 +98,16 @@ CONFIGS = {
               {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": LAYERS, "num_heads": 4,
                "vocab_size": 256, "dropout_rate": 0.0, "use_cache": False,
                "attn_implementation": "sdpa"}),
+    # their stock dropouts (0.1): on attention probabilities (GPT-2's in its SDPA call) and
+    # between T5's MLP column and row linears, which TP shards, and on the residual, which it
+    # does not (a sequence shard under SP)
+    "hf_gpt2_dropout": ("GPT2Config", "GPT2LMHeadModel",
+                        {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
+                         "use_cache": False, "bos_token_id": 0, "eos_token_id": 0,
+                         "attn_implementation": "sdpa"}),
+    "hf_t5_dropout": ("T5Config", "T5ForConditionalGeneration",
+                      {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": LAYERS, "num_heads": 4,
+                       "vocab_size": 256, "use_cache": False, "attn_implementation": "eager"}),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
@@ -107,7 +117,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_gpt2": "transformer.h", "hf_gptj": "transformer.h",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",
                "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers",
-               "hf_persimmon": "model.layers", "hf_opt": "model.decoder.layers"}
+               "hf_persimmon": "model.layers", "hf_opt": "model.decoder.layers",
+               "hf_gpt2_dropout": "transformer.h", "hf_t5_dropout": "encoder.block"}
 
 
 def build(kind: str, **overrides):

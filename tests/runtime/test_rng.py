@@ -1,0 +1,107 @@
+"""Dropout streams under tensor parallelism (runtime/rng.py ShardDropouts, and the regions
+tensor_parallel.py opens them in).
+
+A TP rank's heads or columns must get a mask of their own, not the same pattern as the other
+ranks' shards; an activation every rank holds whole must get the same mask on every rank,
+or the replicas of one weight compute different gradients; and recomputation must draw the
+masks of the forward again."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from autoplan.runtime.rng import ShardDropouts
+import hf_models
+from runtime_models import traced_plan_dict
+
+
+def _draws(tp_rank: int, seed: int = 7) -> dict[str, torch.Tensor]:
+    """What one rank draws inside and after ShardDropouts, from the shared seed."""
+    torch.manual_seed(seed)
+    x = torch.ones(4, 64)
+    q = torch.randn(1, 2, 8, 4)
+    with ShardDropouts(tp_rank):
+        dropped = F.dropout(x, 0.5)
+        attention = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+        no_dropout = F.scaled_dot_product_attention(q, q, q)
+        other = torch.rand(4)  # not a mask over the shard: the shared stream
+    return {"dropout": dropped, "attention": attention, "no_dropout": no_dropout, "other": other,
+            "after": torch.rand(16)}
+
+
+def test_each_tp_rank_draws_its_own_mask_and_the_shared_stream_moves_on_alike():
+    rank0, rank1, again = _draws(0), _draws(1), _draws(0)
+    assert not torch.equal(rank0["dropout"], rank1["dropout"])
+    assert not torch.equal(rank0["attention"], rank1["attention"])
+    for name in ("no_dropout", "other", "after"):
+        assert torch.equal(rank0[name], rank1[name]), name
+    # the same shared state draws the same masks again (what recomputation relies on)
+    assert all(torch.equal(rank0[name], again[name]) for name in rank0)
+    # a mask is 0 or 1/(1-p) everywhere: the rank's stream is an ordinary dropout
+    assert set(rank0["dropout"].unique().tolist()) == {0.0, 2.0}
+
+
+def test_outside_the_mode_dropout_keeps_the_shared_stream():
+    torch.manual_seed(7)
+    plain = F.dropout(torch.ones(4, 64), 0.5)
+    assert torch.equal(plain, _plain_again())
+
+
+def _plain_again() -> torch.Tensor:
+    torch.manual_seed(7)
+    return F.dropout(torch.ones(4, 64), 0.5)
+
+
+CASES = {  # name: (kind, plan overrides, dropouts that must differ / match over the tp ranks)
+    "gpt2_sp": ("hf_gpt2_dropout", {"sequence_parallel": True},
+                {"differ": ["transformer.drop", "transformer.h.0.attn.resid_dropout",
+                            "transformer.h.1.mlp.dropout"], "match": []}),
+    "gpt2_no_sp": ("hf_gpt2_dropout", {"sequence_parallel": False},
+                   {"differ": [], "match": ["transformer.drop", "transformer.h.0.attn.resid_dropout",
+                                            "transformer.h.1.mlp.dropout"]}),
+    "t5": ("hf_t5_dropout", {}, {"differ": ["encoder.block.0.layer.1.DenseReluDense.dropout",
+                                            "decoder.block.1.layer.2.DenseReluDense.dropout"],
+                                 "match": ["encoder.dropout", "encoder.block.0.layer.1.dropout",
+                                           "decoder.block.1.layer.0.dropout"]}),
+}
+
+
+def test_tp_ranks_draw_their_own_masks_on_shards_and_replicas_stay_identical(torchrun, tmp_path):
+    """Real transformers GPT-2 and T5 with their stock 0.1 dropouts at tp=2, 3 steps each: the
+    masks over a rank's columns (T5's MLP) or tokens (GPT-2 under SP, after the row-parallel
+    linear) differ between the ranks, those over whole activations are the same, every
+    replicated weight is bitwise the same on both ranks after training, and recomputing every
+    block trains to the same losses (the masks are drawn again, not anew; checkpointing's
+    early stop leaves a region's closing hook unrun)."""
+    configs = []
+    for name, (kind, over, masks) in CASES.items():
+        plan = traced_plan_dict(kind, tp=2)
+        plan.update(over)
+        configs.append({"name": name, "kind": kind, "plan": plan, "masks": masks})
+    for config, blocks in ((configs[0], hf_models.blocks("hf_gpt2_dropout")), (configs[-1], _t5_blocks())):
+        configs.append(dict(config, name=f"{config['name']}_recompute",
+                            plan=dict(config["plan"], recompute={b: "full" for b in blocks})))
+    (tmp_path / "configs.json").write_text(json.dumps(configs))
+    proc = torchrun("dropout_worker.py", 2, tmp_path / "configs.json", tmp_path / "out.json", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    for config in configs:
+        result = got[config["name"]]
+        assert result["replica_spread"] == 0.0, (config["name"], result["replica_spread"])
+        for module in config["masks"]["differ"]:
+            assert result["same_mask"][module] is False, (config["name"], module)
+        for module in config["masks"]["match"]:
+            assert result["same_mask"][module] is True, (config["name"], module)
+        assert all(math.isfinite(loss) for loss in result["losses"]), config["name"]
+    # same masks, same arithmetic: recomputation changes no loss beyond float reassociation
+    for name in ("gpt2_sp", "t5"):
+        plain, again = got[name]["losses"], got[f"{name}_recompute"]["losses"]
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(plain, again)), (name, plain, again)
+
+
+def _t5_blocks() -> list[str]:
+    return [f"{side}.block.{i}" for side in ("encoder", "decoder") for i in range(2)]
