@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -19,22 +20,27 @@ import hf_models
 from runtime_models import traced_plan_dict
 
 
-def _draws(tp_rank: int, seed: int = 7) -> dict[str, torch.Tensor]:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device"))]
+
+
+def _draws(tp_rank: int, device: str, seed: int = 7) -> dict[str, torch.Tensor]:
     """What one rank draws inside and after ShardDropouts, from the shared seed."""
     torch.manual_seed(seed)
-    x = torch.ones(4, 64)
-    q = torch.randn(1, 2, 8, 4)
+    x = torch.ones(4, 64, device=device)
+    q = torch.randn(1, 2, 8, 4, device=device)
     with ShardDropouts(tp_rank):
         dropped = F.dropout(x, 0.5)
         attention = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
         no_dropout = F.scaled_dot_product_attention(q, q, q)
-        other = torch.rand(4)  # not a mask over the shard: the shared stream
+        other = torch.rand(4, device=device)  # not a mask over the shard: the shared stream
     return {"dropout": dropped, "attention": attention, "no_dropout": no_dropout, "other": other,
-            "after": torch.rand(16)}
+            "after": torch.rand(16, device=device)}
 
 
-def test_each_tp_rank_draws_its_own_mask_and_the_shared_stream_moves_on_alike():
-    rank0, rank1, again = _draws(0), _draws(1), _draws(0)
+@pytest.mark.parametrize("device", DEVICES)  # CUDA moves its Philox offset instead of drawing
+def test_each_tp_rank_draws_its_own_mask_and_the_shared_stream_moves_on_alike(device):
+    rank0, rank1, again = _draws(0, device), _draws(1, device), _draws(0, device)
     assert not torch.equal(rank0["dropout"], rank1["dropout"])
     assert not torch.equal(rank0["attention"], rank1["attention"])
     for name in ("no_dropout", "other", "after"):
