@@ -82,6 +82,10 @@ def main() -> None:
             Path(sys.argv[3]).mkdir(parents=True, exist_ok=True)
             torch.save(state, Path(sys.argv[3]) / f"{config['name']}.pt")
             json.dump(results, open(sys.argv[2], "w"))
+        # the plan's FSDP/DTensor cycles go now, not in a later plan's collectives: a fresh
+        # clone's run once died of heap corruption inside the next plan's first all-reduce
+        del trainer, state
+        gc.collect()
     gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py train)
     dist.barrier()  # nobody tears down while a peer still talks
     dist.destroy_process_group()
