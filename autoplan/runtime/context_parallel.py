@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoplan.errors import UserError
+from autoplan.runtime import rng
 from autoplan.runtime.data import zigzag_positions
 from autoplan.runtime.model_io import without_fake_causal_mask
 
@@ -354,3 +355,21 @@ def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: 
             continue  # on another pipeline stage
         rows = owner._buffers[name][:seq_len].index_select(dim, positions.to(owner._buffers[name].device))
         owner._buffers[name] = rows.contiguous()
+
+
+def mark_sequence_shards(model: nn.Module, blocks: list[str], cp_rank: int) -> None:
+    """Every activation of this rank is its part of the sequence: dropout draws its masks
+    from the rank's own stream (rng.ShardDropouts) through the forward, and through each
+    block recomputed in backward (opened there, it ends with the backward: the autograd
+    engine restores torch's function-mode stack). Random ops that are not a mask over an
+    activation (a drop-path's per-sample draw) keep the shared stream: a sample's parts on
+    the ranks must agree on them."""
+    if not rng.dropout_layers(model):
+        return
+    regions = rng.ShardRegions(cp_rank)
+    modules = dict(model.named_modules())
+    for module in [model] + [modules[path] for path in blocks if path in modules]:
+        # before tensor parallelism's hooks: its regions open inside this one
+        module.register_forward_pre_hook(lambda m, args, kwargs: regions.open((*args, *kwargs.values())),
+                                         with_kwargs=True, prepend=True)
+    model.register_forward_hook(lambda m, args, out: regions.close())

@@ -217,17 +217,18 @@ class Trainer:
 
     def _note_dropout(self) -> None:
         count = sum(rng.dropout_layers(part) for part in self.par.parts)
-        if not count or self.plan.tp == 1:
+        plan = self.plan
+        if not count or plan.tp * plan.cp == 1:
             return
-        if self.plan.compile:
-            print(f"autoplan: {count} dropout layers on this rank under tp={self.plan.tp} and "
-                  "torch.compile: compiled blocks draw from one seed on every rank, so the shards of "
-                  "one activation (a TP rank's heads, an SP rank's tokens) get the same mask pattern "
-                  "(README: Not guaranteed).", flush=True)
+        where = f"tp={plan.tp}" if plan.cp == 1 else f"cp={plan.cp}" if plan.tp == 1 else f"tp={plan.tp}, cp={plan.cp}"
+        if plan.compile:
+            print(f"autoplan: {count} dropout layers on this rank under {where} and torch.compile: "
+                  "compiled blocks draw from one seed on every rank, so the ranks' parts of one "
+                  "activation get the same mask pattern (README: Not guaranteed).", flush=True)
             return
-        print(f"autoplan: {count} dropout layers on this rank under tp={self.plan.tp}: masks over "
-              "this rank's shards come from a stream of its own, so the losses differ from a run at "
-              "another tp by the masks.", flush=True)
+        print(f"autoplan: {count} dropout layers on this rank under {where}: masks over this "
+              "rank's own part of an activation come from a stream of its own, so the losses "
+              "differ from a run with other degrees by the masks.", flush=True)
 
     # -- one step -----------------------------------------------------------------
     def _context(self):

@@ -6,8 +6,9 @@
      fp8        - torchao's Float8Linear for the blocks' linears when the plan is fp8, with the
                   plan's recipe and, at ZeRO-3, its float8 all-gather (float8.py).
   2. TP / SP    - DTensor parallelize_module with the plan's style table, per stage; dropout
-                  on a rank's heads or columns draws from the rank's own stream (rng.py).
-  3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows;
+                  on a rank's shards draws from the rank's own stream (rng.py).
+  3. CP / EP    - ring attention inside the attention modules + this rank's RoPE rows, and
+                  dropout over the rank's part of the sequence from its own stream;
                   experts sharded over the ep axis.
   4. recompute  - checkpoint wrappers per block (after TP so the wrapped code is the TP code).
      compile    - torch.compile per block when the plan says so (compiling.py).
@@ -33,7 +34,7 @@ from autoplan.runtime import data_parallel as dp_mod
 from autoplan.runtime.batch_norm import sync_batch_norms
 from autoplan.runtime.compiling import apply_compile
 from autoplan.runtime.float8 import apply_float8, gather_float8_as_bytes
-from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module
+from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module, mark_sequence_shards
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
 from autoplan.runtime.data import zigzag_positions
@@ -140,13 +141,15 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
                          keep=local_input_linears(part, plan) if plan.tp > 1 else frozenset())
         # 2. Tensor (+ sequence) parallelism.
         if plan.tp > 1:
-            result.tp_token_local += apply_tensor_parallel(part, plan.tp_styles, mesh.axis("tp"),
-                                                           plan.sequence_parallel,
-                                                           dropout_streams=not plan.compile)
+            result.tp_token_local += apply_tensor_parallel(
+                part, plan.tp_styles, mesh.axis("tp"), plan.sequence_parallel,
+                dropout_shard=None if plan.compile else mesh.axis("tp").get_local_rank())
         # 3. Context and expert parallelism.
         if plan.cp > 1:
             apply_context_parallel(part, plan.cp_modules, plan.cp_buffers, mesh.group("cp"),
                                    plan.seq_len)
+            if not plan.compile:
+                mark_sequence_shards(part, list(plan.blocks), mesh.cp_rank)
         if plan.ep > 1:
             experts = apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)
             result.expert_modules += experts

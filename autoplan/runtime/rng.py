@@ -9,8 +9,8 @@ Stored as JSON, not pickle: loading a checkpoint must never run code.
 Every rank seeds one stream, so a dropout mask on an activation every rank holds whole is the
 same on each, as it must be: replicas that drew different masks would compute different
 gradients for one replicated weight. Ranks that hold shards of one activation (a TP rank's
-heads or columns) draw their masks from a stream of their own (`ShardDropouts`), as
-Megatron-LM's model-parallel RNG tracker does, derived from the shared stream so that
+heads or columns, a CP rank's part of the sequence) draw their masks from a stream of their
+own (`ShardDropouts`), as Megatron-LM's model-parallel RNG tracker does for TP, derived from the shared stream so that
 nothing more needs saving and checkpointed recomputation draws the same masks again.
 """
 
@@ -64,7 +64,7 @@ def dropout_layers(model: nn.Module) -> int:
 _MASK_DRAWS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                          F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
                          torch.feature_dropout, torch.feature_alpha_dropout})
-_ATTENTION = F.scaled_dot_product_attention
+_ATTENTION = torch._C._nn.scaled_dot_product_attention  # F.scaled_dot_product_attention, whoever rebinds that name
 _MIX = 0x9E3779B97F4A7C15  # a 64-bit odd constant (golden ratio): rank seeds spread apart
 
 
@@ -103,14 +103,18 @@ def _first_tensor(values) -> torch.Tensor | None:
 
 class ShardDropouts(TorchFunctionMode):
     """While active, every dropout call (and an attention kernel's dropout) draws its mask
-    from this tp rank's stream: a seed mixed from a number the shared stream yields, the
-    same on every rank, and the rank. The shared stream moves on by that one draw on every
-    rank alike, and the mask is a pure function of the shared stream's state, so
-    torch.utils.checkpoint (which restores that state before recomputing) draws it again."""
+    from this rank's stream: a seed mixed from a number the shared stream yields, the same
+    on every rank, and `shard`, the index of the part of the activation the rank holds
+    (ranks holding the same part share it). The shared stream moves on by that one draw on
+    every rank alike, and the mask is a pure function of the shared stream's state, so
+    torch.utils.checkpoint (which restores that state before recomputing) draws it again.
+    Modes nest: inside a TP region under CP, the dropout call this mode makes reaches the CP
+    region's mode below it, which forks again from this rank's stream, so the mask depends
+    on both ranks."""
 
-    def __init__(self, tp_rank: int) -> None:
+    def __init__(self, shard: int) -> None:
         super().__init__()
-        self.tp_rank = tp_rank
+        self.shard = shard
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -122,7 +126,7 @@ class ShardDropouts(TorchFunctionMode):
         gen = _generator(device)
         key = _advance(gen, device)
         shared = gen.get_state()
-        gen.manual_seed((key * _MIX + self.tp_rank + 1) % 2**63)
+        gen.manual_seed((key * _MIX + self.shard + 1) % 2**63)
         try:
             return func(*args, **kwargs)
         finally:
@@ -131,17 +135,17 @@ class ShardDropouts(TorchFunctionMode):
 
 class ShardRegions:
     """Opens `ShardDropouts` where this rank's activations are its own shard and closes it
-    where they are whole again, from module hooks (tensor_parallel.py places them). Nothing
+    where they are whole again, from module hooks (tensor_parallel.py and context_parallel.py
+    place them). Nothing
     happens on meta or fake tensors: the plan-time probe and the dry run draw no masks.
 
     A region is open while its mode is on torch's function-mode stack, which is what the
     hooks test, not a flag: checkpointing stops a recomputation as soon as it has what
     backward needs (torch.utils.checkpoint's early stop), so a region opened there is never
-    closed by its hook; the autograd engine restores the stack after that node."""
+    closed by its hook; the autograd engine restores the stack when backward ends."""
 
-    def __init__(self, tp_rank: int) -> None:
-        self.tp_rank = tp_rank
-        self.mode = ShardDropouts(tp_rank)
+    def __init__(self, shard: int) -> None:
+        self.mode = ShardDropouts(shard)
 
     def open(self, output) -> None:
         tensor = _first_tensor(output if isinstance(output, (tuple, list)) else (output,))
@@ -154,8 +158,8 @@ class ShardRegions:
         if index is None:
             return
         if index != torch._C._len_torch_function_stack() - 1:
-            raise RuntimeError("autoplan: a torch function mode entered inside a tensor-parallel "
-                               "region is still active at its end; the dropout streams cannot close")
+            raise RuntimeError("autoplan: a torch function mode entered inside a sharded region "
+                               "is still active at its end; the dropout streams cannot close")
         self.mode.__exit__(None, None, None)
 
 

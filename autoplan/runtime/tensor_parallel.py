@@ -257,7 +257,7 @@ def expand_tp_styles(table: dict[str, dict[str, str]], module_names) -> dict[str
 
 
 def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp_mesh: DeviceMesh,
-                          sequence_parallel: bool, dropout_streams: bool = True) -> list[nn.Module]:
+                          sequence_parallel: bool, dropout_shard: int | None = None) -> list[nn.Module]:
     """parallelize_module with every style of the plan that exists in this (stage) module.
 
     MoE layers marked "prepare_input" are token-wise, so with SP they simply run on this
@@ -267,8 +267,9 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
     rank's heads only): the returned modules need their gradients summed over the tp group
     after backward.
 
-    `dropout_streams`: dropout on a rank's heads or columns draws from the rank's own stream
-    (rng.ShardDropouts); off under torch.compile, whose graphs draw their own seeds."""
+    `dropout_shard`: where given, dropout on the rank's heads or columns draws from the
+    rank's own stream (rng.ShardDropouts), this index telling it apart from every other
+    rank's shards."""
     modules = dict(model.named_modules(remove_duplicate=False))
     plan, names, token_local = {}, {}, []
     styled: dict[int, tuple[str, str]] = {}  # a module used at several paths is styled once
@@ -300,9 +301,8 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         retie(model, groups, "tensor parallelism")
     _localise_attention(modules, plan, tp_mesh.size())
     _shard_global_attention_tables(modules, plan, tp_mesh)
-    if dropout_streams and rng.dropout_layers(model):
-        _mark_shard_regions(model, modules, table, names, sequence_parallel,
-                            rng.ShardRegions(tp_mesh.get_local_rank()))
+    if dropout_shard is not None and rng.dropout_layers(model):
+        _mark_shard_regions(model, modules, table, names, sequence_parallel, rng.ShardRegions(dropout_shard))
     return token_local
 
 

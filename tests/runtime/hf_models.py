@@ -105,6 +105,15 @@ CONFIGS = {
                         {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
                          "use_cache": False, "bos_token_id": 0, "eos_token_id": 0,
                          "attn_implementation": "sdpa"}),
+    # context parallelism refuses dropout inside attention: the residual's and embedding's
+    "hf_gpt2_dropout_cp": ("GPT2Config", "GPT2LMHeadModel",
+                           {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
+                            "attn_pdrop": 0.0, "use_cache": False, "bos_token_id": 0, "eos_token_id": 0,
+                            "attn_implementation": "sdpa"}),
+    "hf_bert_dropout": ("BertConfig", "BertForMaskedLM",
+                        {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+                         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
+                         "attention_probs_dropout_prob": 0.0, "attn_implementation": "sdpa"}),
     "hf_t5_dropout": ("T5Config", "T5ForConditionalGeneration",
                       {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": LAYERS, "num_heads": 4,
                        "vocab_size": 256, "use_cache": False, "attn_implementation": "eager"}),
@@ -118,7 +127,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_bert": "bert.encoder.layer", "hf_t5": "encoder.block", "hf_mamba": "backbone.layers",
                "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers",
                "hf_persimmon": "model.layers", "hf_opt": "model.decoder.layers",
-               "hf_gpt2_dropout": "transformer.h", "hf_t5_dropout": "encoder.block"}
+               "hf_gpt2_dropout": "transformer.h", "hf_gpt2_dropout_cp": "transformer.h",
+               "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block"}
 
 
 def build(kind: str, **overrides):
@@ -138,7 +148,8 @@ def blocks(kind: str) -> list[str]:
 
 
 def attention_modules(kind: str) -> list[str]:
-    name = {"hf_gpt2": "attn", "hf_gptj": "attn", "hf_bert": "attention.self"}.get(kind, "self_attn")
+    name = {"hf_gpt2": "attn", "hf_gpt2_dropout_cp": "attn", "hf_gptj": "attn",
+            "hf_bert": "attention.self", "hf_bert_dropout": "attention.self"}.get(kind, "self_attn")
     return [f"{block}.{name}" for block in blocks(kind)]
 
 

@@ -62,49 +62,60 @@ def _plain_again() -> torch.Tensor:
     return F.dropout(torch.ones(4, 64), 0.5)
 
 
-CASES = {  # name: (kind, plan overrides, dropouts that must differ / match over the tp ranks)
-    "gpt2_sp": ("hf_gpt2_dropout", {"sequence_parallel": True},
-                {"differ": ["transformer.drop", "transformer.h.0.attn.resid_dropout",
-                            "transformer.h.1.mlp.dropout"], "match": []}),
-    "gpt2_no_sp": ("hf_gpt2_dropout", {"sequence_parallel": False},
-                   {"differ": [], "match": ["transformer.drop", "transformer.h.0.attn.resid_dropout",
-                                            "transformer.h.1.mlp.dropout"]}),
-    "t5": ("hf_t5_dropout", {}, {"differ": ["encoder.block.0.layer.1.DenseReluDense.dropout",
-                                            "decoder.block.1.layer.2.DenseReluDense.dropout"],
-                                 "match": ["encoder.dropout", "encoder.block.0.layer.1.dropout",
-                                           "decoder.block.1.layer.0.dropout"]}),
+DIFFER, MATCH = 2, 1  # distinct masks over the two ranks of a 2-rank case
+GPT2_SP_MASKS = ["transformer.drop", "transformer.h.0.attn.resid_dropout", "transformer.h.1.mlp.dropout"]
+BERT_MASKS = ["bert.embeddings.dropout", "bert.encoder.layer.0.attention.output.dropout",
+              "bert.encoder.layer.1.output.dropout"]
+CASES = {  # world: {name: (kind, plan overrides, distinct masks over the ranks, per nn.Dropout)}
+    2: {"gpt2_sp": ("hf_gpt2_dropout", {"tp": 2, "sequence_parallel": True},
+                    dict.fromkeys(GPT2_SP_MASKS, DIFFER)),
+        "gpt2_no_sp": ("hf_gpt2_dropout", {"tp": 2, "sequence_parallel": False},
+                       dict.fromkeys(GPT2_SP_MASKS, MATCH)),
+        "t5": ("hf_t5_dropout", {"tp": 2},
+               {"encoder.block.0.layer.1.DenseReluDense.dropout": DIFFER,
+                "decoder.block.1.layer.2.DenseReluDense.dropout": DIFFER,
+                "encoder.dropout": MATCH, "encoder.block.0.layer.1.dropout": MATCH,
+                "decoder.block.1.layer.0.dropout": MATCH}),
+        # each rank its part of the sequence: no mask is over a whole activation
+        "gpt2_cp": ("hf_gpt2_dropout_cp", {"cp": 2}, dict.fromkeys(GPT2_SP_MASKS, DIFFER))},
+    # cp2 x tp2: under SP all four ranks hold different tokens; without SP the tp pairs
+    # hold the same tokens outside the column/row pairs, which the two cp ranks do not
+    4: {"bert_cp_tp_sp": ("hf_bert_dropout", {"cp": 2, "tp": 2, "sequence_parallel": True},
+                          dict.fromkeys(BERT_MASKS, 4)),
+        "bert_cp_tp_no_sp": ("hf_bert_dropout", {"cp": 2, "tp": 2, "sequence_parallel": False},
+                             dict.fromkeys(BERT_MASKS, 2))},
 }
+RECOMPUTED = {"gpt2_sp", "t5", "bert_cp_tp_sp"}
 
 
-def test_tp_ranks_draw_their_own_masks_on_shards_and_replicas_stay_identical(torchrun, tmp_path):
-    """Real transformers GPT-2 and T5 with their stock 0.1 dropouts at tp=2, 3 steps each: the
-    masks over a rank's columns (T5's MLP) or tokens (GPT-2 under SP, after the row-parallel
-    linear) differ between the ranks, those over whole activations are the same, every
-    replicated weight is bitwise the same on both ranks after training, and recomputing every
-    block trains to the same losses (the masks are drawn again, not anew; checkpointing's
-    early stop leaves a region's closing hook unrun)."""
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_ranks_draw_their_own_masks_on_their_shards_and_replicas_stay_identical(torchrun, tmp_path, world):
+    """Real transformers GPT-2 and T5 with their stock 0.1 dropouts, 3 steps per plan: the
+    masks over a rank's own columns (T5's MLP at tp=2), tokens (GPT-2 under SP, or any
+    context parallelism) differ between the ranks holding other parts, those over whole
+    activations are the same, every replicated weight is bitwise the same on every rank
+    after training, and recomputing every block trains to the same losses (the masks are
+    drawn again, not anew; checkpointing's early stop leaves a region's closing hook unrun)."""
     configs = []
-    for name, (kind, over, masks) in CASES.items():
-        plan = traced_plan_dict(kind, tp=2)
+    for name, (kind, over, masks) in CASES[world].items():
+        plan = traced_plan_dict(kind, **over)
         plan.update(over)
         configs.append({"name": name, "kind": kind, "plan": plan, "masks": masks})
-    for config, blocks in ((configs[0], hf_models.blocks("hf_gpt2_dropout")), (configs[-1], _t5_blocks())):
-        configs.append(dict(config, name=f"{config['name']}_recompute",
-                            plan=dict(config["plan"], recompute={b: "full" for b in blocks})))
+        if name in RECOMPUTED:
+            blocks = _t5_blocks() if kind == "hf_t5_dropout" else hf_models.blocks(kind)
+            configs.append(dict(configs[-1], name=f"{name}_recompute",
+                                plan=dict(plan, recompute={b: "full" for b in blocks})))
     (tmp_path / "configs.json").write_text(json.dumps(configs))
-    proc = torchrun("dropout_worker.py", 2, tmp_path / "configs.json", tmp_path / "out.json", timeout=300)
+    proc = torchrun("dropout_worker.py", world, tmp_path / "configs.json", tmp_path / "out.json", timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads((tmp_path / "out.json").read_text())
     for config in configs:
         result = got[config["name"]]
         assert result["replica_spread"] == 0.0, (config["name"], result["replica_spread"])
-        for module in config["masks"]["differ"]:
-            assert result["same_mask"][module] is False, (config["name"], module)
-        for module in config["masks"]["match"]:
-            assert result["same_mask"][module] is True, (config["name"], module)
+        assert result["masks"] == config["masks"], config["name"]
         assert all(math.isfinite(loss) for loss in result["losses"]), config["name"]
     # same masks, same arithmetic: recomputation changes no loss beyond float reassociation
-    for name in ("gpt2_sp", "t5"):
+    for name in set(RECOMPUTED) & set(CASES[world]):
         plain, again = got[name]["losses"], got[f"{name}_recompute"]["losses"]
         assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(plain, again)), (name, plain, again)
 
