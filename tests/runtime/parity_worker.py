@@ -56,6 +56,16 @@ def float8_facts(trainer: Trainer) -> dict:
             "float8_precomputed": sum(w._precomputed_scale is not None for w in gathered)}
 
 
+def leave(results: dict, path: str) -> None:
+    """Rank 0 writes `results` to `path`; then every rank frees the FSDP/DTensor cycles
+    (runtime/loop.py train) and leaves once no peer still talks."""
+    if dist.get_rank() == 0:
+        json.dump(results, open(path, "w"))
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     configs = json.load(open(sys.argv[1]))
     init_distributed()
@@ -86,9 +96,7 @@ def main() -> None:
         # clone's run once died of heap corruption inside the next plan's first all-reduce
         del trainer, state
         gc.collect()
-    gc.collect()  # free FSDP/DTensor cycles before teardown (runtime/loop.py train)
-    dist.barrier()  # nobody tears down while a peer still talks
-    dist.destroy_process_group()
+    leave(results, sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
+from parity_worker import leave
 from runtime_models import SEED, builder
 
 
@@ -46,8 +47,7 @@ def main() -> None:
         results[name] = out
         if dist.get_rank() == 0:
             json.dump(results, open(sys.argv[2], "w"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(results, sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ RECOMPUTED = {"gpt2_sp", "t5", "bert_cp_tp_sp"}
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_ranks_draw_their_own_masks_on_their_shards_and_replicas_stay_identical(torchrun, tmp_path, world):
-    """Real transformers GPT-2 and T5 with their stock 0.1 dropouts, 3 steps per plan: the
+    """Real transformers GPT-2, T5 and BERT with their stock 0.1 dropouts, 2 steps per plan: the
     masks over a rank's own columns (T5's MLP at tp=2), tokens (GPT-2 under SP, or any
     context parallelism) differ between the ranks holding other parts, those over whole
     activations are the same, every replicated weight is bitwise the same on every rank
