@@ -14,9 +14,9 @@ import warnings
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import is_fake
 
 from autoplan.errors import UserError
+from autoplan.runtime.model_io import real_parameters
 
 
 def apply_compile(part: nn.Module, blocks: list[str], async_tp_mesh=None) -> None:
@@ -24,7 +24,7 @@ def apply_compile(part: nn.Module, blocks: list[str], async_tp_mesh=None) -> Non
     parameters (the dry run and the plan-time probe): what they measure, memory and whether
     the plan applies, is the eager block's, as the cost model assumes. `async_tp_mesh`: the
     TP mesh of a plan with async TP (enable_async_tp)."""
-    if any(is_fake(p) or p.is_meta for p in part.parameters()):
+    if not real_parameters(part.parameters()):
         return
     if async_tp_mesh is not None:
         enable_async_tp(async_tp_mesh)

@@ -364,12 +364,9 @@ def mark_sequence_shards(model: nn.Module, blocks: list[str], cp_rank: int) -> N
     engine restores torch's function-mode stack). Random ops that are not a mask over an
     activation (a drop-path's per-sample draw) keep the shared stream: a sample's parts on
     the ranks must agree on them."""
-    if not rng.dropout_layers(model):
-        return
     regions = rng.ShardRegions(cp_rank)
     modules = dict(model.named_modules())
     for module in [model] + [modules[path] for path in blocks if path in modules]:
         # before tensor parallelism's hooks: its regions open inside this one
-        module.register_forward_pre_hook(lambda m, args, kwargs: regions.open((*args, *kwargs.values())),
-                                         with_kwargs=True, prepend=True)
+        module.register_forward_pre_hook(lambda m, args: regions.open(), prepend=True)
     model.register_forward_hook(lambda m, args, out: regions.close())

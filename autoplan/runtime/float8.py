@@ -32,10 +32,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # FSDP2's all-gather hook (torch 2.13)
 
 from autoplan.errors import UserError
+from autoplan.runtime.model_io import real_parameters
 
 FP8_GEMM_MULTIPLE = 16  # torch._scaled_mm takes dimensions that are multiples of 16
 
@@ -67,7 +67,7 @@ def apply_float8(part: nn.Module, blocks: list[str], recipe: str = "tensorwise",
     Not on fake or meta parameters (the dry run and the plan-time
     probe measure the bf16 block, as the cost model's FP8 rows assume)."""
     params = list(part.parameters())
-    if not params or any(is_fake(p) or p.is_meta for p in params):
+    if not params or not real_parameters(params):
         return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

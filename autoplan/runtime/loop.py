@@ -220,7 +220,7 @@ class Trainer:
         plan = self.plan
         if not count or plan.tp * plan.cp == 1:
             return
-        where = f"tp={plan.tp}" if plan.cp == 1 else f"cp={plan.cp}" if plan.tp == 1 else f"tp={plan.tp}, cp={plan.cp}"
+        where = ", ".join(f"{axis}={n}" for axis, n in (("tp", plan.tp), ("cp", plan.cp)) if n > 1)
         if plan.compile:
             print(f"autoplan: {count} dropout layers on this rank under {where} and torch.compile: "
                   "compiled blocks draw from one seed on every rank, so the ranks' parts of one "

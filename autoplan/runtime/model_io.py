@@ -149,3 +149,11 @@ def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
         if hf_sdpa_unmasked and isinstance(mask, FakeTensor) and not (window and mask.shape[-1] >= window):
             kwargs = {**kwargs, name: None}
     return kwargs
+
+
+def real_parameters(params) -> bool:
+    """False where any parameter is fake (the dry run) or on meta (the plan-time probe):
+    what those measure is the plain eager model, so nothing extra is installed on them."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(is_fake(p) or p.is_meta for p in params)

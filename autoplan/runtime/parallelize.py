@@ -31,12 +31,14 @@ from autoplan.config import TP_STYLE_FORMS, tp_style_known
 from autoplan.errors import UserError
 from autoplan.plan import SCHEDULES, Plan
 from autoplan.runtime import data_parallel as dp_mod
+from autoplan.runtime import rng
 from autoplan.runtime.batch_norm import sync_batch_norms
 from autoplan.runtime.compiling import apply_compile
 from autoplan.runtime.float8 import apply_float8, gather_float8_as_bytes
 from autoplan.runtime.context_parallel import apply_context_parallel, check_cp_module, mark_sequence_shards
 from autoplan.runtime.expert_parallel import apply_expert_parallel, check_ep_modules
 from autoplan.runtime.mesh import ParallelMesh
+from autoplan.runtime.model_io import real_parameters
 from autoplan.runtime.data import zigzag_positions
 from autoplan.runtime.pipeline import (StageTie, pipeline_split_problem, split_stages, stage_indices,
                                        stage_ties, untie_on_one_rank)
@@ -136,6 +138,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
         ids, parts, ties = [0], [model], []
     result = Parallelized(parts=parts, stage_ids=ids, stage_ties=ties)
     for part in parts:
+        # dropout over a rank's own part of an activation from the rank's stream (rng.py);
+        # not under compile, whose graphs draw their own seeds
+        streams = not plan.compile and rng.dropout_layers(part) > 0 and real_parameters(part.parameters())
         if plan.precision == "fp8":  # before TP, so the styles shard the Float8Linears
             apply_float8(part, list(plan.blocks), plan.float8_recipe, plan.float8_all_gather,
                          keep=local_input_linears(part, plan) if plan.tp > 1 else frozenset())
@@ -143,12 +148,12 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: ParallelMesh,
         if plan.tp > 1:
             result.tp_token_local += apply_tensor_parallel(
                 part, plan.tp_styles, mesh.axis("tp"), plan.sequence_parallel,
-                dropout_shard=None if plan.compile else mesh.axis("tp").get_local_rank())
+                dropout_shard=mesh.axis("tp").get_local_rank() if streams else None)
         # 3. Context and expert parallelism.
         if plan.cp > 1:
             apply_context_parallel(part, plan.cp_modules, plan.cp_buffers, mesh.group("cp"),
                                    plan.seq_len)
-            if not plan.compile:
+            if streams:
                 mark_sequence_shards(part, list(plan.blocks), mesh.cp_rank)
         if plan.ep > 1:
             experts = apply_expert_parallel(part, plan.ep_modules, mesh.ep_mesh)

@@ -10,8 +10,9 @@ Every rank seeds one stream, so a dropout mask on an activation every rank holds
 same on each, as it must be: replicas that drew different masks would compute different
 gradients for one replicated weight. Ranks that hold shards of one activation (a TP rank's
 heads or columns, a CP rank's part of the sequence) draw their masks from a stream of their
-own (`ShardDropouts`), as Megatron-LM's model-parallel RNG tracker does for TP, derived from the shared stream so that
-nothing more needs saving and checkpointed recomputation draws the same masks again.
+own (`ShardDropouts`), as Megatron-LM's model-parallel RNG tracker does for TP, derived from
+the shared stream so that nothing more needs saving and checkpointed recomputation draws the
+same masks again.
 """
 
 from __future__ import annotations
@@ -136,8 +137,7 @@ class ShardDropouts(TorchFunctionMode):
 class ShardRegions:
     """Opens `ShardDropouts` where this rank's activations are its own shard and closes it
     where they are whole again, from module hooks (tensor_parallel.py and context_parallel.py
-    place them). Nothing
-    happens on meta or fake tensors: the plan-time probe and the dry run draw no masks.
+    place them; parallelize.py places none on the probe's meta or the dry run's fake model).
 
     A region is open while its mode is on torch's function-mode stack, which is what the
     hooks test, not a flag: checkpointing stops a recomputation as soon as it has what
@@ -147,11 +147,9 @@ class ShardRegions:
     def __init__(self, shard: int) -> None:
         self.mode = ShardDropouts(shard)
 
-    def open(self, output) -> None:
-        tensor = _first_tensor(output if isinstance(output, (tuple, list)) else (output,))
-        if tensor is None or not _real(tensor) or _stack_index(self.mode) is not None:
-            return
-        self.mode.__enter__()
+    def open(self) -> None:
+        if _stack_index(self.mode) is None:
+            self.mode.__enter__()
 
     def close(self) -> None:
         index = _stack_index(self.mode)
@@ -168,9 +166,3 @@ def _stack_index(mode: TorchFunctionMode) -> int | None:
         if torch._C._get_function_stack_at(index) is mode:
             return index
     return None
-
-
-def _real(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return tensor.device.type != "meta" and not is_fake(tensor)

@@ -267,9 +267,9 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
     rank's heads only): the returned modules need their gradients summed over the tp group
     after backward.
 
-    `dropout_shard`: where given, dropout on the rank's heads or columns draws from the
-    rank's own stream (rng.ShardDropouts), this index telling it apart from every other
-    rank's shards."""
+    `dropout_shard`: where given (a model with dropout), dropout on the rank's heads or
+    columns draws from the rank's own stream (rng.ShardDropouts), this index telling it apart
+    from every other rank's shards."""
     modules = dict(model.named_modules(remove_duplicate=False))
     plan, names, token_local = {}, {}, []
     styled: dict[int, tuple[str, str]] = {}  # a module used at several paths is styled once
@@ -301,7 +301,7 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         retie(model, groups, "tensor parallelism")
     _localise_attention(modules, plan, tp_mesh.size())
     _shard_global_attention_tables(modules, plan, tp_mesh)
-    if dropout_shard is not None and rng.dropout_layers(model):
+    if dropout_shard is not None:
         _mark_shard_regions(model, modules, table, names, sequence_parallel, rng.ShardRegions(dropout_shard))
     return token_local
 
@@ -328,22 +328,20 @@ def _mark_shard_regions(model: nn.Module, modules: dict[str, nn.Module], table: 
               if path in modules] if sequence_parallel else []
     if blocks:  # a plan naming its blocks (a flat table names none: the pairs below)
         for path in blocks:
-            modules[path].register_forward_pre_hook(
-                lambda m, args, kwargs: regions.open((*args, *kwargs.values())), with_kwargs=True)
+            modules[path].register_forward_pre_hook(lambda m, args: regions.open())
             modules[path].register_forward_hook(lambda m, args, out: regions.close())
         for path, name in names.items():
             if name == "vocab_embedding":
-                modules[path].register_forward_hook(lambda m, args, out: regions.open(out))
+                modules[path].register_forward_hook(lambda m, args, out: regions.open())
         return
     parents = set()
     for path, name in names.items():
         module, kind = modules[path], name.partition(":")[0]
         if kind == MHA_STYLE:
-            module.register_forward_pre_hook(lambda m, args, kwargs: regions.open((*args, *kwargs.values())),
-                                             with_kwargs=True)
+            module.register_forward_pre_hook(lambda m, args: regions.open())
             module.register_forward_hook(lambda m, args, out: regions.close())
         elif kind in _SHARD_OPENERS:
-            module.register_forward_hook(lambda m, args, out: regions.open(out))
+            module.register_forward_hook(lambda m, args, out: regions.open())
             parents.add(path.rpartition(".")[0])
         elif kind == "rowwise":
             module.register_forward_pre_hook(lambda m, args: regions.close())

@@ -16,18 +16,17 @@ import torch.distributed as dist
 
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
+from autoplan.runtime.tying import model_fqn
 from parity_worker import full_state, leave
 from runtime_models import SEED, builder
 
 STEPS = 2  # the masks are the first forward's; the second step trains on the first's update
-WRAPPED = "_checkpoint_wrapped_module"  # a recomputed block's inner module
 
 
 def record_first_masks(trainer: Trainer, names: list[str]) -> dict[str, torch.Tensor]:
     """name -> the positions its first forward zeroed (the input was not zero there)."""
     masks: dict[str, torch.Tensor] = {}
-    modules = {name.replace(f"{WRAPPED}.", "").removeprefix("module."): module  # DDP's prefix
-               for part in trainer.par.parts for name, module in part.named_modules()}
+    modules = {model_fqn(name): module for part in trainer.par.parts for name, module in part.named_modules()}
 
     def hook(name):
         def record(module, args, out):

@@ -11,6 +11,8 @@ LAYERS = 2
 _COMMON = {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
            "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
            "tie_word_embeddings": False, "use_cache": False, "attn_implementation": "sdpa"}
+_GPT2_DROPOUT = {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
+                 "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "attn_implementation": "sdpa"}
 CONFIGS = {
     "hf_llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, num_key_value_heads=2)),
     "hf_mixtral": ("MixtralConfig", "MixtralForCausalLM",
@@ -101,15 +103,9 @@ CONFIGS = {
     # their stock dropouts (0.1): on attention probabilities (GPT-2's in its SDPA call) and
     # between T5's MLP column and row linears, which TP shards, and on the residual, which it
     # does not (a sequence shard under SP)
-    "hf_gpt2_dropout": ("GPT2Config", "GPT2LMHeadModel",
-                        {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
-                         "use_cache": False, "bos_token_id": 0, "eos_token_id": 0,
-                         "attn_implementation": "sdpa"}),
+    "hf_gpt2_dropout": ("GPT2Config", "GPT2LMHeadModel", _GPT2_DROPOUT),
     # context parallelism refuses dropout inside attention: the residual's and embedding's
-    "hf_gpt2_dropout_cp": ("GPT2Config", "GPT2LMHeadModel",
-                           {"n_embd": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256, "n_positions": 256,
-                            "attn_pdrop": 0.0, "use_cache": False, "bos_token_id": 0, "eos_token_id": 0,
-                            "attn_implementation": "sdpa"}),
+    "hf_gpt2_dropout_cp": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2_DROPOUT, attn_pdrop=0.0)),
     "hf_bert_dropout": ("BertConfig", "BertForMaskedLM",
                         {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
                          "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
