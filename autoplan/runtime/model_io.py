@@ -130,14 +130,21 @@ def attention_window(model: nn.Module) -> int:
     return min((w for w in windows if w), default=0)
 
 
-def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
-    """`kwargs` of a Hugging Face SDPA attention module without the attention_mask
-    transformers materialises only when it sees fake tensors (its `is_tracing` check: the
-    plan-time capability probe). A real run with these inputs (no padding) passes no mask:
-    SDPA applies causality (is_causal=True), or attends to every token (a bidirectional
-    encoder's, BERT's), which is what ring attention and the sequence-parallel gather of the
-    full sequence rely on; the fake mask would have the local length. A sliding window no
-    longer than the mask's keys is a mask the real run builds too, so it stays."""
+def without_fake_causal_mask(module: nn.Module, kwargs: dict, queries: int | None = None) -> dict:
+    """`kwargs` of a Hugging Face SDPA attention module without an attention_mask that
+    transformers builds only because of how the model is split, which a real run of these
+    inputs (no padding) would not build:
+      - a mask of fake tensors: transformers materialises one when it sees them (its
+        `is_tracing` check: the plan-time capability probe), with the local length;
+      - a mask for other than `queries` queries (the length of the sequence the module
+        attends over, where the caller knows it): transformers sizes its mask from the
+        input the model sees, a sequence-parallel shard, against the positions' or the
+        padding mask's length, a context-parallel rank's whole part.
+    Without it SDPA applies causality (is_causal=True), or attends to every token (a
+    bidirectional encoder's, BERT's), which is what ring attention and the sequence-parallel
+    gather of the full sequence rely on. A sliding window no longer than the mask's keys is a
+    mask the real run builds too, so a fake one stays; a shard-sized one under a window stays
+    too (there is no flag that applies a window) and ring attention refuses it."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     config = getattr(module, "config", None)
@@ -146,9 +153,21 @@ def without_fake_causal_mask(module: nn.Module, kwargs: dict) -> dict:
                         and (getattr(module, "is_causal", False) or window is None))
     for name in ("attention_mask", "mask"):  # "mask": T5Attention's
         mask = kwargs.get(name)
-        if hf_sdpa_unmasked and isinstance(mask, FakeTensor) and not (window and mask.shape[-1] >= window):
+        if not hf_sdpa_unmasked or not isinstance(mask, torch.Tensor):
+            continue
+        fake = isinstance(mask, FakeTensor) and not (window and mask.shape[-1] >= window)
+        shard_sized = (queries is not None and window is None and mask.dim() == 4
+                       and mask.shape[-2] not in (1, queries))
+        if fake or shard_sized:
             kwargs = {**kwargs, name: None}
     return kwargs
+
+
+def attended_length(args: tuple, kwargs: dict) -> int | None:
+    """The sequence length of an attention module's hidden states (batch, seq, hidden): its
+    first tensor input, positional or `hidden_states`."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    return hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
 
 
 def real_parameters(params) -> bool:

@@ -71,7 +71,10 @@ grad norms 4.6e-2, weights 1.7e-1. DeepSeek-V3's MLA split by heads after its do
 unsummed over the TP ranks, replicas differ by 3.9e-2 (weights 4.7e-1); their input taken
 without its Partial gradient placement, losses 2.0e-4, weights 3.0e-1. A model file's own batch (example_batch) and MSE loss: at
 most losses 8.1e-7, grad norms 3.6e-7, weights 3.0e-7; drawing its rows under other seeds
-fails on the losses. bf16/fp16 runs
+fails on the losses. GPT-2 at cp2 x tp2 with SP (traced styles): losses 8.6e-8, grad norms
+3.9e-7, weights 4.4e-4 (its fused c_attn bias, whose key third is noise only); with the
+causal mask transformers sizes from the SP shard passed on to ring attention, the first step
+stops with ring attention's refusal of a mask. bf16/fp16 runs
 are compared with the same fp32 reference as a sanity
 check only (an MoE router differs most): within 5e-3 on losses (measured 3.7e-4; 9.0e-4 over
 8 steps), 3e-1 on grad norms (4.2e-2; 1.1e-1) and 5e-1 on weights (1.9e-1, a router; 3.3e-1).
@@ -316,6 +319,10 @@ CONFIGS = {
             traced_plan_dict, "mqa_llama", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_dp2_cp2": ("hf_bert", P("hf_bert", dp=2, cp=2)),  # attention that is not causal
+        # transformers sizes its causal mask from the sequence-parallel shard against the
+        # ring's part of the positions: a mask the real run without padding does not need
+        "hf_gpt2_cp2_tp2_sp_traced": ("hf_gpt2", functools.partial(
+            traced_plan_dict, "hf_gpt2", cp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
         "encoder_pp2_dp2": ("encoder", P("encoder", pp=2, dp=2, schedule="1f1b")),
         # nn.MultiheadAttention split by heads (mha_heads) and its inline MLP, under FSDP2
