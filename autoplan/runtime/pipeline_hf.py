@@ -20,9 +20,10 @@ recompute and FSDP find their modules by the plan's paths.
   last stage     applies the final norm and the head through the causal LM's forward;
                  other stages run the base model alone, with the final norm a `StageGap`,
                  so their output is the hidden states.
-The module names differ by family (_FAMILIES); the families verified by parity tests
-(tests/runtime/test_parity.py, one pp2 case each) are SPLIT_MODEL_TYPES, others are refused
-with a reason.
+The module names differ by family (_FAMILIES); the families verified are SPLIT_MODEL_TYPES
+(each by tests/runtime/test_pipeline_hf.py: its stages chained in one process give the whole
+model's logits; the first of them also by a pp2 parity case in tests/runtime/test_parity.py),
+others are refused with a reason.
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ class _Parts:
     stem: bool = False  # the base model calls `embed` even when given inputs_embeds
     head: str = "lm_head"
     first_stage_only: tuple[str, ...] = ()
-    embedding_scale: str = ""  # a float attribute of the base model its forward multiplies
-    # into `inputs_embeds` (Granite's embedding_multiplier): a later stage's input has it
+    # float attributes of the base model that act on `inputs_embeds` before the first block,
+    # with the value that makes them a no-op on a later stage, whose input has had them
+    # (Granite's embedding_multiplier, Starcoder2's embedding_dropout)
+    later_stage_values: tuple[tuple[str, float], ...] = ()
+    layer_tuple: bool = False  # the base model reads a layer's output as `outputs[0]` (Falcon)
 
 
 _FAMILIES = {
@@ -55,7 +59,10 @@ _FAMILIES = {
     "gpt2": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("wpe", "drop")),
     "gpt_neox": _Parts(embed="embed_in", norm="final_layer_norm", first_stage_only=("emb_dropout",)),
     "gptj": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("drop",)),
-    "granite": _Parts(embedding_scale="embedding_multiplier"),
+    "granite": _Parts(later_stage_values=(("embedding_multiplier", 1.0),)),
+    "cohere": _Parts(), "glm": _Parts(), "stablelm": _Parts(),
+    "starcoder2": _Parts(later_stage_values=(("embedding_dropout", 0.0),)),
+    "falcon": _Parts(embed="word_embeddings", layers="h", norm="ln_f", layer_tuple=True),
     "deepseek_v3": _Parts(),
     "bert": _Parts(embed="embeddings", layers="encoder.layer", norm="", head="cls", stem=True),
 }
@@ -68,10 +75,15 @@ class StageGap(nn.Identity):
 
 
 class _OtherStageLayer(nn.Module):
-    """A decoder layer held by another stage: returns the hidden states unchanged."""
+    """A decoder layer held by another stage: returns the hidden states unchanged, as the
+    family's layers return them (alone, or first in a tuple)."""
+
+    def __init__(self, in_tuple: bool) -> None:
+        super().__init__()
+        self.in_tuple = in_tuple
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        return (hidden_states,) if self.in_tuple else hidden_states
 
 
 class _PassEmbeddings(StageGap):
@@ -173,7 +185,7 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     shells = []
     for k, paths in enumerate(stages):
         first, last = k == 0, k == len(stages) - 1
-        layers = nn.ModuleList(layer if path in paths else _OtherStageLayer()
+        layers = nn.ModuleList(layer if path in paths else _OtherStageLayer(parts.layer_tuple)
                                for layer, path in zip(blocks, layer_paths))
         later_embed = _PassEmbeddings() if parts.stem else None
         children = {**_with_child(base, parts.layers, layers),
@@ -185,8 +197,8 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
             children[name] = module if first else (
                 _NoPositions() if isinstance(module, nn.Embedding) else StageGap())
         stage_base = _shell(base, children)
-        if parts.embedding_scale and not first:
-            setattr(stage_base, parts.embedding_scale, 1.0)
+        for name, no_op in parts.later_stage_values if not first else ():
+            setattr(stage_base, name, no_op)
         root = _shell(model, {prefix: stage_base,
                               parts.head: getattr(model, parts.head) if last else StageGap()})
         root.forward = _stage_forward(root, prefix, first, last, positions, zigzag)

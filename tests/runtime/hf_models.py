@@ -113,6 +113,24 @@ CONFIGS = {
     "hf_t5_dropout": ("T5Config", "T5ForConditionalGeneration",
                       {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": LAYERS, "num_heads": 4,
                        "vocab_size": 256, "use_cache": False, "attn_implementation": "eager"}),
+    # families the pipeline split knows by their module names (test_pipeline_hf.py):
+    # LayerNorms and partial rotary (StableLM), a logit scale and tied head (Cohere),
+    # Starcoder2's embedding dropout (a float its base model applies before the first block),
+    # Falcon's word_embeddings / h / ln_f with its grouped query_key_value
+    "hf_stablelm": ("StableLmConfig", "StableLmForCausalLM",
+                    dict(_COMMON, num_key_value_heads=2, partial_rotary_factor=0.25,
+                         pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    "hf_cohere": ("CohereConfig", "CohereForCausalLM",
+                  dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=True, logit_scale=0.125,
+                       pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    "hf_glm": ("GlmConfig", "GlmForCausalLM",
+               dict(_COMMON, num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=0)),
+    "hf_starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM",
+                      dict(_COMMON, num_key_value_heads=2, embedding_dropout=0.5, residual_dropout=0.0,
+                           attention_dropout=0.0, bos_token_id=0, eos_token_id=0)),
+    "hf_falcon": ("FalconConfig", "FalconForCausalLM",
+                  dict(_COMMON, new_decoder_architecture=True, num_kv_heads=2, hidden_dropout=0.0,
+                       attention_dropout=0.0, bos_token_id=0, eos_token_id=0)),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
@@ -124,7 +142,9 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_gpt2_untied": "transformer.h", "hf_gptneox": "gpt_neox.layers", "hf_phi3": "model.layers",
                "hf_persimmon": "model.layers", "hf_opt": "model.decoder.layers",
                "hf_gpt2_dropout": "transformer.h", "hf_gpt2_dropout_cp": "transformer.h",
-               "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block"}
+               "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block",
+               "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
+               "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h"}
 
 
 def build(kind: str, **overrides):

@@ -1,0 +1,60 @@
+"""The pipeline split of Hugging Face models (runtime/pipeline_hf.py), in one process.
+
+What is family-specific in the split is which modules each stage keeps and what a later
+stage leaves out (learned positions, an embedding scale or dropout, an encoder's stem, the
+final norm and head). Chaining a tiny model's stage shells must give the whole model's
+logits: a module applied on two stages, or on none, changes them by far more than rounding
+(Starcoder2's embedding dropout at p=0.5 applied again on stage 1: every logit moves). The
+shells run the same kernels on the same inputs as the whole model, so the tolerance is
+rounding's (measured: bitwise equal on every family here). Multi-rank training of a split
+(schedules, tied weights, TP inside stages) is the parity suite's (test_parity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models
+from autoplan.runtime.pipeline_hf import SPLIT_MODEL_TYPES, hf_split_problem, split_hf_stages
+
+# one tiny model per family (hf_models.py); gpt2's untied build has learned positions and an
+# embedding dropout module that only the first stage may apply
+FAMILY_KINDS = {
+    "bert": "hf_bert", "cohere": "hf_cohere", "deepseek_v3": "hf_deepseek_v3",
+    "falcon": "hf_falcon", "gemma": "hf_gemma", "glm": "hf_glm", "gpt2": "hf_gpt2_untied",
+    "gpt_neox": "hf_gptneox", "gptj": "hf_gptj", "granite": "hf_granite", "llama": "hf_llama",
+    "mamba": "hf_mamba", "mistral": "hf_mistral", "mixtral": "hf_mixtral", "olmo2": "hf_olmo2",
+    "phi3": "hf_phi3", "qwen2": "hf_qwen2", "qwen2_moe": "hf_qwen2moe", "qwen3": "hf_qwen3",
+    "stablelm": "hf_stablelm", "starcoder2": "hf_starcoder2",
+}
+TOKENS = 16
+
+
+def test_every_family_the_split_accepts_is_tested_here():
+    assert set(FAMILY_KINDS) == set(SPLIT_MODEL_TYPES)
+
+
+def _logits(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_KINDS))
+def test_stages_chained_give_the_whole_models_logits(family):
+    torch.manual_seed(0)
+    model = hf_models.build(FAMILY_KINDS[family])
+    assert model.config.model_type == family and hf_split_problem(model) is None
+    ids = torch.randint(0, 256, (2, TOKENS))
+    positions = torch.arange(TOKENS)
+    model.train()  # dropouts the config sets (Starcoder2's embedding dropout) draw masks
+    with torch.no_grad():
+        torch.manual_seed(1)
+        whole = _logits(model(input_ids=ids, position_ids=positions[None], use_cache=False))
+        blocks = hf_models.blocks(FAMILY_KINDS[family])
+        shells = split_hf_stages(model, [[path] for path in blocks], positions, zigzag=False)
+        torch.manual_seed(1)
+        x = ids
+        for shell in shells:
+            x = shell(x)
+    assert x.shape == whole.shape
+    torch.testing.assert_close(x, whole, rtol=1e-6, atol=1e-6)
