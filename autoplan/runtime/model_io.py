@@ -132,35 +132,64 @@ def attention_window(model: nn.Module) -> int:
 
 def without_fake_causal_mask(module: nn.Module, kwargs: dict, queries: int | None = None) -> dict:
     """`kwargs` of a Hugging Face SDPA attention module without an attention_mask that
-    transformers builds only because of how the model is split, which a real run of these
-    inputs (no padding) would not build:
+    stands for nothing but causality (or, for an encoder, nothing at all) in a run of the
+    runtime's inputs, which carry no padding:
       - a mask of fake tensors: transformers materialises one when it sees them (its
         `is_tracing` check: the plan-time capability probe), with the local length;
-      - a mask for other than `queries` queries (the length of the sequence the module
-        attends over, where the caller knows it): transformers sizes its mask from the
-        input the model sees, a sequence-parallel shard, against the positions' or the
-        padding mask's length, a context-parallel rank's whole part.
+    and where the caller knows `queries`, the length of the sequence the module attends
+    over (ring attention's entry, after tensor parallelism's gather):
+      - a mask for other than `queries` queries: transformers sizes its mask from the input
+        the model sees, a sequence-parallel shard, against the positions' or the padding
+        mask's length, a context-parallel rank's whole part;
+      - the plain causal pattern that a model asking transformers to always build its mask
+        (Falcon's `allow_is_causal_skip=False`) gets: over a context-parallel rank's tokens
+        it is causal in their local order, not in their positions.
     Without it SDPA applies causality (is_causal=True), or attends to every token (a
     bidirectional encoder's, BERT's), which is what ring attention and the sequence-parallel
     gather of the full sequence rely on. A sliding window no longer than the mask's keys is a
-    mask the real run builds too, so a fake one stays; a shard-sized one under a window stays
-    too (there is no flag that applies a window) and ring attention refuses it."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
+    mask the real run builds too, so a fake one stays; a real one under a window stays too
+    (no flag applies a window), and so does a floating-point one for ring attention (it adds
+    a bias: Falcon's ALiBi), fake or real; ring attention refuses what stays."""
     config = getattr(module, "config", None)
     window = sliding_window(module)
-    hf_sdpa_unmasked = (getattr(config, "_attn_implementation", None) == "sdpa"
-                        and (getattr(module, "is_causal", False) or window is None))
+    causal = bool(getattr(module, "is_causal", False))
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not (causal or window is None):
+        return kwargs
     for name in ("attention_mask", "mask"):  # "mask": T5Attention's
         mask = kwargs.get(name)
-        if not hf_sdpa_unmasked or not isinstance(mask, torch.Tensor):
-            continue
-        fake = isinstance(mask, FakeTensor) and not (window and mask.shape[-1] >= window)
-        shard_sized = (queries is not None and window is None and mask.dim() == 4
-                       and mask.shape[-2] not in (1, queries))
-        if fake or shard_sized:
+        if isinstance(mask, torch.Tensor) and _stands_for_no_mask(mask, window, causal, queries):
             kwargs = {**kwargs, name: None}
     return kwargs
+
+
+def _stands_for_no_mask(mask: torch.Tensor, window: int | None, causal: bool,
+                        queries: int | None) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(mask, FakeTensor) or mask.is_meta:
+        return (not (window and mask.shape[-1] >= window)
+                and (queries is None or mask.dtype == torch.bool))
+    if queries is None or window is not None or mask.dim() != 4:
+        return False
+    if mask.shape[-2] not in (1, queries):
+        return True
+    return causal and _is_causal_pattern(mask)
+
+
+_CAUSAL_CHECKED: dict[tuple, bool] = {}  # the last mask checked: a model passes one to every layer
+
+
+def _is_causal_pattern(mask: torch.Tensor) -> bool:
+    """A boolean (..., q, q) mask that is True exactly on and below the diagonal."""
+    q, k = mask.shape[-2:]
+    if mask.dtype != torch.bool or q != k:
+        return False
+    key = (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version)
+    if key not in _CAUSAL_CHECKED:
+        tril = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril_()
+        _CAUSAL_CHECKED.clear()
+        _CAUSAL_CHECKED[key] = bool(torch.equal(mask, tril.expand(mask.shape)))
+    return _CAUSAL_CHECKED[key]
 
 
 def attended_length(args: tuple, kwargs: dict) -> int | None:

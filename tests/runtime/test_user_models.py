@@ -188,6 +188,34 @@ def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
     assert without_fake_causal_mask(whole.self_attn, long)["attention_mask"] is None
 
 
+def test_at_ring_attention_a_mask_standing_for_causality_goes_and_any_other_stays():
+    """Where ring attention takes over (the length attended over known): a mask sized from a
+    sequence-parallel shard, and the plain causal pattern a model that always builds its mask
+    gets (Falcon's), go; padding, a bias (float: Falcon's ALiBi, fake or real) and any mask
+    of an encoder stay, and ring attention refuses them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    attention = _meta("hf_llama").model.layers[0].self_attn
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 4)
+    padded = causal.clone()
+    padded[0, :, :, 0] = False  # the first sample's first token is padding
+
+    def dropped(module, mask, queries=4) -> bool:
+        return without_fake_causal_mask(module, {"attention_mask": mask}, queries)["attention_mask"] is None
+
+    assert dropped(attention, causal)
+    assert not dropped(attention, causal, queries=None)  # outside ring attention a real mask stays
+    assert not dropped(attention, padded)
+    assert not dropped(attention, torch.zeros(2, 1, 4, 4).masked_fill(~causal, float("-inf")))
+    assert dropped(attention, causal[:, :, :2])  # (2 x 4): sized from a shard of the queries
+    bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self
+    assert not dropped(bert_attention, causal)
+    with FakeTensorMode() as mode:
+        fake_bool, fake_bias = mode.from_tensor(causal), mode.from_tensor(torch.zeros(2, 1, 4, 4))
+    assert dropped(attention, fake_bool) and not dropped(attention, fake_bias)
+    assert dropped(attention, fake_bias, queries=None)  # the probe of SP alone: its mask goes
+
+
 @pytest.mark.parametrize("kind,config,window", [
     ("hf_gemma3", {}, 8),  # on its local layers only (module attribute, None on the others)
     ("hf_mistral", {"sliding_window": 24}, 24),  # one window for every layer, read from the config
