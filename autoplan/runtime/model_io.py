@@ -22,6 +22,7 @@ Inputs: token ids positionally, plus the keyword inputs the forward accepts:
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +177,8 @@ def _stands_for_no_mask(mask: torch.Tensor, window: int | None, causal: bool,
     return causal and _is_causal_pattern(mask)
 
 
-_CAUSAL_CHECKED: dict[tuple, bool] = {}  # the last mask checked: a model passes one to every layer
+# the last mask checked, its version and the verdict: a model passes one mask to every layer
+_LAST_CHECKED: list[tuple[weakref.ref, int, bool]] = []
 
 
 def _is_causal_pattern(mask: torch.Tensor) -> bool:
@@ -184,12 +186,12 @@ def _is_causal_pattern(mask: torch.Tensor) -> bool:
     q, k = mask.shape[-2:]
     if mask.dtype != torch.bool or q != k:
         return False
-    key = (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version)
-    if key not in _CAUSAL_CHECKED:
-        tril = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril_()
-        _CAUSAL_CHECKED.clear()
-        _CAUSAL_CHECKED[key] = bool(torch.equal(mask, tril.expand(mask.shape)))
-    return _CAUSAL_CHECKED[key]
+    if _LAST_CHECKED and _LAST_CHECKED[0][0]() is mask and _LAST_CHECKED[0][1] == mask._version:
+        return _LAST_CHECKED[0][2]
+    tril = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril_()
+    verdict = bool(torch.equal(mask, tril.expand(mask.shape)))
+    _LAST_CHECKED[:] = [(weakref.ref(mask), mask._version, verdict)]
+    return verdict
 
 
 def attended_length(args: tuple, kwargs: dict) -> int | None:

@@ -206,6 +206,10 @@ def test_at_ring_attention_a_mask_standing_for_causality_goes_and_any_other_stay
     assert dropped(attention, causal)
     assert not dropped(attention, causal, queries=None)  # outside ring attention a real mask stays
     assert not dropped(attention, padded)
+    edited = causal.clone()  # the verdict is kept for one mask object as long as it is unchanged
+    assert dropped(attention, edited)
+    edited[1, :, :, 0] = False
+    assert not dropped(attention, edited)
     assert not dropped(attention, torch.zeros(2, 1, 4, 4).masked_fill(~causal, float("-inf")))
     assert dropped(attention, causal[:, :, :2])  # (2 x 4): sized from a shard of the queries
     bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self
