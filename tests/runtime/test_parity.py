@@ -317,10 +317,10 @@ CONFIGS = {
             traced_plan_dict, "mqa_llama", dp=2, tp=2, zero_stage=1, optimizer=PARITY_OPTIMIZER)),
         "mqa_llama_pp2_tp2_traced": ("mqa_llama", functools.partial(
             traced_plan_dict, "mqa_llama", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
-        "hf_gpt2_dp2_cp2": ("hf_gpt2", P("hf_gpt2", dp=2, cp=2)),  # learned positions
         "hf_bert_dp2_cp2": ("hf_bert", P("hf_bert", dp=2, cp=2)),  # attention that is not causal
-        # transformers sizes its causal mask from the sequence-parallel shard against the
-        # ring's part of the positions: a mask the real run without padding does not need
+        # learned positions over the ring's zig-zag tokens; transformers sizes its causal
+        # mask from the sequence-parallel shard against the ring's part of the positions: a
+        # mask the real run without padding does not need
         "hf_gpt2_cp2_tp2_sp_traced": ("hf_gpt2", functools.partial(
             traced_plan_dict, "hf_gpt2", cp=2, tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_t5_zero3": ("hf_t5", P("hf_t5", dp=4, zero_stage=3)),  # encoder-decoder
