@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from autoplan.errors import UserError
 from autoplan.runtime import rng
 from autoplan.runtime.data import zigzag_positions
-from autoplan.runtime.model_io import attended_length, without_fake_causal_mask
+from autoplan.runtime.model_io import attended_length, without_causal_only_mask
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _ACTIVE = threading.local()
@@ -334,7 +334,7 @@ def apply_context_parallel(model: nn.Module, cp_modules: list[str], cp_buffers: 
         if isinstance(module, nn.MultiheadAttention):
             _check_mha_call(args, kwargs)
         _ACTIVE.state = group
-        return args, without_fake_causal_mask(module, kwargs, attended_length(args, kwargs))
+        return args, without_causal_only_mask(module, kwargs, attended_length(args, kwargs))
 
     def leave(_module, _args, _out):
         _ACTIVE.state = None

@@ -131,7 +131,7 @@ def attention_window(model: nn.Module) -> int:
     return min((w for w in windows if w), default=0)
 
 
-def without_fake_causal_mask(module: nn.Module, kwargs: dict, queries: int | None = None) -> dict:
+def without_causal_only_mask(module: nn.Module, kwargs: dict, queries: int | None = None) -> dict:
     """`kwargs` of a Hugging Face SDPA attention module without an attention_mask that
     stands for nothing but causality (or, for an encoder, nothing at all) in a run of the
     runtime's inputs, which carry no padding:

@@ -44,7 +44,7 @@ from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_k
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED, ColwiseLocalInput, replicate_module
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.mha_parallel import MHA_STYLE, MultiheadAttentionParallel
-from autoplan.runtime.model_io import without_fake_causal_mask
+from autoplan.runtime.model_io import without_causal_only_mask
 from autoplan.runtime.pipeline_hf import StageGap
 from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, ShardedRMSNorm
 from autoplan.runtime.transposed_linear import for_module, output_features
@@ -180,7 +180,7 @@ def _on_first_input(transform):
     """A with_kwargs forward pre-hook applying `transform` to the first tensor input."""
 
     def hook(module, args, kwargs):
-        kwargs = without_fake_causal_mask(module, kwargs)
+        kwargs = without_causal_only_mask(module, kwargs)
         if args:
             return (transform(args[0]), *args[1:]), kwargs
         name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))

@@ -14,7 +14,7 @@ from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.runtime.context_parallel import context_parallel_supported
 from autoplan.runtime.expert_parallel import expert_parallel_supported
-from autoplan.runtime.model_io import attention_window, logits_of, model_call, without_fake_causal_mask
+from autoplan.runtime.model_io import attention_window, logits_of, model_call, without_causal_only_mask
 from autoplan.runtime.mesh import build_mesh
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.trace.fake_group import fake_process_group
@@ -170,22 +170,22 @@ def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
 
     attention = _meta("hf_llama").model.layers[0].self_attn
     real = {"hidden_states": torch.zeros(1), "attention_mask": torch.zeros(1, 1, 4, 4)}
-    assert without_fake_causal_mask(attention, real) is real
+    assert without_causal_only_mask(attention, real) is real
     with FakeTensorMode() as mode:
         fake = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
-    assert without_fake_causal_mask(attention, fake)["attention_mask"] is None
+    assert without_causal_only_mask(attention, fake)["attention_mask"] is None
     # a bidirectional encoder's (BERT's) real run passes no mask either: all tokens attend
     bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self
-    assert without_fake_causal_mask(bert_attention, fake)["attention_mask"] is None
-    assert without_fake_causal_mask(bert_attention, real) is real
+    assert without_causal_only_mask(bert_attention, fake)["attention_mask"] is None
+    assert without_causal_only_mask(bert_attention, real) is real
     # a sliding window no longer than the mask's keys: the real run builds that mask too
     local, whole = _meta("hf_gemma3").model.layers  # windows 8 and none (hf_models)
     with FakeTensorMode() as mode:
         short = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
         long = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 8, 8))}
-    assert without_fake_causal_mask(local.self_attn, short)["attention_mask"] is None
-    assert without_fake_causal_mask(local.self_attn, long) is long
-    assert without_fake_causal_mask(whole.self_attn, long)["attention_mask"] is None
+    assert without_causal_only_mask(local.self_attn, short)["attention_mask"] is None
+    assert without_causal_only_mask(local.self_attn, long) is long
+    assert without_causal_only_mask(whole.self_attn, long)["attention_mask"] is None
 
 
 def test_at_ring_attention_a_mask_standing_for_causality_goes_and_any_other_stays():
@@ -201,7 +201,7 @@ def test_at_ring_attention_a_mask_standing_for_causality_goes_and_any_other_stay
     padded[0, :, :, 0] = False  # the first sample's first token is padding
 
     def dropped(module, mask, queries=4) -> bool:
-        return without_fake_causal_mask(module, {"attention_mask": mask}, queries)["attention_mask"] is None
+        return without_causal_only_mask(module, {"attention_mask": mask}, queries)["attention_mask"] is None
 
     assert dropped(attention, causal)
     assert not dropped(attention, causal, queries=None)  # outside ring attention a real mask stays
