@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import autoplan.runtime.loop as loop
 from autoplan.runtime import init_distributed, parse_args, train
+from plan_groups import groups_given_back
 from runtime_models import builder
 
 
@@ -51,7 +52,8 @@ def main() -> None:
         return
     init_distributed()  # held across the jobs: train() leaves a group it did not create
     for plan_path, results_path, flags in json.load(open(sys.argv[2])):
-        run_job(plan_path, results_path, flags)
+        with groups_given_back():
+            run_job(plan_path, results_path, flags)
     loop._leave(owns_group=True)  # as train() leaves a group it created
 
 

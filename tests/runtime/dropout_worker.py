@@ -6,7 +6,6 @@ CONFIGS.json: [{"name", "kind", "plan", "masks": {module: expected count}}, ...]
 Rank 0 writes {name: {"losses", "replica_spread", "masks": {module: count}}}.
 """
 
-import gc
 import json
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
 from autoplan.runtime.tying import model_fqn
 from parity_worker import full_state, leave
+from plan_groups import groups_given_back
 from runtime_models import SEED, builder
 
 STEPS = 2  # the masks are the first forward's; the second step trains on the first's update
@@ -45,6 +45,15 @@ def distinct_over_ranks(masks: dict[str, torch.Tensor]) -> dict[str, int]:
     return {name: len({rank[name].numpy().tobytes() for rank in gathered}) for name in masks}
 
 
+def run_case(config: dict, run_dir: str) -> dict:
+    args = TrainArgs(steps=STEPS, seed=SEED, run_dir=run_dir, log_every=10**9)
+    trainer = Trainer(builder(config["kind"]), Plan.from_dict(config["plan"]), args)
+    masks = record_first_masks(trainer, list(config["masks"]))
+    losses = trainer.run()
+    _, spread = full_state(trainer)
+    return {"losses": losses, "replica_spread": spread, "masks": distinct_over_ranks(masks)}
+
+
 def main() -> None:
     configs = json.load(open(sys.argv[1]))
     init_distributed()
@@ -52,15 +61,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         for config in configs:
             dist.barrier()
-            args = TrainArgs(steps=STEPS, seed=SEED, run_dir=run_dir, log_every=10**9)
-            trainer = Trainer(builder(config["kind"]), Plan.from_dict(config["plan"]), args)
-            masks = record_first_masks(trainer, list(config["masks"]))
-            losses = trainer.run()
-            _, spread = full_state(trainer)
-            results[config["name"]] = {"losses": losses, "replica_spread": spread,
-                                       "masks": distinct_over_ranks(masks)}
-            del trainer
-            gc.collect()
+            with groups_given_back():
+                results[config["name"]] = run_case(config, run_dir)
     leave(results, sys.argv[2])
 
 

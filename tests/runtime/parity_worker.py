@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
 from autoplan.runtime.fused_projection import fused_row_orders, in_model_layout
+from plan_groups import groups_given_back
 from runtime_models import SEED, STEPS, builder, hooks
 
 
@@ -66,36 +67,38 @@ def leave(results: dict, path: str) -> None:
     dist.destroy_process_group()
 
 
+def run_case(config: dict) -> dict:
+    """Trains one plan; rank 0 saves the model's full state after the last step."""
+    start = time.perf_counter()
+    args = TrainArgs(steps=config.get("steps", STEPS), seed=SEED, run_dir=sys.argv[3], log_every=10**9,
+                     data=config.get("data", "synthetic"))
+    trainer = Trainer(builder(config["kind"]), Plan.from_dict(config["plan"]), args, **hooks(config["kind"]))
+    losses = trainer.run()
+    state, spread = full_state(trainer)
+    modules = [m for part in trainer.par.parts for m in part.modules()]
+    if dist.get_rank() == 0:
+        print(f"{config['name']}: {time.perf_counter() - start:.1f}s {losses} {trainer.grad_norms}", flush=True)
+        Path(sys.argv[3]).mkdir(parents=True, exist_ok=True)
+        torch.save(state, Path(sys.argv[3]) / f"{config['name']}.pt")
+    return {"losses": losses, "grad_norms": trainer.grad_norms, "replica_spread": spread,
+            "seconds": time.perf_counter() - start,
+            "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules),
+            "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in modules),
+            **float8_facts(trainer)}
+
+
 def main() -> None:
     configs = json.load(open(sys.argv[1]))
     init_distributed()
     results = {}
     for config in configs:
         dist.barrier()
-        start = time.perf_counter()
-        plan = Plan.from_dict(config["plan"])
-        args = TrainArgs(steps=config.get("steps", STEPS), seed=SEED, run_dir=sys.argv[3], log_every=10**9,
-                         data=config.get("data", "synthetic"))
-        trainer = Trainer(builder(config["kind"]), plan, args, **hooks(config["kind"]))
-        losses = trainer.run()
-        state, spread = full_state(trainer)
-        compiled = sum(getattr(m, "_compiled_call_impl", None) is not None
-                       for part in trainer.par.parts for m in part.modules())
-        results[config["name"]] = {"losses": losses, "grad_norms": trainer.grad_norms,
-                                   "replica_spread": spread, "seconds": time.perf_counter() - start,
-                                   "compiled_modules": compiled,
-                                   "float8_linears": sum(type(m).__name__ == "Float8Linear"
-                                                         for part in trainer.par.parts for m in part.modules()),
-                                   **float8_facts(trainer)}
+        # the plan's FSDP/DTensor cycles and groups go now, not in a later plan's collectives:
+        # a fresh clone's run once died of heap corruption inside the next plan's first all-reduce
+        with groups_given_back():
+            results[config["name"]] = run_case(config)
         if dist.get_rank() == 0:
-            print(f"{config['name']}: {time.perf_counter() - start:.1f}s {losses} {trainer.grad_norms}", flush=True)
-            Path(sys.argv[3]).mkdir(parents=True, exist_ok=True)
-            torch.save(state, Path(sys.argv[3]) / f"{config['name']}.pt")
             json.dump(results, open(sys.argv[2], "w"))
-        # the plan's FSDP/DTensor cycles go now, not in a later plan's collectives: a fresh
-        # clone's run once died of heap corruption inside the next plan's first all-reduce
-        del trainer, state
-        gc.collect()
     leave(results, sys.argv[2])
 
 

@@ -9,7 +9,6 @@ each "resumed" list is the losses of steps 0..steps-1, the first part from the r
 saved at step k and stopped, the rest from the run that resumed from that checkpoint.
 """
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
 from parity_worker import leave
+from plan_groups import groups_given_back
 from runtime_models import SEED, builder
 
 
@@ -26,8 +26,8 @@ def _run(config: dict, run_dir: Path, **flags) -> list[float]:
     dist.barrier()
     args = TrainArgs(seed=SEED, run_dir=str(run_dir), log_every=10**9,
                      data=config.get("data", "synthetic"), **flags)
-    losses = Trainer(builder(config["kind"]), Plan.from_dict(config["plan"]), args).run()
-    gc.collect()
+    with groups_given_back():
+        losses = Trainer(builder(config["kind"]), Plan.from_dict(config["plan"]), args).run()
     return losses
 
 

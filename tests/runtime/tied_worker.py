@@ -8,7 +8,6 @@ parts hold}, or
 {"error": text} when the runtime refused the plan.
 """
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.runtime import TrainArgs, Trainer, init_distributed
+from plan_groups import groups_given_back
 from runtime_models import SEED
 from tied_models import STEPS, build
 
@@ -35,31 +35,33 @@ def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def run_case(config: dict) -> dict:
+    """The result rank 0 saves for one plan: losses and full parameters, or the refusal."""
+    args = TrainArgs(steps=STEPS, seed=SEED, run_dir=sys.argv[3], log_every=10**9)
+    kind = config["kind"]
+    try:
+        trainer = Trainer(lambda: build(kind), Plan.from_dict(config["plan"]), args)
+    except UserError as exc:
+        return {"error": str(exc)}
+    losses = trainer.run()
+    stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(full_params(trainer), stages, dst=0)
+    params = {name: value for share in stages or [] for name, value in share.items()}
+    distinct = len({id(p) for part in trainer.par.parts for p in part.parameters()})
+    return {"losses": losses, "params": params, "distinct": distinct}
+
+
 def main() -> None:
     configs = json.load(open(sys.argv[1]))
     results = Path(sys.argv[2])
     init_distributed()
     for config in configs:
         dist.barrier()
-        args = TrainArgs(steps=STEPS, seed=SEED, run_dir=sys.argv[3], log_every=10**9)
-        kind = config["kind"]
-        try:
-            trainer = Trainer(lambda: build(kind), Plan.from_dict(config["plan"]), args)
-        except UserError as exc:
-            if dist.get_rank() == 0:
-                torch.save({"error": str(exc)}, results / f"{config['name']}.pt")
-            continue
-        losses = trainer.run()
-        stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(full_params(trainer), stages, dst=0)
-        params = {name: value for share in stages or [] for name, value in share.items()}
-        distinct = len({id(p) for part in trainer.par.parts for p in part.parameters()})
+        with groups_given_back():
+            outcome = run_case(config)
         if dist.get_rank() == 0:
-            torch.save({"losses": losses, "params": params, "distinct": distinct},
-                       results / f"{config['name']}.pt")
-            print(f"{config['name']}: {losses}", flush=True)
-        del trainer
-        gc.collect()
+            torch.save(outcome, results / f"{config['name']}.pt")
+            print(f"{config['name']}: {outcome.get('losses', outcome.get('error'))}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
