@@ -53,7 +53,7 @@ class _Parts:
 
 
 _FAMILIES = {
-    "gemma": _Parts(), "llama": _Parts(), "mistral": _Parts(), "mixtral": _Parts(),
+    "gemma": _Parts(), "gemma2": _Parts(), "gemma3_text": _Parts(), "llama": _Parts(), "mistral": _Parts(), "mixtral": _Parts(),
     "olmo2": _Parts(), "phi3": _Parts(), "qwen2": _Parts(), "qwen2_moe": _Parts(), "qwen3": _Parts(),
     "mamba": _Parts(embed="embeddings", norm="norm_f"),
     "gpt2": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("wpe", "drop")),

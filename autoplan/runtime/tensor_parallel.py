@@ -105,7 +105,10 @@ class VocabParallelEmbedding(ParallelStyle):
     rows. Here the backward of `to_local` hands the local row gradient back as the
     parameter's Shard(0) gradient.
 
-    Modules that override nn.Embedding.forward (scaled embeddings) keep RowwiseParallel."""
+    Modules that override nn.Embedding.forward (scaled embeddings) keep RowwiseParallel, and
+    with it DTensor's replicated weight gradient; a hook cuts the rank's rows from it, so that
+    what holds the gradient next (the sum of a tied head's copies over pipeline stages, the
+    data-parallel all-reduce, ZeRO-1) finds it laid out as the weight."""
 
     def __init__(self, output_layout: Placement):
         super().__init__()
@@ -113,8 +116,10 @@ class VocabParallelEmbedding(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if type(module).forward is not nn.Embedding.forward:
-            return RowwiseParallel(input_layouts=Replicate(),
-                                   output_layouts=self.output_layout)._apply(module, device_mesh)
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=self.output_layout)._apply(
+                module, device_mesh)
+            module.weight.register_hook(_as_sharded_rows)
+            return module
 
         def shard_rows(name, mod, mesh):
             mod.register_parameter("weight", nn.Parameter(
@@ -144,6 +149,12 @@ class SequenceShardOutput(ParallelStyle):
 
         module.register_forward_hook(shard)
         return module
+
+
+def _as_sharded_rows(grad: DTensor) -> DTensor:
+    """A Shard(0) embedding weight's gradient in its weight's layout (replicate -> shard cuts
+    the local rows, no communication)."""
+    return grad.redistribute(grad.device_mesh, [Shard(0)])
 
 
 def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor, mesh: DeviceMesh,

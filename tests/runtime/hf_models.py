@@ -131,6 +131,13 @@ CONFIGS = {
     "hf_falcon": ("FalconConfig", "FalconForCausalLM",
                   dict(_COMMON, new_decoder_architecture=True, num_kv_heads=2, hidden_dropout=0.0,
                        attention_dropout=0.0, bos_token_id=0, eos_token_id=0)),
+    # Gemma-2: an embedding that scales its own output (a subclass of nn.Embedding, which TP
+    # shards row-wise through DTensor), a tied head, soft-capped attention and logits (eager
+    # attention: SDPA has no soft-cap), pre- and post-norms around attention and MLP
+    "hf_gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+                  dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                       query_pre_attn_scalar=16, tie_word_embeddings=True, attention_dropout=0.0,
+                       pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
@@ -144,7 +151,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_gpt2_dropout": "transformer.h", "hf_gpt2_dropout_cp": "transformer.h",
                "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
-               "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h"}
+               "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers"}
 
 
 def build(kind: str, **overrides):
