@@ -139,6 +139,25 @@ def float8_problem(precision: str, zero_stage: int, recipe: str, all_gather: boo
     return None
 
 
+def schedule_problem(schedule: str, pp: int, num_microbatches: int, zero_stage: int) -> str | None:
+    """Why the runtime's pipeline cannot run `schedule` here, or None. torch 2.13's
+    Schedule1F1B refuses fewer micro-batches than stages (pipelining/schedules.py). Its
+    zero-bubble schedules split each backward into an input-gradient step and a later
+    weight-gradient step, which under FSDP resharding after the forward (ZeRO-3) trains wrong
+    weights: measured, a Llama at pp2 x dp2 and at pp2 alone ends 3 steps 7e-4 and 1.3e-3
+    (relative loss) away from one rank, where the same plan at ZeRO-1 or ZeRO-2, or under
+    GPipe or interleaved 1F1B at ZeRO-3, matches it within 2e-7."""
+    if pp < 2:
+        return None
+    if schedule == "1f1b" and num_microbatches < pp:
+        return (f"the 1f1b schedule needs at least as many micro-batches as pipeline stages "
+                f"({num_microbatches} < pp={pp}); use a smaller micro_batch or gpipe")
+    if schedule == "zero-bubble" and zero_stage == 3:
+        return ("the zero-bubble schedule's separate weight-gradient step does not train correctly "
+                "under ZeRO-3 (FSDP resharding after the forward); use zero_stage 1 or 2, or 1f1b")
+    return None
+
+
 def async_tp_problem(async_tp: bool, tp: int, sequence_parallel: bool, compile_: bool,
                      gpu: str) -> str | None:
     """Why async TP cannot run under these settings, or None. Inductor's micro-pipeline TP

@@ -13,7 +13,8 @@ import re
 from typing import Any
 
 from autoplan.config import (FLOAT8_RECIPES, OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES, TP_STYLE_FORMS,
-                             async_tp_problem, float8_problem, tp_style_known)
+                             async_tp_problem, float8_problem, schedule_problem,
+                             tp_style_known)
 from autoplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 
 MODEL_SOURCES = ("catalog", "config", "transformers", "file")
@@ -129,6 +130,7 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
                                    data.get("sequence_parallel", True), data.get("compile", False),
                                    str(data.get("gpu", "")))
         problems += [problem] if problem else []
+    problems += _schedule_problems(data)
     stages = data.get("stages", [])
     if not isinstance(stages, list) or not all(_is_str_list(stage) for stage in stages):
         problems.append("stages must be a list of lists of block module paths")
@@ -137,6 +139,15 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
         problems.append(f"recompute must map block paths to one of {list(RECOMPUTE)}, "
                         f"got {_shown(recompute)}")
     return problems
+
+
+def _schedule_problems(data: dict[str, Any]) -> list[str]:
+    numbers = [data.get(name, 1) for name in ("pp", "global_batch", "dp", "micro_batch", "zero_stage")]
+    if not all(is_int(n) and n >= 0 for n in numbers) or 0 in numbers[1:4]:
+        return []  # said above
+    pp, batch, dp, micro_batch, zero = numbers
+    problem = schedule_problem(data.get("schedule", SCHEDULES[0]), pp, batch // (dp * micro_batch), zero)
+    return [problem] if problem else []
 
 
 def _float8_problems(data: dict[str, Any]) -> list[str]:

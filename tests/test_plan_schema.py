@@ -136,3 +136,34 @@ def test_train_py_check_only_refuses_a_nan_learning_rate(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "autoplan: error: optimizer.lr must be a finite number > 0, got nan" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# torch's Schedule1F1B refuses fewer micro-batches than stages when the job starts, and the
+# zero-bubble schedules train wrong weights under ZeRO-3 (config.schedule_problem's numbers):
+# a plan file asking for either is refused when read, and the planner never offers them.
+SCHEDULE_CASES = [
+    ({"pp": 2, "dp": 2, "micro_batch": 4, "schedule": "1f1b"}, "1f1b schedule needs at least as many"),
+    ({"pp": 2, "dp": 2, "micro_batch": 1, "zero_stage": 3, "schedule": "zero-bubble"}, "zero-bubble"),
+]
+
+
+@pytest.mark.parametrize("changes,message", SCHEDULE_CASES, ids=["1f1b_too_few_microbatches", "zero_bubble_zero3"])
+def test_a_schedule_the_runtime_cannot_run_is_refused_when_read(changes, message):
+    stages = {"stages": [["layers.0"], ["layers.1"]]}
+    with pytest.raises(PlanFormatError, match=message):
+        Plan.from_dict({**EXAMPLE, **stages, **changes})
+    fine = {**changes, "schedule": "gpipe"}
+    Plan.from_dict({**EXAMPLE, **stages, **fine})  # the same plan under GPipe loads
+
+
+@pytest.mark.parametrize("fixes", [["schedule=1f1b", "micro-batch=4"], ["schedule=zero-bubble", "zero=3"]],
+                         ids=["1f1b_too_few_microbatches", "zero_bubble_zero3"])
+def test_the_planner_never_offers_such_a_schedule(fixes, run_cli, tmp_path):
+    args = ["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--seq-len", "64",
+            "--fix", "pp=2", "--fix", "dp=2", "-o", str(tmp_path / "plan.json")]
+    code, out, err = run_cli(*args, *[a for fix in fixes for a in ("--fix", fix)])
+    assert code == 2 and "no configuration" in " ".join(err.split()), (out, err)
+    code, out, err = run_cli(*args, "--fix", fixes[1])  # free to pick the schedule, it plans
+    assert code == 0, err
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert Plan.from_dict(plan) and not (plan["schedule"] == "zero-bubble" and plan["zero_stage"] == 3)

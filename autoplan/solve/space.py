@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from autoplan.config import FLOAT8_RECIPES, PRECISIONS, ParallelConfig, async_tp_problem
+from autoplan.config import FLOAT8_RECIPES, PRECISIONS, ParallelConfig, async_tp_problem, schedule_problem
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph
 
@@ -197,11 +197,12 @@ def ep_reason(graph: ModelGraph, ep: int, dp: int, cp: int) -> str | None:
     return None
 
 
-def schedules(pp: int, num_microbatches: int, num_layers: int) -> list[tuple[str, int]]:
+def schedules(pp: int, num_microbatches: int, num_layers: int, zero_stage: int) -> list[tuple[str, int]]:
     """(schedule, vpp) options for a pipeline of pp stages."""
     if pp == 1:
         return [("1f1b", 1)]
-    options = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1)]
+    options = [(s, 1) for s in ("gpipe", "1f1b", "zero-bubble")
+               if schedule_problem(s, pp, num_microbatches, zero_stage) is None]
     if num_microbatches % pp == 0:
         options += [("interleaved-1f1b", v) for v in (2, 4) if pp * v <= num_layers]
     return options
@@ -244,7 +245,7 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
                 if per_rank % mb:
                     continue
                 m = per_rank // mb
-                for schedule, vpp in _schedule_options(pp, m, graph.num_layers, fixed):
+                for schedule, vpp in _schedule_options(pp, m, graph.num_layers, zero, fixed):
                     for precision in request.precisions:
                         for offload in _offloads(zero, fixed, request.allow_offload):
                             yield ParallelConfig(
@@ -275,8 +276,8 @@ def float8_settings(precision: str, zero: int, fixed: dict) -> dict:
     return {"float8_recipe": recipe, "float8_all_gather": zero == 3 and recipe == "tensorwise"}
 
 
-def _schedule_options(pp: int, m: int, layers: int, fixed: dict) -> list[tuple[str, int]]:
-    options = schedules(pp, m, layers)
+def _schedule_options(pp: int, m: int, layers: int, zero: int, fixed: dict) -> list[tuple[str, int]]:
+    options = schedules(pp, m, layers, zero)
     if "schedule" in fixed:
         options = [(s, v) for s, v in options if s == fixed["schedule"]]
     if "vpp" in fixed:
