@@ -269,12 +269,19 @@ CONFIGS = {
                                   recompute={"layers.1": "selective"})),
         "moe_dp2_tp2_sp_ep2_zero2": ("mixtral", P("mixtral", dp=2, tp=2, ep=2, zero_stage=2)),
         "pp2_cp2": ("llama", P(pp=2, cp=2, schedule="1f1b")),
+        # the zero-bubble schedule's separate weight-gradient step under FSDP (ZeRO-2; ZeRO-3
+        # is refused: config.schedule_problem)
+        "pp2_dp2_zero_bubble_zero2": ("llama", P(pp=2, dp=2, zero_stage=2, schedule="zero-bubble")),
         # Hugging Face transformers models, built from config objects (tests/runtime/hf_models.py)
         "hf_llama_dp2_tp2_zero3": ("hf_llama", P("hf_llama", dp=2, tp=2, zero_stage=3)),
         "hf_llama_pp2_dp2_zero3": ("hf_llama", P("hf_llama", pp=2, dp=2, zero_stage=3,
                                                  schedule="1f1b")),
         "hf_llama_pp2_tp2": ("hf_llama", P("hf_llama", pp=2, tp=2, schedule="gpipe")),
         "hf_llama_pp2_cp2": ("hf_llama", P("hf_llama", pp=2, cp=2, schedule="1f1b")),
+        # an embedding that scales its own output (DTensor's row-wise style, whose weight
+        # gradient comes back replicated) tied to the head on the last stage, under TP
+        "hf_gemma2_pp2_tp2_traced": ("hf_gemma2", functools.partial(
+            traced_plan_dict, "hf_gemma2", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         # autocast from fp32 weights: the RoPE hands the ring fp32 q/k beside a bf16 v, and
         # the ring takes autocast's bf16 cast of them, as SDPA does
         "hf_llama_dp2_cp2_bf16": ("hf_llama", P("hf_llama", dp=2, cp=2, precision="bf16")),
