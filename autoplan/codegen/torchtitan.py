@@ -125,7 +125,10 @@ def _parallelism(plan: Plan, version: str) -> dict[str, Any]:
     replicate, shard = (plan.dp, 1) if plan.zero_stage == 0 else (plan.dp_replicate, plan.dp_shard)
     section: dict[str, Any] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard}
     if shard > 1:
-        section["fsdp_reshard_after_forward"] = "default" if plan.zero_stage == 3 else "never"
+        # torchtitan's "default" keeps the parameters gathered after the forward under PP
+        # (ZeRO-2 there): a pipelined ZeRO-3 plan says "always"
+        section["fsdp_reshard_after_forward"] = ("never" if plan.zero_stage != 3 else
+                                                 "always" if plan.pp > 1 else "default")
     section["tensor_parallel_degree"] = plan.tp
     if plan.tp > 1 and not is_legacy(version):
         section["enable_sequence_parallel"] = plan.sequence_parallel

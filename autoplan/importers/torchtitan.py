@@ -74,7 +74,7 @@ def read(value: str, *, num_gpus: int, global_batch: int | None, seq_len: int | 
     check_ep(ep, dp, cp, tp, source)
     if positive_int(par.get("expert_tensor_parallel_degree", 1), "expert_tensor_parallel_degree", source) != 1:
         unsupported.append("parallelism.expert_tensor_parallel_degree > 1: experts are modelled with expert-TP 1")
-    zero = _zero(shard, replicate, par.get("fsdp_reshard_after_forward", "default"), notes)
+    zero = _zero(shard, replicate, par.get("fsdp_reshard_after_forward", "default"), pp, notes)
     micro, gb = _batch(training, par, dp, pp, global_batch, source, notes)
     schedule, vpp, per_stage = _schedule(par, pp, notes, unsupported)
     stage_layers = _model_parts(par.get("module_fqns_per_model_part"), pp, source)
@@ -134,14 +134,16 @@ def _section(data: dict[str, Any], name: str, source: str) -> dict[str, Any]:
     return section
 
 
-def _zero(shard: int, replicate: int, reshard: str, notes: list[str]) -> int:
+def _zero(shard: int, replicate: int, reshard: str, pp: int, notes: list[str]) -> int:
     if shard == 1:
         if replicate > 1:
             notes.append("data_parallel_shard_degree 1: DDP (replicated parameters, ZeRO-0)")
         return 0
-    if reshard == "never":
-        notes.append("fsdp_reshard_after_forward never: parameters stay gathered between forward and backward "
-                     "(modelled as ZeRO-2)")
+    # torchtitan's "default" policy keeps the parameters gathered after the forward under PP
+    # (reshard_after_forward = not pp_enabled, models/llama3/infra/parallelize.py apply_fsdp)
+    if reshard == "never" or (reshard == "default" and pp > 1):
+        notes.append(f"fsdp_reshard_after_forward {reshard}{' with PP' if reshard == 'default' else ''}: "
+                     "parameters stay gathered between forward and backward (modelled as ZeRO-2)")
         return 2
     notes.append(f"FSDP2 over {shard} ranks{f', HSDP with {replicate} replicas' if replicate > 1 else ''}: ZeRO-3")
     return 3

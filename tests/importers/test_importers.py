@@ -128,7 +128,10 @@ def test_deepspeed_missing_file():
 def test_torchtitan_sample_maps_parallelism_training_and_ac():
     imp = load_imported("torchtitan", str(CONFIGS / "torchtitan_llama3_8b.toml"), num_gpus=16)
     c = imp.config
-    assert (c.dp, c.tp, c.pp, c.cp, c.zero_stage) == (4, 2, 2, 1, 3)  # shard -1: 16 / (tp 2 x pp 2)
+    # shard -1: 16 / (tp 2 x pp 2); torchtitan's default reshard policy under PP keeps the
+    # parameters gathered after the forward (reshard_after_forward = not pp_enabled): ZeRO-2
+    assert (c.dp, c.tp, c.pp, c.cp, c.zero_stage) == (4, 2, 2, 1, 2)
+    assert any("default with PP" in note for note in imp.notes), imp.notes
     assert (c.micro_batch, c.global_batch, c.seq_len) == (2, 64, 8192)
     assert (c.recompute, c.precision, c.schedule) == ("selective", "fp8", "interleaved-1f1b")
     assert imp.unsupported == []
