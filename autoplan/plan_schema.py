@@ -142,10 +142,10 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
 
 
 def _schedule_problems(data: dict[str, Any]) -> list[str]:
-    numbers = [data.get(name, 1) for name in ("pp", "global_batch", "dp", "micro_batch", "zero_stage")]
-    if not all(is_int(n) and n >= 0 for n in numbers) or 0 in numbers[1:4]:
+    pp, batch, dp, micro_batch = (data.get(name, 1) for name in ("pp", "global_batch", "dp", "micro_batch"))
+    zero = data.get("zero_stage", 0)
+    if not all(is_int(n) and n >= 1 for n in (pp, batch, dp, micro_batch)) or not is_int(zero):
         return []  # said above
-    pp, batch, dp, micro_batch, zero = numbers
     problem = schedule_problem(data.get("schedule", SCHEDULES[0]), pp, batch // (dp * micro_batch), zero)
     return [problem] if problem else []
 

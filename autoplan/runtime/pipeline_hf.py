@@ -53,8 +53,9 @@ class _Parts:
 
 
 _FAMILIES = {
-    "gemma": _Parts(), "gemma2": _Parts(), "gemma3_text": _Parts(), "llama": _Parts(), "mistral": _Parts(), "mixtral": _Parts(),
-    "olmo2": _Parts(), "phi3": _Parts(), "qwen2": _Parts(), "qwen2_moe": _Parts(), "qwen3": _Parts(),
+    "gemma": _Parts(), "gemma2": _Parts(), "gemma3_text": _Parts(), "llama": _Parts(),
+    "mistral": _Parts(), "mixtral": _Parts(), "olmo2": _Parts(), "phi3": _Parts(), "qwen2": _Parts(),
+    "qwen2_moe": _Parts(), "qwen3": _Parts(),
     "mamba": _Parts(embed="embeddings", norm="norm_f"),
     "gpt2": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("wpe", "drop")),
     "gpt_neox": _Parts(embed="embed_in", norm="final_layer_norm", first_stage_only=("emb_dropout",)),
