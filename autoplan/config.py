@@ -139,9 +139,12 @@ def float8_problem(precision: str, zero_stage: int, recipe: str, all_gather: boo
     return None
 
 
-def schedule_problem(schedule: str, pp: int, num_microbatches: int, zero_stage: int) -> str | None:
+def schedule_problem(schedule: str, pp: int, num_microbatches: int, zero_stage: int,
+                     vpp: int = 1) -> str | None:
     """Why the runtime's pipeline cannot run `schedule` here, or None. torch 2.13's
-    Schedule1F1B refuses fewer micro-batches than stages (pipelining/schedules.py). Its
+    Schedule1F1B refuses fewer micro-batches than stages, and its interleaved schedules
+    (Interleaved1F1B, InterleavedZeroBubble: pipelining/schedules.py) run them in rounds of
+    pp and refuse a count that is not a whole number of its max(1, m // pp) rounds. Its
     zero-bubble schedules split each backward into an input-gradient step and a later
     weight-gradient step, which under FSDP resharding after the forward (ZeRO-3) trains wrong
     weights: measured, a Llama at pp2 x dp2 and at pp2 alone ends 3 steps 7e-4 and 1.3e-3
@@ -149,13 +152,26 @@ def schedule_problem(schedule: str, pp: int, num_microbatches: int, zero_stage: 
     GPipe or interleaved 1F1B at ZeRO-3, matches it within 2e-7."""
     if pp < 2:
         return None
-    if schedule == "1f1b" and num_microbatches < pp:
+    if schedule == "1f1b" and vpp == 1 and num_microbatches < pp:
         return (f"the 1f1b schedule needs at least as many micro-batches as pipeline stages "
                 f"({num_microbatches} < pp={pp}); use a smaller micro_batch or gpipe")
     if schedule == "zero-bubble" and zero_stage == 3:
         return ("the zero-bubble schedule's separate weight-gradient step does not train correctly "
                 "under ZeRO-3 (FSDP resharding after the forward); use zero_stage 1 or 2, or 1f1b")
+    rounds = max(1, num_microbatches // pp)
+    if _runs_in_rounds(schedule, vpp) and num_microbatches % rounds:
+        return (f"the {schedule} schedule at vpp={vpp} runs micro-batches in rounds of pp={pp}, and "
+                f"{num_microbatches} micro-batches are not {rounds} whole rounds; use a number of "
+                f"micro-batches that is a multiple of {pp}, or gpipe")
     return None
+
+
+def _runs_in_rounds(schedule: str, vpp: int) -> bool:
+    """Whether runtime/pipeline.build_schedule picks a torch schedule that runs rounds of pp
+    micro-batches: interleaved 1F1B, and zero-bubble other than ZB-V (vpp 2)."""
+    if schedule == "zero-bubble":
+        return vpp != 2
+    return schedule != "gpipe" and (vpp > 1 or schedule == "interleaved-1f1b")
 
 
 def async_tp_problem(async_tp: bool, tp: int, sequence_parallel: bool, compile_: bool,

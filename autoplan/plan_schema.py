@@ -142,11 +142,11 @@ def _config_problems(data: dict[str, Any]) -> list[str]:
 
 
 def _schedule_problems(data: dict[str, Any]) -> list[str]:
-    pp, batch, dp, micro_batch = (data.get(name, 1) for name in ("pp", "global_batch", "dp", "micro_batch"))
+    pp, batch, dp, micro_batch, vpp = (data.get(name, 1) for name in ("pp", "global_batch", "dp", "micro_batch", "vpp"))
     zero = data.get("zero_stage", 0)
-    if not all(is_int(n) and n >= 1 for n in (pp, batch, dp, micro_batch)) or not is_int(zero):
+    if not all(is_int(n) and n >= 1 for n in (pp, batch, dp, micro_batch, vpp)) or not is_int(zero):
         return []  # said above
-    problem = schedule_problem(data.get("schedule", SCHEDULES[0]), pp, batch // (dp * micro_batch), zero)
+    problem = schedule_problem(data.get("schedule", SCHEDULES[0]), pp, batch // (dp * micro_batch), zero, vpp)
     return [problem] if problem else []
 
 

@@ -138,28 +138,38 @@ def test_train_py_check_only_refuses_a_nan_learning_rate(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-# torch's Schedule1F1B refuses fewer micro-batches than stages when the job starts, and the
+# torch's Schedule1F1B refuses fewer micro-batches than stages when the job starts, its
+# interleaved schedules refuse a count that is not whole rounds of pp (5 at pp 2), and the
 # zero-bubble schedules train wrong weights under ZeRO-3 (config.schedule_problem's numbers):
-# a plan file asking for either is refused when read, and the planner never offers them.
+# a plan file asking for any is refused when read, and the planner never offers them.
+TWO_STAGES, FOUR_STAGES = [["layers.0"], ["layers.1"]], [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
 SCHEDULE_CASES = [
     ({"pp": 2, "dp": 2, "micro_batch": 4, "schedule": "1f1b"}, "1f1b schedule needs at least as many"),
     ({"pp": 2, "dp": 2, "micro_batch": 1, "zero_stage": 3, "schedule": "zero-bubble"}, "zero-bubble"),
+    ({"pp": 2, "dp": 2, "micro_batch": 1, "global_batch": 10, "zero_stage": 1, "schedule": "zero-bubble"},
+     "5 micro-batches are not 2 whole rounds"),
+    ({"pp": 2, "dp": 2, "micro_batch": 1, "global_batch": 10, "vpp": 2, "stages": FOUR_STAGES,
+      "schedule": "interleaved-1f1b"}, "5 micro-batches are not 2 whole rounds"),
 ]
+SCHEDULE_IDS = ["1f1b_too_few_microbatches", "zero_bubble_zero3", "zero_bubble_partial_round",
+                "interleaved_partial_round"]
 
 
-@pytest.mark.parametrize("changes,message", SCHEDULE_CASES, ids=["1f1b_too_few_microbatches", "zero_bubble_zero3"])
+@pytest.mark.parametrize("changes,message", SCHEDULE_CASES, ids=SCHEDULE_IDS)
 def test_a_schedule_the_runtime_cannot_run_is_refused_when_read(changes, message):
-    stages = {"stages": [["layers.0"], ["layers.1"]]}
+    stages = {"stages": TWO_STAGES}
     with pytest.raises(PlanFormatError, match=message):
         Plan.from_dict({**EXAMPLE, **stages, **changes})
     fine = {**changes, "schedule": "gpipe"}
     Plan.from_dict({**EXAMPLE, **stages, **fine})  # the same plan under GPipe loads
 
 
-@pytest.mark.parametrize("fixes", [["schedule=1f1b", "micro-batch=4"], ["schedule=zero-bubble", "zero=3"]],
-                         ids=["1f1b_too_few_microbatches", "zero_bubble_zero3"])
+@pytest.mark.parametrize("fixes", [["schedule=1f1b", "micro-batch=4"], ["schedule=zero-bubble", "zero=3"],
+                                   ["schedule=zero-bubble", "micro-batch=1"]],
+                         ids=["1f1b_too_few_microbatches", "zero_bubble_zero3", "zero_bubble_partial_round"])
 def test_the_planner_never_offers_such_a_schedule(fixes, run_cli, tmp_path):
-    args = ["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--seq-len", "64",
+    batch = "10" if "micro-batch=1" in fixes else "8"
+    args = ["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "4", "--global-batch", batch, "--seq-len", "64",
             "--fix", "pp=2", "--fix", "dp=2", "-o", str(tmp_path / "plan.json")]
     code, out, err = run_cli(*args, *[a for fix in fixes for a in ("--fix", fix)])
     assert code == 2 and "no configuration" in " ".join(err.split()), (out, err)
