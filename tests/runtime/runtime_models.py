@@ -8,6 +8,7 @@ when the runtime's data order, loss averaging, clipping or LR schedule drift.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import re
@@ -296,15 +297,13 @@ def _hf_plan_dict(kind: str, **over) -> dict:
     return plan
 
 
-def traced_plan_dict(kind: str, **over) -> dict:
-    """`plan_dict` with what a generated job gets from the planner: the TP styles (and EP
-    modules) derived from the traced model (token ids given positionally, as `autoplan plan
-    hf:config.json` traces), not written by hand. No TP pair found is an error: a plan without
-    styles would train replicated and match the reference without testing TP."""
+@functools.lru_cache(maxsize=None)
+def traced_graph(kind: str):
+    """The planner's graph of `kind` (token ids given positionally, as `autoplan plan
+    hf:config.json` traces): one trace per kind however many plans read it."""
     from autoplan.runtime.model_io import model_call
     from autoplan.trace.tracer import trace_model
 
-    plan = plan_dict(kind, **over)
     with torch.device("meta"):
         model = builder(kind)()
     inputs = (torch.zeros(1, image_models.CHANNELS, image_models.IMAGE_SIZE, image_models.IMAGE_SIZE,
@@ -312,7 +311,16 @@ def traced_plan_dict(kind: str, **over) -> dict:
               torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"))
     # an encoder-decoder reads the same tokens on both sides, as the runtime calls it (model_io)
     decoder = {"decoder_input_ids": inputs} if "decoder_input_ids" in model_call(model).accepted else None
-    graph = trace_model(model, (inputs,), name=kind, example_kwargs=decoder)
+    return trace_model(model, (inputs,), name=kind, example_kwargs=decoder)
+
+
+def traced_plan_dict(kind: str, **over) -> dict:
+    """`plan_dict` with what a generated job gets from the planner: the TP styles (and EP
+    modules) derived from the traced model (traced_graph), not written by hand. No TP pair
+    found is an error: a plan without styles would train replicated and match the reference
+    without testing TP."""
+    plan = plan_dict(kind, **over)
+    graph = traced_graph(kind)
     if not graph.tensor_parallel or "tp" in graph.refused:
         raise AssertionError(f"{kind}: no tensor parallelism offered: {graph.tp_unsplit} {graph.refused}")
     plan["tp_styles"] = {scope: dict(styles) for scope, styles in graph.tp_styles.items()}
