@@ -9,7 +9,8 @@ recompute and FSDP find their modules by the plan's paths.
   stage 0        embeds the token ids (`input_ids`);
   later stages   receive the hidden states as `inputs_embeds` (their embedding is removed);
                  what the base model does to the embeddings before its first block (GPT-2's
-                 learned positions, an embedding dropout, Granite's embedding multiplier)
+                 learned positions, an embedding dropout, Granite's embedding multiplier,
+                 OPT's input projection)
                  is left out there: positions add a zero, dropouts pass through, the
                  multiplier is 1;
   every stage    builds the rotary cos/sin from `position_ids` (this rank's positions; a
@@ -17,7 +18,8 @@ recompute and FSDP find their modules by the plan's paths.
   an encoder     (BERT) whose embedding module is a stem the base model always calls (it adds
                  positions and token types and normalises): on later stages the stem hands
                  its `inputs_embeds` on as they are;
-  last stage     applies the final norm and the head through the causal LM's forward;
+  last stage     applies the final norm (and an output projection, OPT's) and the head
+                 through the causal LM's forward;
                  other stages run the base model alone, with the final norm a `StageGap`,
                  so their output is the hidden states.
 The module names differ by family (_FAMILIES); the families verified are SPLIT_MODEL_TYPES
@@ -50,6 +52,14 @@ class _Parts:
     # (Granite's embedding_multiplier, Starcoder2's embedding_dropout)
     later_stage_values: tuple[tuple[str, float], ...] = ()
     layer_tuple: bool = False  # the base model reads a layer's output as `outputs[0]` (Falcon)
+    # the base model's module that holds the parts above, "" for the base model itself (OPT's
+    # `decoder`)
+    decoder: str = ""
+    # output-side modules only the last stage applies, after the final norm (OPT's project_out)
+    last_stage_only: tuple[str, ...] = ()
+    # parts a config may leave None (OPT's projections where word_embed_proj_dim = hidden_size,
+    # its final norm where do_layer_norm_before is false)
+    optional: tuple[str, ...] = ()
 
 
 _FAMILIES = {
@@ -65,6 +75,8 @@ _FAMILIES = {
     "starcoder2": _Parts(later_stage_values=(("embedding_dropout", 0.0),)),
     "falcon": _Parts(embed="word_embeddings", layers="h", norm="ln_f", layer_tuple=True),
     "deepseek_v3": _Parts(),
+    "opt": _Parts(decoder="decoder", norm="final_layer_norm", first_stage_only=("embed_positions", "project_in"),
+                  last_stage_only=("project_out",), optional=("final_layer_norm", "project_in", "project_out")),
     "bert": _Parts(embed="embeddings", layers="encoder.layer", norm="", head="cls", stem=True),
 }
 SPLIT_MODEL_TYPES = tuple(sorted(_FAMILIES))
@@ -101,8 +113,9 @@ class _NoPositions(StageGap):
     the plan gives the embedding (a vocab_embedding where the positions number the
     vocabulary) is not applied to it."""
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), device=position_ids.device)
+    def forward(self, positions: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # the position ids (GPT-2) or, first, the attention mask they come from (OPT)
+        return torch.zeros((), device=positions.device)
 
 
 def hf_split_problem(model: nn.Module) -> str | None:
@@ -115,18 +128,25 @@ def hf_split_problem(model: nn.Module) -> str | None:
         return (f"the pipeline split of Hugging Face models is verified for "
                 f"{', '.join(SPLIT_MODEL_TYPES)} only, not {model_type!r}")
     parts = _FAMILIES[model_type]
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    names = tuple(n for n in (parts.embed, parts.layers, parts.norm, *parts.first_stage_only) if n)
-    if base is None or not all(_get(base, n) is not None for n in names) or not hasattr(model, parts.head):
+    base = _decoder(getattr(model, getattr(model, "base_model_prefix", ""), None), parts)
+    names = tuple(n for n in (parts.embed, parts.layers, parts.norm, *parts.first_stage_only,
+                              *parts.last_stage_only) if n)
+    if base is None or not all(_get(base, n) is not None or n in parts.optional for n in names) \
+            or not hasattr(model, parts.head):
         return f"it lacks the {' / '.join(names)} / {parts.head} modules the split expects"
     return None
+
+
+def _decoder(base: nn.Module | None, parts: _Parts) -> nn.Module | None:
+    """The module of the base model that holds the family's parts."""
+    return _get(base, parts.decoder) if base is not None and parts.decoder else base
 
 
 def hf_block_paths(model: nn.Module) -> list[str]:
     """The full paths of the decoder blocks of a model `hf_split_problem` accepts."""
     parts = _FAMILIES[model.config.model_type]
-    prefix = model.base_model_prefix
-    return [f"{prefix}.{parts.layers}.{i}" for i in range(len(_get(getattr(model, prefix), parts.layers)))]
+    prefix = ".".join(n for n in (model.base_model_prefix, parts.decoder, parts.layers) if n)
+    return [f"{prefix}.{i}" for i in range(len(_get(model, prefix)))]
 
 
 def _get(module: nn.Module, dotted: str) -> nn.Module | None:
@@ -181,7 +201,8 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     parts = _FAMILIES[model.config.model_type]
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
-    blocks = _get(base, parts.layers)
+    decoder = _decoder(base, parts)
+    blocks = _get(decoder, parts.layers)
     layer_paths = hf_block_paths(model)
     shells = []
     for k, paths in enumerate(stages):
@@ -189,17 +210,20 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
         layers = nn.ModuleList(layer if path in paths else _OtherStageLayer(parts.layer_tuple)
                                for layer, path in zip(blocks, layer_paths))
         later_embed = _PassEmbeddings() if parts.stem else None
-        children = {**_with_child(base, parts.layers, layers),
-                    parts.embed: getattr(base, parts.embed) if first else later_embed}
-        if parts.norm:
-            children[parts.norm] = getattr(base, parts.norm) if last else StageGap()
-        for name in parts.first_stage_only:
-            module = getattr(base, name)
-            children[name] = module if first else (
-                _NoPositions() if isinstance(module, nn.Embedding) else StageGap())
-        stage_base = _shell(base, children)
+        children = {**_with_child(decoder, parts.layers, layers),
+                    parts.embed: getattr(decoder, parts.embed) if first else later_embed}
+        ends = [(name, first) for name in parts.first_stage_only]
+        ends += [(name, last) for name in (parts.norm, *parts.last_stage_only) if name]
+        for name, kept in ends:
+            module = getattr(decoder, name)
+            if module is None or kept:
+                children[name] = module
+            else:
+                children[name] = _NoPositions() if isinstance(module, nn.Embedding) else StageGap()
+        stage_decoder = _shell(decoder, children)
         for name, no_op in parts.later_stage_values if not first else ():
-            setattr(stage_base, name, no_op)
+            setattr(stage_decoder, name, no_op)
+        stage_base = _shell(base, _with_child(base, parts.decoder, stage_decoder)) if parts.decoder else stage_decoder
         root = _shell(model, {prefix: stage_base,
                               parts.head: getattr(model, parts.head) if last else StageGap()})
         root.forward = _stage_forward(root, prefix, first, last, positions, zigzag)

@@ -182,6 +182,9 @@ CONFIGS = {
         "hf_deepseek_v3_cp2": ("hf_deepseek_v3", P("hf_deepseek_v3", cp=2)),
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
+        # OPT-350m's layout: word embeddings projected in on the first stage and out on the last,
+        # and tied to the head across the two stages
+        "hf_opt_350m_layout_pp2": ("hf_opt_350m_layout", P("hf_opt_350m_layout", pp=2, schedule="1f1b")),
         "hf_mamba_zero3": ("hf_mamba", P("hf_mamba", dp=2, zero_stage=3)),
         # nn.MultiheadAttention through ring attention (not causal: an encoder's)
         "encoder_cp2": ("encoder", P("encoder", cp=2, cp_buffers={}, cp_modules=[
