@@ -20,7 +20,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 OFFLOAD = ("none", "optimizer", "params", "both")
 # tensor-parallel styles of a plan's tp_styles (autoplan.runtime.tensor_parallel applies them)
-TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "final_norm", "prepare_input",
+TP_STYLES = ("colwise", "rowwise", "rowwise_copy", "sequence_parallel", "final_norm", "prepare_input",
              "vocab_embedding", "whole_embedding", "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv",
              "colwise_heads", "head_embedding", "colwise_qkv_global", "mha_heads", "sharded_rms_norm",
              "replicated", "colwise_local")

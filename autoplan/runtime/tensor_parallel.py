@@ -191,13 +191,30 @@ def _on_first_input(transform):
     """A with_kwargs forward pre-hook applying `transform` to the first tensor input."""
 
     def hook(module, args, kwargs):
-        kwargs = without_causal_only_mask(module, kwargs)
+        name = None if args else next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
+        given = args[0] if args else kwargs[name]
+        seen = transform(given)
+        # gathered from a sequence shard: a mask the model sized from its shard (Falcon
+        # always builds one) stands for causality over the whole sequence (model_io)
+        gathered = seen.dim() > 1 and given.dim() > 1 and seen.shape[1] != given.shape[1]
+        kwargs = without_causal_only_mask(module, kwargs, seen.shape[1] if gathered else None)
         if args:
-            return (transform(args[0]), *args[1:]), kwargs
-        name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
-        return args, {**kwargs, name: transform(kwargs[name])}
+            return (seen, *args[1:]), kwargs
+        return args, {**kwargs, name: seen}
 
     return hook
+
+
+class RowwiseParallelOwnOutput(RowwiseParallel):
+    """RowwiseParallel whose plain output is a tensor of its own, not DTensor's view of its
+    local shard, for a model that writes to it in place (Falcon's `mlp_output +=
+    attention_output`; autograd refuses in-place writes to a view a custom Function returned).
+    It costs one copy of the output: the plan asks for it ("rowwise_copy") only there."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output else out
 
 
 def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
@@ -222,6 +239,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return ColwiseParallel()
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq)
+    if name == "rowwise_copy":
+        return RowwiseParallelOwnOutput(output_layouts=seq)
     if name == "sequence_parallel":  # a plain shard out: after a post-norm (BERT) it is the
         # residual, added to a row-parallel linear's plain output
         return SequenceParallel(use_local_output=True) if sequence_parallel else None
@@ -354,7 +373,7 @@ def _mark_shard_regions(model: nn.Module, modules: dict[str, nn.Module], table: 
         elif kind in _SHARD_OPENERS:
             module.register_forward_hook(lambda m, args, out: regions.open())
             parents.add(path.rpartition(".")[0])
-        elif kind == "rowwise":
+        elif kind in ("rowwise", "rowwise_copy"):
             module.register_forward_pre_hook(lambda m, args: regions.close())
     for parent in parents:
         modules[parent].register_forward_hook(lambda m, args, out: regions.close())

@@ -231,24 +231,52 @@ def _one_head_each(op: OpInfo, widths: set[int], head_dims: set[int]) -> bool:
 
 
 def _head_major(feeder: str, region: set[str], by_name: dict, inputs: dict) -> bool:
-    """A fused q/k/v column laid out head by head (GPT-NeoX's query_key_value): its output is
-    first viewed as (..., heads, 3 * head_dim) or (..., heads, 3, head_dim) with the
-    attention's own head count, so a contiguous row slice of the weight holds whole heads,
+    """A fused q/k/v column laid out head by head (GPT-NeoX's query_key_value) or group by
+    group (Falcon's new decoder architecture): _head_groups."""
+    return _head_groups(feeder, region, by_name, inputs) > 0
+
+
+def _head_groups(feeder: str, region: set[str], by_name: dict, inputs: dict) -> int:
+    """How many K/V heads a fused q/k/v column laid out head by head or group by group holds,
+    else 0. Its output is viewed (directly, or through views of views) as (..., heads,
+    3 * head_dim) or (..., heads, 3, head_dim) with the attention's own head count, or as
+    (..., groups, q heads per group + 2, head_dim), each K/V head's queries, then its key and
+    value (Falcon). A contiguous row slice of the weight then holds whole heads or groups,
     each with its q, k and v, and the forward's -1 head count (or its own, which the runtime
-    localises: "colwise_heads") reads the rank's heads. (timm's (..., 3, heads, head_dim) and
+    localises: "colwise_heads") reads the rank's. (timm's (..., 3, heads, head_dim) and
     GPT-2's split by width put q, k and v outermost: a row slice mixes them.)"""
     width = by_name[feeder].output_shape[-1] if by_name[feeder].output_shape else 0
     heads = {int(shape[1]) for shape in _query_shapes(region, by_name)}
-    views = [by_name[n] for n in region if feeder in inputs.get(n, ()) and by_name[n].kind == "view"]
-    return len(heads) == 1 and bool(views) and all(_whole_heads_view(v.output_shape, heads, width) for v in views)
+    if len(heads) != 1:
+        return 0
+    found = set()
+    for view in (by_name[n] for n in region if feeder in inputs.get(n, ()) and by_name[n].kind == "view"):
+        groups = _groups_of_view(view.output_shape, heads, width, grouped=False)
+        shape = view.output_shape or ()
+        if not groups and len(shape) >= 4 and shape[-2] * shape[-1] == width:
+            # (..., all q and k/v heads, head_dim), regrouped by later views (Falcon)
+            chain = view
+            for _ in range(3):  # a view read by one other view only: the same values, regrouped
+                readers = [by_name[n] for n in region if chain.name in inputs.get(n, ())]
+                if len(readers) != 1 or readers[0].kind != "view":
+                    break
+                chain = readers[0]
+                groups = groups or _groups_of_view(chain.output_shape, heads, width, grouped=True)
+        found.add(groups)
+    return found.pop() if len(found) == 1 else 0
 
 
-def _whole_heads_view(shape: tuple, heads: set[int], width: int) -> bool:
-    """(..., heads, 3 * head_dim), or (..., heads, 3, head_dim) (Persimmon, Bloom): each head's
-    q, k and v lie together in the column's output."""
-    if len(shape) >= 5 and shape[-2] == 3 and shape[-3] in heads:
-        return shape[-3] * 3 * shape[-1] == width
-    return len(shape) >= 4 and shape[-2] in heads and shape[-2] * shape[-1] == width
+def _groups_of_view(shape: tuple, heads: set[int], width: int, grouped: bool) -> int:
+    """K/V heads of a whole-heads view (_head_groups) of a `width`-wide column, else 0; with
+    `grouped`, also (..., groups, q per group + 2, head_dim)."""
+    if len(shape) >= 5 and shape[-2] == 3 and shape[-3] in heads and shape[-3] * 3 * shape[-1] == width:
+        return int(shape[-3])  # (..., heads, 3, head_dim)
+    if grouped and len(shape) >= 5 and shape[-2] > 3 and shape[-3] * (shape[-2] - 2) in heads \
+            and shape[-3] * shape[-2] * shape[-1] == width:
+        return int(shape[-3])  # (..., groups, q per group + 2, head_dim)
+    if len(shape) >= 4 and shape[-2] in heads and shape[-2] * shape[-1] == width:
+        return int(shape[-2])  # (..., heads, 3 * head_dim)
+    return 0
 
 
 def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict) -> bool:
@@ -428,7 +456,8 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
         fused = _fused(kind, feeders, region, by_name, inputs)
         style = _fused_style(kind, feeders, region, by_name, inputs, order) if fused else None
         columns = sorted(feeders, key=order.index)
-        pairs.append({"column": columns, "row": op.name, "kind": kind,
+        groups = _head_groups(columns[0], region, by_name, inputs) if kind == "attention" and len(columns) == 1 else 0
+        pairs.append({"column": columns, "row": op.name, "kind": kind, "head_groups": groups,
                       "fused": fused and style is None, "column_style": style or "colwise",
                       "kv_styles": {} if fused else _kv_styles(columns, attention, by_name),
                       "attention": attention, "norm_across_heads": [],
@@ -550,8 +579,9 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
             if head_dim and style.partition(":")[0] in ("colwise_qkv", "colwise_qkv_global"):  # [all q | all k | all v]
                 facts["kv_heads"] = int(style.partition(":")[2].split(",")[1])
             elif head_dim:
-                # one column holds q, k and v head by head (_head_major): as many K/V heads as heads
-                facts["kv_heads"] = facts["heads"] if len(widths) == 1 else int(min(widths) // head_dim)
+                # one column holds q, k and v head by head or group by group (_head_groups)
+                facts["kv_heads"] = (pair.get("head_groups") or facts["heads"] if len(widths) == 1
+                                     else int(min(widths) // head_dim))
             if head_dim:
                 tokens = _tokens(by_name[pair["row"]])
                 facts["kv_bytes"] = 2 * tokens * facts["kv_heads"] * head_dim * 2
@@ -608,8 +638,10 @@ def block_scopes(model: nn.Module, paths: tuple[str, ...]) -> list[str]:
     return list(paths)
 
 
-def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dict[str, str]:
-    """Relative path -> TP style of one block class."""
+def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str,
+                  written: frozenset = frozenset()) -> dict[str, str]:
+    """Relative path -> TP style of one block class; a row linear whose output an in-place op
+    of `written` updates gets one of its own ("rowwise_copy")."""
     styles: dict[str, str] = {}
     module_of = {o.name: o.module for o in block_ops}
     for pair in pairs:
@@ -624,7 +656,7 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str) -> dic
                                                 or pair.get("column_style", "colwise"))
         for module in pair.get("replicated", []):
             styles[_relative(module, first)] = REPLICATED
-        styles[_relative(row, first)] = "rowwise"
+        styles[_relative(row, first)] = "rowwise_copy" if pair["row"] in written else "rowwise"
         # the module holding the column linears gathers their input: not the pair's common
         # parent, which can also add the residual (BERT's attention holds its output's
         # dense + LayerNorm(x + residual)) and would hand on the residual gathered, as a DTensor
@@ -673,7 +705,9 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
                 "column": [_relative(c, first) for c in columns], "row": _relative(row, first),
                 "divides": divides, "kv_replicable": bool(pair.get("kv_styles")),
             })
-        styles = _block_styles(block_ops, facts["pairs"], first)
+        in_place = {o.name for o in block_ops if o.writes_input}
+        written = frozenset(src for src, dst in edges if dst in in_place)
+        styles = _block_styles(block_ops, facts["pairs"], first, written)
         for pair in (p for p in facts["pairs"] if p["kind"] == "attention" and block.heads):
             # its attention builds a tensor of its head count, or views q, k and v by one it
             # holds: the runtime gives it the rank's

@@ -54,6 +54,7 @@ class OpInfo:
     # output features of one expert's matrices (gate + up + down), what a selective
     # checkpoint that saves every matmul output keeps (trace/activations.py sac_output_bytes)
     routed_gemm_output_elements: int = 0
+    writes_input: bool = False  # an in-place update of its first input (`x += y`, `x.add_(y)`)
 
 
 @dataclass(frozen=True)

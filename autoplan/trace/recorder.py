@@ -31,6 +31,7 @@ from autoplan.trace.routing import RoutingContext
 _NON_ROUTED_GEMM_KINDS = ("linear", "matmul", "moe_router")
 _ROUTING_FIELDS = ("tokens", "experts", "top_k", "module", "expert_ids")
 _LAYER_KINDS = {"linear", "embedding", "conv", "norm"}
+_IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_"}
 _FLASH_SAVED = {"scaled_dot_product_attention"}
 
 
@@ -112,8 +113,13 @@ class FunctionRecorder(TorchFunctionMode):
         self.op_of: dict[int, str] = {}
         self.names: dict[str, int] = {}
         self.params = {id(p): n for n, p in model.named_parameters()}
+        self.modules_by_path = dict(model.named_modules())
         # GPT-2's Conv1D runs addmm on its transposed weight: a linear, as TP sees it
         self.transposed = {id(m.weight) for m in model.modules() if is_transposed_linear(m)}
+        # a Linear's weight transposed by its own forward (Falcon's FalconLinear computes
+        # `input @ self.weight.T`): a matmul on it is that Linear's. Held, so that no later
+        # tensor takes its id.
+        self.weight_transposes: dict[int, torch.Tensor] = {}
         self.buffers = {id(b): n for n, b in model.named_buffers()}
         self.seen_params: set[int] = set()
         self.op_params: dict[str, int] = {}
@@ -162,12 +168,16 @@ class FunctionRecorder(TorchFunctionMode):
         kind = function_kind(name, module_type)
         if kind in ("linear", "matmul") and self._reads_expert_weights(inputs):
             kind = "expert"  # routed experts: EP shards them, TP never does
-        elif kind == "matmul" and any(id(t) in self.transposed for t in inputs):
+        elif kind == "matmul" and any(id(t) in self.transposed or id(t) in self.weight_transposes
+                                      for t in inputs):
             kind = "linear"
+        elif self._transposes_own_linear_weight(func, module_type, module, inputs):
+            self.weight_transposes[id(out[0])] = out[0]
         # the call a layer module makes on its own weights is named by the layer's class,
         # as an fx call_module node is (facts read "Linear", "Embedding")
         target = name
-        if kind in _LAYER_KINDS and module_type and any(id(t) in self.params for t in inputs):
+        if kind in _LAYER_KINDS and module_type and any(id(t) in self.params or id(t) in self.weight_transposes
+                                                        for t in inputs):
             target = module_type
         parameters = 0
         for t in inputs:
@@ -186,6 +196,7 @@ class FunctionRecorder(TorchFunctionMode):
             bytes_written=sum(tensor_bytes(t) for t in out),
             saved_bytes=self.rec.saved.get(op_name, 0),
             gemm_mnk=self._gemm(kind, name, inputs, out, flops),
+            writes_input=getattr(func, "__name__", "") in _IN_PLACE,
         )
         self.rec.ops.append(op)
         for t in inputs:
@@ -247,6 +258,13 @@ class FunctionRecorder(TorchFunctionMode):
         if mnk and kind == "expert" and "grouped_mm" in name and experts:
             mnk = (max(1, mnk[0] // experts), mnk[1], mnk[2])  # M: tokens per expert
         return mnk
+
+    def _transposes_own_linear_weight(self, func, module_type: str, module: str, inputs) -> bool:
+        """The call reads `.T` of the weight of the nn.Linear (subclass) making it."""
+        prop = getattr(getattr(func, "__self__", None), "__name__", None)
+        return (getattr(func, "__name__", "") == "__get__" and prop in ("T", "mT") and len(inputs) == 1
+                and isinstance(self.modules_by_path.get(module), nn.Linear)
+                and self.params.get(id(inputs[0])) == ".".join(p for p in (module, "weight") if p))
 
     def _reads_expert_weights(self, inputs) -> bool:
         experts = self.modules.routing.expert_ids

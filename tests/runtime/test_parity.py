@@ -214,6 +214,11 @@ CONFIGS = {
             traced_plan_dict, "written_out_gpt", tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_gpt2_tp2_traced": ("hf_gpt2", functools.partial(
             traced_plan_dict, "hf_gpt2", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # Falcon (new decoder architecture): q, k and v laid out K/V group by group in one
+        # FalconLinear (`input @ weight.T`), attention and MLP added in place, the mask built
+        # from the sequence shard under SP
+        "hf_falcon_tp2_traced": ("hf_falcon", functools.partial(
+            traced_plan_dict, "hf_falcon", tp=2, optimizer=PARITY_OPTIMIZER)),
         # one K/V head, tp=2: each rank computes it from a replicated k/v weight
         "hf_gemma_mqa_tp2_traced": ("hf_gemma_mqa", functools.partial(
             traced_plan_dict, "hf_gemma_mqa", tp=2, optimizer=PARITY_OPTIMIZER)),
