@@ -147,6 +147,10 @@ CONFIGS = {
         "pp2_interleaved_1f1b": ("llama", P(pp=2, vpp=2, schedule="interleaved-1f1b",
                                             recompute={"layers.0": "full", "layers.3": "selective"})),
         "pp2_zero_bubble_v": ("llama", P(pp=2, vpp=2, schedule="zero-bubble")),
+        # one micro-batch, fewer than the stages: torch's interleaved schedules run it as one
+        # round (config.schedule_problem lets it through)
+        "pp2_interleaved_1f1b_one_microbatch": ("llama", P(pp=2, vpp=2, schedule="interleaved-1f1b", micro_batch=8)),
+        "pp2_zero_bubble_v_one_microbatch": ("llama", P(pp=2, vpp=2, schedule="zero-bubble", micro_batch=8)),
         "pp2_zero_bubble_loop": ("llama", P(pp=2, schedule="zero-bubble")),
         "gpt_pp2_user_model": ("gpt", P("gpt", pp=2, schedule="1f1b")),
         "cp2_zero2_recompute": ("llama", P(cp=2, zero_stage=2, recompute={"layers.0": "full"})),
