@@ -205,16 +205,12 @@ def _on_first_input(transform):
     return hook
 
 
-class RowwiseParallelOwnOutput(RowwiseParallel):
-    """RowwiseParallel whose plain output is a tensor of its own, not DTensor's view of its
-    local shard, for a model that writes to it in place (Falcon's `mlp_output +=
-    attention_output`; autograd refuses in-place writes to a view a custom Function returned).
-    It costs one copy of the output: the plan asks for it ("rowwise_copy") only there."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return out.clone() if use_local_output else out
+def _own_copy(module, args, out: torch.Tensor) -> torch.Tensor:
+    """A forward hook after a row style's ("rowwise_copy"): its plain output as a tensor of its
+    own, not DTensor's view of its local shard, for a model that writes to it in place
+    (Falcon's `mlp_output += attention_output`; autograd refuses in-place writes to a view a
+    custom Function returned). It costs one copy of the output: the plan asks for it only there."""
+    return out.clone()
 
 
 def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
@@ -237,10 +233,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "head_embedding":  # a table of one column per head (T5's relative position
         # bias): each rank looks up its heads' columns
         return ColwiseParallel()
-    if name == "rowwise":
+    if name in ("rowwise", "rowwise_copy"):  # the copy: _own_copy
         return RowwiseParallel(output_layouts=seq)
-    if name == "rowwise_copy":
-        return RowwiseParallelOwnOutput(output_layouts=seq)
     if name == "sequence_parallel":  # a plain shard out: after a post-norm (BERT) it is the
         # residual, added to a row-parallel linear's plain output
         return SequenceParallel(use_local_output=True) if sequence_parallel else None
@@ -329,6 +323,8 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
         groups = tied_groups(model)
         parallelize_module(model, tp_mesh, plan)
         retie(model, groups, "tensor parallelism")
+    for path in (p for p, name in names.items() if name == "rowwise_copy"):
+        modules[path].register_forward_hook(_own_copy)  # after the style's own output hook
     _localise_attention(modules, plan, tp_mesh.size())
     _shard_global_attention_tables(modules, plan, tp_mesh)
     if dropout_shard is not None:

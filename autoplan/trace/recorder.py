@@ -171,7 +171,7 @@ class FunctionRecorder(TorchFunctionMode):
         elif kind == "matmul" and any(id(t) in self.transposed or id(t) in self.weight_transposes
                                       for t in inputs):
             kind = "linear"
-        elif self._transposes_own_linear_weight(func, module_type, module, inputs):
+        elif self._transposes_own_linear_weight(func, module, inputs):
             self.weight_transposes[id(out[0])] = out[0]
         # the call a layer module makes on its own weights is named by the layer's class,
         # as an fx call_module node is (facts read "Linear", "Embedding")
@@ -259,7 +259,7 @@ class FunctionRecorder(TorchFunctionMode):
             mnk = (max(1, mnk[0] // experts), mnk[1], mnk[2])  # M: tokens per expert
         return mnk
 
-    def _transposes_own_linear_weight(self, func, module_type: str, module: str, inputs) -> bool:
+    def _transposes_own_linear_weight(self, func, module: str, inputs) -> bool:
         """The call reads `.T` of the weight of the nn.Linear (subclass) making it."""
         prop = getattr(getattr(func, "__self__", None), "__name__", None)
         return (getattr(func, "__name__", "") == "__get__" and prop in ("T", "mT") and len(inputs) == 1
