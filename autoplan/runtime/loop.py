@@ -111,15 +111,52 @@ def build_meta(build_model: Callable[[], nn.Module]) -> nn.Module:
 
 def materialise(build_model: Callable[[], nn.Module], meta: nn.Module, seed: int,
                 device: torch.device) -> nn.Module:
-    """The full model with the seed's weights, identical on every rank and for every plan."""
+    """The full model with the seed's weights, identical on every rank and for every plan.
+
+    A model with `init_weights` (transformers', autoplan's own) is built on meta and
+    initialised in place. A tensor its `init_weights` leaves as `to_empty` made it (memory
+    that differs between ranks: transformers' `_init_weights` does not know xIELU's learned
+    scalars and buffers) takes the value the constructor gives it under the seed, from one
+    build of the model on the device."""
     torch.manual_seed(seed)
-    if hasattr(meta, "init_weights"):
-        meta.to_empty(device=device)
+    if not hasattr(meta, "init_weights"):
+        with torch.device(device):  # constructor init is deterministic under the seed
+            return build_model()
+    meta.to_empty(device=device)
+    tensors = dict(_named_tensors(meta))
+    with torch.no_grad():
+        for tensor in tensors.values():
+            _fill_unset(tensor)
+        meta.init_weights()
+    unset = [name for name, tensor in tensors.items() if _is_unset(tensor)]
+    if unset:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            with torch.device(device):
+                built = dict(_named_tensors(build_model()))
         with torch.no_grad():
-            meta.init_weights()
-        return meta
-    with torch.device(device):  # constructor init is deterministic under the seed
-        return build_model()
+            for name in unset:
+                tensors[name].copy_(built[name])
+    return meta
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _fill_unset(tensor: torch.Tensor) -> None:
+    """A value no initialisation writes: NaN, or an integer type's least value."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool:
+        tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
+def _is_unset(tensor: torch.Tensor) -> bool:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(tensor.isnan().any())
+    return tensor.dtype != torch.bool and bool((tensor == torch.iinfo(tensor.dtype).min).any())
 
 
 class Trainer:

@@ -71,6 +71,10 @@ _SHARED_ACROSS_HEADS = ("its output is broadcast to every head (as MLA's shared 
                         "latent are), so a head split would need it "
                         "computed whole with its gradient summed over the ranks, which autoplan's "
                         "runtime does not do yet; left unsplit")
+_PARAMETER_IN_REGION = ("reads a parameter of its own between a column-parallel linear and its row-parallel "
+                        "one, where each rank holds only its columns, and the module also holds other "
+                        "modules (or is the linear itself), so it cannot be computed whole on every rank "
+                        "with its gradient summed; left unsplit")
 _UNREAD_HEADS = ("its attention is written out with matmuls whose heads autoplan does not read "
                  "(heads folded into the batch, or an einsum), so a rank could run other heads "
                  "than its share and train wrong; left unsplit (F.scaled_dot_product_attention, "
@@ -461,8 +465,22 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
                       "fused": fused and style is None, "column_style": style or "colwise",
                       "kv_styles": {} if fused else _kv_styles(columns, attention, by_name),
                       "attention": attention, "norm_across_heads": [],
-                      "head_norms": sorted(n for n in region if by_name[n].kind == "norm")})
+                      "head_norms": sorted(n for n in region if by_name[n].kind == "norm"),
+                      "parameter_owners": _parameter_owners(region, through, by_name, inputs)})
     return pairs
+
+
+def _parameter_owners(region: set[str], through: set[str], by_name: dict, inputs: dict) -> list[str]:
+    """Modules owning the parameters whose values (not only their shapes: an fx size read
+    yields no tensor) reach the ops between a column and its row, norms aside."""
+    seen, stack = set(), list(region)
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(src for src in inputs[name] if src in through and by_name[src].dtype)
+    return sorted({path.rpartition(".")[0] for name in seen if by_name[name].kind != "norm"
+                   for path in by_name[name].parameter_reads})
 
 
 def _across_heads_pair(row: str, across: list[str], by_name: dict, inputs: dict, users: dict,
@@ -523,6 +541,50 @@ def _unshardable_norms(module: nn.Module, pairs: list[dict]) -> list[dict]:
     return out
 
 
+def _with_parameter_readers(module: nn.Module, pairs: list[dict], by_name: dict) -> list[dict]:
+    """`pairs` with the modules whose own parameters are read between a column and its row
+    (xIELU's learned alphas applied to each rank's columns) computed whole on every rank, their
+    gradients, each rank's share of the sum, summed over the ranks ("replicated"); a pair whose
+    parameter belongs to a column or row linear, or to a module holding others, is left unsplit."""
+    out = []
+    for pair in pairs:
+        linears = {by_name[n].module for n in [*pair["column"], pair["row"]]}
+        owners = [path for path in pair.get("parameter_owners", []) if not _head_tables_on_dtensors(module, pair, path)]
+        own = [path for path in owners if path not in linears and _holds_only_its_own(module, path)]
+        if len(own) < len(owners):
+            pair = {**pair, "parameters_in_region": [p for p in owners if p not in own]}
+        elif own:
+            pair = {**pair, "replicated": sorted({*pair.get("replicated", []), *own})}
+        out.append(pair)
+    return out
+
+
+def _head_tables_on_dtensors(block: nn.Module, pair: dict, path: str) -> bool:
+    """`path` is an attention run on DTensors whose own parameters are all per-head tables,
+    which the runtime shards by heads (global_attention.shard_head_tables: Swin's relative
+    position bias)."""
+    style, _, counts = pair.get("column_style", "").partition(":")
+    if style != "colwise_qkv_global" or not _in_block(block, path):
+        return False
+    heads = int(counts.split(",")[0])
+    own = list(_submodule_at(block, path).parameters(recurse=False))
+    return bool(own) and all(p.dim() >= 1 and p.shape[-1] == heads for p in own)
+
+
+def _holds_only_its_own(block: nn.Module, path: str) -> bool:
+    """The module at `path` has parameters and none of its submodules does."""
+    if not _in_block(block, path):
+        return False
+    sub = _submodule_at(block, path)
+    return any(True for _ in sub.parameters(recurse=False)) and \
+        all(not any(True for _ in child.parameters()) for child in sub.children())
+
+
+def _in_block(block: nn.Module, path: str) -> bool:
+    """`path` (a model path) names a submodule of the block, not the block itself."""
+    return any(name and ("." + path).endswith("." + name) for name, _ in block.named_modules())
+
+
 def _submodule_at(block: nn.Module, path: str) -> nn.Module:
     """The block's submodule whose path (relative to the block) ends the model path `path`."""
     found = [(name, sub) for name, sub in block.named_modules() if name and ("." + path).endswith("." + name)]
@@ -537,6 +599,7 @@ def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str
     reasons += [(module_of[n], _SHARED_ACROSS_HEADS) for p in pairs for n in p.get("shared_across_heads", [])]
     reasons += [(_common_parent([module_of[n] for n in [*p["column"], p["row"]]]), _UNREAD_HEADS)
                 for p in pairs if p.get("unread_heads")]
+    reasons += [(path, _PARAMETER_IN_REGION) for p in pairs for path in p.get("parameters_in_region", [])]
     covered = {a.name for p in pairs for a in p["attention"]}
     reasons += [(op.module or op.name, "its attention is not between a column and a row linear "
                  "found in the data flow; left unsplit")
@@ -554,13 +617,14 @@ def block_tp_facts(module: nn.Module, ops: list[OpInfo], edges: list[tuple[str, 
     moe = _moe_module(module)
     experts = {op.name for op in ops if moe and f".{moe[0]}." in f".{op.module}."}
     pairs = _unshardable_norms(module, [p for p in linear_pairs(ops, edges) if p["row"] not in experts])
+    pairs = _with_parameter_readers(module, pairs, by_name)
     mha_pairs, mha_unsplit = _mha_pairs(module, ops)
     facts["unsplit"] = unsplit_reasons(ops, pairs) + mha_unsplit
     for pair in mha_pairs:
         _add_mha_facts(facts, pair)
     for pair in pairs:
         if pair["fused"] or pair.get("norm_across_heads") or pair.get("shared_across_heads") \
-                or pair.get("unread_heads"):
+                or pair.get("unread_heads") or pair.get("parameters_in_region"):
             continue
         linears = [by_name[n] for n in pair["column"]] + [by_name[pair["row"]]]
         facts["tp_parameters"] += sum(op.parameters for op in linears)

@@ -55,6 +55,7 @@ class OpInfo:
     # checkpoint that saves every matmul output keeps (trace/activations.py sac_output_bytes)
     routed_gemm_output_elements: int = 0
     writes_input: bool = False  # an in-place update of its first input (`x += y`, `x.add_(y)`)
+    parameter_reads: tuple[str, ...] = ()  # paths of the parameters it reads itself (not a leaf module's)
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,7 @@ class FunctionRecorder(TorchFunctionMode):
             saved_bytes=self.rec.saved.get(op_name, 0),
             gemm_mnk=self._gemm(kind, name, inputs, out, flops),
             writes_input=getattr(func, "__name__", "") in _IN_PLACE,
+            parameter_reads=tuple(self.params[id(t)] for t in inputs if id(t) in self.params),
         )
         self.rec.ops.append(op)
         for t in inputs:

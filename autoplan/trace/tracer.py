@@ -146,6 +146,7 @@ class _CostInterpreter(fx.Interpreter):
         super().__init__(gm)
         self.prefix, self.rec, self.counter = prefix, rec, counter
         self.block_runner = block_runner
+        self.parameter_names = {name for name, _ in gm.named_parameters()}
 
     def _path(self, target: str) -> str:
         return ".".join(p for p in (self.prefix, target) if p)
@@ -198,6 +199,7 @@ class _CostInterpreter(fx.Interpreter):
             bytes_written=sum(tensor_bytes(t) for t in out),
             saved_bytes=self.rec.saved.get(name, 0),
             gemm_mnk=gemm_mnk(kind, inputs, out, flops),
+            parameter_reads=self._parameter_reads(node),
         )
         self._record(node, op, inputs)
         return result
@@ -226,6 +228,13 @@ class _CostInterpreter(fx.Interpreter):
         inner = list(stack.values())[-1][0] if stack else ""
         target = getattr(node.target, "__name__", str(node.target))
         return self._path(inner), target
+
+    def _parameter_reads(self, node: fx.Node) -> tuple[str, ...]:
+        """Paths of the parameters a call reads: a leaf module's own, or one fetched by get_attr."""
+        if node.op == "call_module":
+            return tuple(self._path(f"{node.target}.{n}") for n, _ in self.fetch_attr(node.target).named_parameters())
+        return tuple(self._path(str(a.target)) for a in node.all_input_nodes
+                     if a.op == "get_attr" and str(a.target) in self.parameter_names)
 
     def _leaf_parameters(self, node: fx.Node) -> int:
         if node.op != "call_module":

@@ -146,6 +146,10 @@ CONFIGS = {
                   dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=8,
                        query_pre_attn_scalar=16, tie_word_embeddings=True, attention_dropout=0.0,
                        pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")),
+    # xIELU, an activation with learned scalars, between the MLP's column and row linears
+    "hf_apertus": ("ApertusConfig", "ApertusForCausalLM",
+                   dict(_COMMON, num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=0,
+                        eos_token_id=0)),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
@@ -160,7 +164,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_gpt2_dropout": "transformer.h", "hf_gpt2_dropout_cp": "transformer.h",
                "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
-               "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers"}
+               "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
+               "hf_apertus": "model.layers"}
 
 
 def build(kind: str, **overrides):

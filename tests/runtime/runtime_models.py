@@ -23,6 +23,7 @@ import batch_models
 import hf_models
 import image_models
 from autoplan.models import build_model
+from autoplan.runtime.loop import materialise
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
@@ -419,12 +420,10 @@ def reference_training(kind: str, steps: int = STEPS, seed: int = SEED, data_pat
     torch.manual_seed(seed)
     if kind in ("gpt", "encoder", "loop_moe", "tabular", "written_out_gpt") or kind in IMAGE_KINDS:
         model = builder(kind)()
-    elif kind in hf_models.CONFIGS:  # HF init_weights initialises every parameter and buffer
+    elif kind in hf_models.CONFIGS:  # as the runtime does: init_weights, else the constructor's value
         with torch.device("meta"):
             model = hf_models.build(kind)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
+        model = materialise(lambda: hf_models.build(kind), model, seed, torch.device("cpu"))
     else:
         with torch.device("meta"):
             model = builder(kind)()

@@ -270,3 +270,50 @@ def test_dropout_layers_counts_what_draws_a_mask():
     # output and MLP output
     assert dropout_layers(bert) == 1 + 3 * 2
     assert dropout_layers(torch.nn.Sequential(torch.nn.Dropout(0.0), torch.nn.Dropout(0.5))) == 1
+
+
+class _PartlyInitialised(torch.nn.Module):
+    """init_weights covers the linear but not the learned scalar and buffer (as transformers'
+    _init_weights leaves xIELU's), which to_empty fills with whatever memory held."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.alpha = torch.nn.Parameter(torch.full((1,), 0.8))
+        self.register_buffer("beta", torch.tensor(0.5))
+
+    def init_weights(self):
+        torch.nn.init.normal_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+
+def test_materialise_gives_what_init_weights_leaves_unset_the_constructors_value():
+    from autoplan.runtime.loop import materialise
+
+    builds = []
+
+    def build():
+        builds.append(1)
+        return _PartlyInitialised()
+
+    def fresh():
+        with torch.device("meta"):
+            meta = _PartlyInitialised()
+        return materialise(build, meta, seed=3, device=torch.device("cpu"))
+
+    first, second = fresh(), fresh()
+    assert float(first.alpha) == pytest.approx(0.8) and float(first.beta) == 0.5
+    assert len(builds) == 2  # one device build per materialise, for the unset tensors
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    torch.manual_seed(3)  # the covered tensors are init_weights' own draws under the seed
+    expected = torch.nn.init.normal_(torch.empty(4, 4))
+    assert torch.equal(first.linear.weight, expected)
+
+
+def test_materialise_builds_no_second_model_when_init_weights_covers_everything():
+    from autoplan.runtime.loop import materialise
+
+    with torch.device("meta"):
+        meta = hf_models.build("hf_llama")
+    model = materialise(lambda: pytest.fail("built a second model"), meta, seed=0, device=torch.device("cpu"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -583,3 +583,66 @@ def test_a_stacked_parameter_with_a_width_one_side_is_no_expert_stack():
 
     assert moe_facts(Mixer()) == (0, 0)
     assert moe_facts(Experts()) == (8, 2)
+
+
+class LearnedActivation(nn.Module):
+    """An activation with learned scalars (Apertus's xIELU): applied to a rank's columns, each
+    rank's gradient of them is its columns' share of the sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return F.silu(x) * F.softplus(self.alpha)
+
+
+class LearnedActivationMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(HIDDEN, FFN), LearnedActivation(), nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class InlineScaleMLP(LearnedActivationMLP):
+    """The scalar held by the module that also holds the linears: it cannot be computed whole
+    apart from them."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)) * self.scale)
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.norm, self.attn, self.mlp = PlainRMSNorm(HIDDEN), GQAAttention(), mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(self.norm(x))
+
+
+@pytest.mark.parametrize("model", ["fx", "hf"])
+def test_a_parameter_read_between_column_and_row_is_computed_whole_and_summed(model):
+    if model == "fx":  # a plain-torch block (fx), the parameter fetched by get_attr
+        graph, block, act = _trace(lambda: MLPBlock(LearnedActivationMLP)), "layers.*", "mlp.act"
+    else:  # transformers' Apertus (run and recorded), xIELU's alpha_p and alpha_n
+        graph = trace_model(_hf_meta("ApertusConfig", "ApertusForCausalLM", head_dim=16),
+                            (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+        block, act = "model.layers.*", "mlp.act_fn"
+    assert graph.tp_unsplit == []
+    assert graph.tp_styles[block][act] == "replicated"  # tensor_parallel: gradients summed over tp
+    assert any(p["kind"] == "mlp" for p in graph.tensor_parallel)
+    assert "tp" not in graph.refused
+
+
+def test_a_parameter_of_a_module_holding_the_linears_leaves_the_pair_unsplit():
+    graph = _trace(lambda: MLPBlock(InlineScaleMLP))
+    assert graph.tensor_parallel == []
+    assert [(u["module"], "reads a parameter" in u["reason"]) for u in graph.tp_unsplit] == [("mlp", True)]
