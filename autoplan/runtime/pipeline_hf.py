@@ -30,6 +30,8 @@ others are refused with a reason.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 import torch
@@ -119,15 +121,27 @@ class _NoPositions(StageGap):
 
 
 def hf_split_problem(model: nn.Module) -> str | None:
-    """None when `split_hf_stages` can split this model, else the reason it cannot."""
+    """None when `split_hf_stages` can split this model, else the reason it cannot.
+
+    A family outside SPLIT_MODEL_TYPES with the common layout (`embed_tokens`, `layers`,
+    `norm`, `lm_head`) is split when a tiny copy of its config passes the check the verified
+    families pass in the tests (`tiny_copy_problem`)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         return "it is not a Hugging Face model"
-    if model_type not in SPLIT_MODEL_TYPES:
+    problem = _layout_problem(model, _parts(model))
+    if problem is not None or model_type in SPLIT_MODEL_TYPES:
+        return problem
+    problem = tiny_copy_problem(type(model), config.to_json_string())
+    if problem is not None:
         return (f"the pipeline split of Hugging Face models is verified for "
-                f"{', '.join(SPLIT_MODEL_TYPES)} only, not {model_type!r}")
-    parts = _FAMILIES[model_type]
+                f"{', '.join(SPLIT_MODEL_TYPES)}, and for other families of their layout by a "
+                f"tiny copy of the config, which for {model_type!r} {problem}")
+    return None
+
+
+def _layout_problem(model: nn.Module, parts: _Parts) -> str | None:
     base = _decoder(getattr(model, getattr(model, "base_model_prefix", ""), None), parts)
     names = tuple(n for n in (parts.embed, parts.layers, parts.norm, *parts.first_stage_only,
                               *parts.last_stage_only) if n)
@@ -137,6 +151,69 @@ def hf_split_problem(model: nn.Module) -> str | None:
     return None
 
 
+def _parts(model: nn.Module) -> _Parts:
+    return _FAMILIES.get(model.config.model_type, _Parts())
+
+
+# a tiny copy's sizes, where its config has the field (the rest keep the model's values)
+_TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16,
+               "vocab_size": 256, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+               "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
+_TINY_LAYERS, _TINY_TOKENS, _TINY_MAX_PARAMETERS = 2, 8, 20_000_000
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
+    """None when a copy of the model at tiny sizes (two layers, the config's other fields
+    kept), its dropouts at 0.1, split into one stage per layer and chained in one process in
+    training mode from one seed, gives the whole copy's logits: a module applied on two stages
+    or on none (an embedding scale, a dropout drawing twice) moves them by far more than
+    rounding. Else what failed."""
+    config = model_class.config_class.from_dict(json.loads(config_json))
+    try:
+        _shrink(config)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in model_class(config).parameters())
+        if size > _TINY_MAX_PARAMETERS:
+            return f"keeps {size:,} parameters at tiny sizes (a size field autoplan does not know)"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = model_class(config).float().train()
+            ids = torch.randint(0, config.vocab_size, (1, _TINY_TOKENS))
+            positions = torch.arange(_TINY_TOKENS)
+            with torch.no_grad():
+                torch.manual_seed(1)
+                whole = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits
+                torch.manual_seed(1)
+                x = ids
+                for shell in split_hf_stages(model, [[p] for p in hf_block_paths(model)], positions, False):
+                    x = shell(x)
+    except Exception as exc:  # a config the shrinking breaks, or a forward the shells cannot run
+        return f"failed ({type(exc).__name__}: {str(exc)[:200]})"
+    if x.shape != whole.shape or not torch.allclose(x, whole, rtol=1e-6, atol=1e-6):
+        return "gives other logits chained stage by stage than whole"
+    return None
+
+
+def _shrink(config) -> None:
+    """`config` at tiny sizes, in place: fields that count per layer cut to two layers."""
+    layers = config.num_hidden_layers
+    for name, value in _TINY_SIZES.items():
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, value)
+    if isinstance(getattr(config, "num_key_value_heads", None), int):
+        config.num_key_value_heads = 1 if config.num_key_value_heads == 1 else 2
+    for name, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == layers:
+            setattr(config, name, value[:_TINY_LAYERS])
+        elif "dropout" in name and isinstance(value, float):
+            setattr(config, name, 0.1)
+        elif name.endswith("token_id") and isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, name, 0)
+    config.num_hidden_layers = _TINY_LAYERS
+    config.use_cache = False
+
+
 def _decoder(base: nn.Module | None, parts: _Parts) -> nn.Module | None:
     """The module of the base model that holds the family's parts."""
     return _get(base, parts.decoder) if base is not None and parts.decoder else base
@@ -144,7 +221,7 @@ def _decoder(base: nn.Module | None, parts: _Parts) -> nn.Module | None:
 
 def hf_block_paths(model: nn.Module) -> list[str]:
     """The full paths of the decoder blocks of a model `hf_split_problem` accepts."""
-    parts = _FAMILIES[model.config.model_type]
+    parts = _parts(model)
     prefix = ".".join(n for n in (model.base_model_prefix, parts.decoder, parts.layers) if n)
     return [f"{prefix}.{i}" for i in range(len(_get(model, prefix)))]
 
@@ -198,7 +275,7 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     """One shell per (virtual) stage, holding the decoder layers the plan gives it.
     `zigzag`: the positions are a context-parallel rank's (flag, not read from the tensor,
     so the split also runs on fake tensors)."""
-    parts = _FAMILIES[model.config.model_type]
+    parts = _parts(model)
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
     decoder = _decoder(base, parts)

@@ -150,6 +150,10 @@ CONFIGS = {
     "hf_apertus": ("ApertusConfig", "ApertusForCausalLM",
                    dict(_COMMON, num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=0,
                         eos_token_id=0)),
+    # Qwen3-MoE (Qwen3-30B-A3B's family): per-head q/k norms, every block's MLP routed
+    "hf_qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                    dict(_COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
@@ -165,7 +169,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
                "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
-               "hf_apertus": "model.layers"}
+               "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers"}
 
 
 def build(kind: str, **overrides):

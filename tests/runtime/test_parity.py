@@ -192,6 +192,10 @@ CONFIGS = {
         "hf_deepseek_v3_cp2": ("hf_deepseek_v3", P("hf_deepseek_v3", cp=2)),
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
+        # families outside the verified list, split once a tiny copy of their config checks out
+        "hf_apertus_pp2": ("hf_apertus", P("hf_apertus", pp=2, schedule="1f1b")),
+        "hf_qwen3moe_pp2": ("hf_qwen3moe", P("hf_qwen3moe", pp=2, schedule="1f1b")),
+        "hf_qwen3moe_ep2": ("hf_qwen3moe", P("hf_qwen3moe", dp=2, ep=2)),
         # OPT-350m's layout: word embeddings projected in on the first stage and out on the last,
         # and tied to the head across the two stages
         "hf_opt_350m_layout_pp2": ("hf_opt_350m_layout", P("hf_opt_350m_layout", pp=2, schedule="1f1b")),

@@ -65,3 +65,59 @@ def test_stages_chained_give_the_whole_models_logits(family):
             x = shell(x)
     assert x.shape == whole.shape
     torch.testing.assert_close(x, whole, rtol=1e-6, atol=1e-6)
+
+
+# families outside the list, of the common layout (embed_tokens, layers, norm, lm_head): split
+# once a tiny copy of their config passes the check above at plan time (tiny_copy_problem)
+LAYOUT_FAMILIES = {
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # xIELU, q/k norms
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),  # parameter-free LayerNorms
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # LayerNorm1P, squared ReLU
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),  # layers without rotary
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
+}
+
+
+def _layout_family(family: str):
+    import transformers
+
+    config_name, model_name, fields = LAYOUT_FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+        use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0, **fields)
+    return getattr(transformers, model_name)(config)
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUT_FAMILIES))
+def test_a_family_of_the_common_layout_is_split_once_a_tiny_copy_checks_out(family):
+    torch.manual_seed(0)
+    model = _layout_family(family)
+    assert model.config.model_type == family and family not in SPLIT_MODEL_TYPES
+    assert hf_split_problem(model) is None
+    ids, positions = torch.randint(0, 256, (2, TOKENS)), torch.arange(TOKENS)
+    with torch.no_grad():
+        whole = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits
+        x = ids
+        for shell in split_hf_stages(model, [["model.layers.0"], ["model.layers.1"]], positions, zigzag=False):
+            x = shell(x)
+    torch.testing.assert_close(x, whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["hf_granite", "hf_starcoder2"])
+def test_the_tiny_copy_refuses_a_family_whose_base_model_acts_on_the_embeddings(kind, monkeypatch):
+    # Granite's embedding multiplier and Starcoder2's embedding dropout, applied again by every
+    # later stage under the common layout's split: the verified families name them
+    import autoplan.runtime.pipeline_hf as pipeline_hf
+
+    with torch.device("meta"):
+        model = hf_models.build(kind)
+    families = dict(pipeline_hf._FAMILIES)
+    del families[model.config.model_type]
+    monkeypatch.setattr(pipeline_hf, "_FAMILIES", families)
+    monkeypatch.setattr(pipeline_hf, "SPLIT_MODEL_TYPES", tuple(sorted(families)))
+    pipeline_hf.tiny_copy_problem.cache_clear()
+    problem = hf_split_problem(model)
+    assert problem is not None and "other logits chained stage by stage" in problem
