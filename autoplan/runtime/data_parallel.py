@@ -87,8 +87,13 @@ def apply_ddp(module: nn.Module, mesh: ParallelMesh, ignored: set[nn.Parameter])
     # torch 2.13 deprecates broadcast_buffers, but its replacement still syncs at init.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        # find_unused_parameters: a parameter the forward never uses (a head's bias a config
+        # leaves untied, a pooler a masked LM skips) is marked ready each step instead of failing
+        # the second ("Expected to have finished reduction in the prior iteration"), at the cost
+        # of one walk of the autograd graph per step. static_graph finds it once, but fails
+        # torch 2.13's reducer under no_sync (gradient accumulation): expect_autograd_hooks_.
         return DistributedDataParallel(module, process_group=mesh.group("dp_cp"),
-                                       broadcast_buffers=False)
+                                       broadcast_buffers=False, find_unused_parameters=True)
 
 
 def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, divisor: int) -> None:

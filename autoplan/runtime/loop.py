@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch._subclasses.fake_tensor import is_fake
 
 from autoplan.errors import UserError
 from autoplan.files import write_file
@@ -123,11 +124,13 @@ def materialise(build_model: Callable[[], nn.Module], meta: nn.Module, seed: int
         with torch.device(device):  # constructor init is deterministic under the seed
             return build_model()
     meta.to_empty(device=device)
-    tensors = dict(_named_tensors(meta))
     with torch.no_grad():
-        for tensor in tensors.values():
+        for _, tensor in _named_tensors(meta):
             _fill_unset(tensor)
-        meta.init_weights()
+        meta.init_weights()  # which may tie again what to_empty untied
+    tensors = dict(_named_tensors(meta))
+    if any(is_fake(t) for t in tensors.values()):  # a dry run: no values to check
+        return meta
     unset = [name for name, tensor in tensors.items() if _is_unset(tensor)]
     if unset:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -13,7 +13,11 @@ Inputs: token ids positionally, plus the keyword inputs the forward accepts:
                     otherwise derive positions from the length of the input they see, which
                     is wrong on a context-parallel rank (its zig-zag tokens) and inside a
                     sequence-parallel region (the local sequence shard); rotary cos/sin and
-                    learned position embeddings are then computed for the right rows.
+                    learned position embeddings are then computed for the right rows. Not
+                    given to a model that numbers its tokens itself from their ids (RoBERTa's
+                    family: from padding_idx + 1, past padding tokens), where 0, 1, 2, ...
+                    would be other positions; context parallelism, which would need them,
+                    is refused for it (`numbers_own_positions`).
   use_cache=False   training builds no key/value cache.
   decoder_input_ids encoder-decoder models (T5) read the same tokens on both sides, so the
                     synthetic objective stays next-token prediction.
@@ -37,13 +41,14 @@ class ModelCall:
 
     accepted: frozenset[str]
     padding_mask: bool  # `attention_mask` is a Hugging Face 2-D padding mask (1 = real token)
+    own_positions: bool = False  # numbers its tokens itself (numbers_own_positions)
 
     def kwargs(self, inputs: torch.Tensor, positions: torch.Tensor,
                zigzag: bool = False) -> dict[str, object]:
         """Keyword inputs for `inputs` (batch, tokens) holding the tokens at `positions` (1-D);
         `zigzag`: they are a context-parallel rank's (a flag, so fake tensors pass too)."""
         kwargs: dict[str, object] = {}
-        if "position_ids" in self.accepted:
+        if "position_ids" in self.accepted and not self.own_positions:
             kwargs["position_ids"] = positions.to(inputs.device)[None, :]
             # Hugging Face reads a jump in position_ids without a mask as packed sequences
             # and masks across the jump; zig-zag CP tokens jump yet are one sequence.
@@ -62,7 +67,18 @@ def model_call(model: nn.Module) -> ModelCall:
     except (TypeError, ValueError):
         accepted = frozenset()
     is_hf = hasattr(getattr(model, "config", None), "_attn_implementation")
-    return ModelCall(accepted, padding_mask=is_hf and "attention_mask" in accepted)
+    return ModelCall(accepted, padding_mask=is_hf and "attention_mask" in accepted,
+                     own_positions=numbers_own_positions(model))
+
+
+def numbers_own_positions(model: nn.Module) -> bool:
+    """A learned position table with a padding row (RoBERTa's `position_embeddings`, padding_idx
+    1): the model counts positions from padding_idx + 1, skipping padding tokens, so they
+    depend on the token ids, not only on where a token sits."""
+    rows = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return bool(rows) and any(isinstance(m, nn.Embedding) and m.padding_idx is not None
+                              and m.num_embeddings == rows and "position" in name
+                              for name, m in model.named_modules())
 
 
 def logits_of(output) -> torch.Tensor:

@@ -131,13 +131,14 @@ def hf_split_problem(model: nn.Module) -> str | None:
     if model_type is None:
         return "it is not a Hugging Face model"
     problem = _layout_problem(model, _parts(model))
-    if problem is not None or model_type in SPLIT_MODEL_TYPES:
+    if model_type in SPLIT_MODEL_TYPES:
         return problem
-    problem = tiny_copy_problem(type(model), config.to_json_string())
+    problem = problem or tiny_copy_problem(type(model), config.to_json_string())
     if problem is not None:
         return (f"the pipeline split of Hugging Face models is verified for "
-                f"{', '.join(SPLIT_MODEL_TYPES)}, and for other families of their layout by a "
-                f"tiny copy of the config, which for {model_type!r} {problem}")
+                f"{', '.join(SPLIT_MODEL_TYPES)}, and for other families of their layout "
+                f"(embed_tokens / layers / norm / lm_head) by a tiny copy of the config; "
+                f"{model_type!r}: {problem}")
     return None
 
 
@@ -175,7 +176,7 @@ def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
         with torch.device("meta"):
             size = sum(p.numel() for p in model_class(config).parameters())
         if size > _TINY_MAX_PARAMETERS:
-            return f"keeps {size:,} parameters at tiny sizes (a size field autoplan does not know)"
+            return f"its tiny copy keeps {size:,} parameters (a size field autoplan does not shrink)"
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = model_class(config).float().train()
@@ -189,9 +190,9 @@ def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
                 for shell in split_hf_stages(model, [[p] for p in hf_block_paths(model)], positions, False):
                     x = shell(x)
     except Exception as exc:  # a config the shrinking breaks, or a forward the shells cannot run
-        return f"failed ({type(exc).__name__}: {str(exc)[:200]})"
+        return f"its tiny copy failed ({type(exc).__name__}: {str(exc)[:200]})"
     if x.shape != whole.shape or not torch.allclose(x, whole, rtol=1e-6, atol=1e-6):
-        return "gives other logits chained stage by stage than whole"
+        return "its tiny copy gives other logits chained stage by stage than whole"
     return None
 
 

@@ -31,7 +31,7 @@ from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef, Plan
 from autoplan.runtime.mesh import build_mesh
-from autoplan.runtime.model_io import logits_of, model_call
+from autoplan.runtime.model_io import logits_of, model_call, numbers_own_positions
 from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.tensor_parallel import uses_loss_parallel
 from autoplan.trace.fake_group import fake_process_group
@@ -357,6 +357,16 @@ def _mha_heads(model: nn.Module) -> frozenset:
                      if isinstance(m, nn.MultiheadAttention))
 
 
+def _cp_positions_problem(model: nn.Module, cp_modules, heads: frozenset) -> str | None:
+    """Why ring attention cannot give this model's tokens their positions, or None."""
+    if numbers_own_positions(model):
+        return ("it numbers its tokens itself from their ids (a position table with a padding row, "
+                "as RoBERTa's: positions from padding_idx + 1, past padding tokens), which a "
+                "context-parallel rank holding a zig-zag share of the tokens cannot reproduce; "
+                "use cp=1 for this model")
+    return _position_bias(model, cp_modules, heads)
+
+
 def _position_bias(model: nn.Module, cp_modules, heads: frozenset) -> str | None:
     """Why ring attention cannot run an attention that adds a learned bias of one column per
     head to its scores (T5's relative position bias), or None. Checked before the run: it
@@ -485,7 +495,7 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         heads = _attention_heads(graph) | _written_out_heads(graph) | _mha_heads(model)
 
         def probe(plan: Plan, run_axis: bool) -> str | None:
-            return (_position_bias(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \
+            return (_cp_positions_problem(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \
                 _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
                                    heads if plan.tp > 1 else frozenset())
 
@@ -514,4 +524,6 @@ def add_capability_facts(graph: ModelGraph, model: nn.Module, args: tuple, kwarg
     start = time.perf_counter()
     results = probe_capabilities(graph, model, args, kwargs)
     graph.refused = {axis: reason for axis, reason in results.items() if reason}
+    if graph.sp_problem and graph.tensor_parallel:  # read off the facts, not probed
+        graph.refused.setdefault("sp", graph.sp_problem)
     graph.capability_probe_s = time.perf_counter() - start

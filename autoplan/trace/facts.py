@@ -743,6 +743,8 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
     """Fill tensor_parallel, tp_unsplit, tp_styles, context_parallel, cp_buffers, expert_parallel."""
     ops = [mg.graph.nodes[n]["op"] for n in mg.graph.nodes]
     table: dict[str, dict[str, str]] = {}
+    unstyled: list[str] = []
+    aliases = _parameter_aliases(model)
     # T5's attention adds a bias of one column per head (a table in its first block; the
     # others, and a decoder's cross-attention, make zeros of their head count): every
     # attention of such a model gets the rank's head count
@@ -788,6 +790,7 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
         moe = _moe_module(model.get_submodule(first))
         if moe is not None:  # token-wise: the runtime runs it on this rank's sequence shard
             styles[moe[0]] = "prepare_input"
+        unstyled += _unstyled_parameters(block_ops, styles, first, moe[0] if moe is not None else None, aliases)
         for scope in block_scopes(model, block.paths):
             table[scope] = dict(styles)
         attention_modules = sorted({op.module for op in block_ops if _attends_over_the_sequence(op, mg)})
@@ -800,7 +803,38 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
         mg.tensor_parallel = []  # a sequence-sharded residual stream needs every block sharded
     if mg.tensor_parallel:
         mg.tp_styles = {"": _pre_post_styles(mg, model, ops, first_path), **table}
+        outside = [op for op in ops if not op.name.startswith(tuple(p + "." for p in first_path.values()))]
+        unstyled += _unstyled_parameters(outside, mg.tp_styles[""], "", None, aliases)
+        if unstyled:
+            mg.sp_problem = (f"{unstyled[0]} is read on the sequence shard by a module sequence "
+                             "parallelism does not shard (a hand-written norm, a learned scale on the "
+                             "residual stream), so each rank's gradient of it would cover its own tokens "
+                             "only; tensor parallelism runs without SP")
     mg.cp_buffers = _sliced_buffers(gm) if mg.context_parallel else {}
+
+
+def _unstyled_parameters(ops: list[OpInfo], styles: dict[str, str], first: str,
+                         token_local: str | None, aliases: dict[str, list[str]]) -> list[str]:
+    """The parameters `ops` read none of whose modules (a shared parameter has several) has a
+    TP style of its own parameters (paths in `styles` relative to `first`; the token-wise MoE
+    module `token_local` has its gradients summed): under SP each rank reads them on its own
+    tokens."""
+    def styled(name: str) -> bool:
+        owner = name.rpartition(".")[0]
+        owner = _relative(owner, first) if first else owner
+        return styles.get(owner, "prepare_input") != "prepare_input" or (
+            token_local is not None and f"{owner}.".startswith(f"{token_local}."))
+
+    return sorted({param for op in ops for param in op.parameter_reads
+                   if not any(styled(name) for name in aliases.get(param, [param]))})
+
+
+def _parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's name (the first, as named_parameters gives it) -> all its names."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return {group[0]: group for group in names.values()}
 
 
 def _attends_over_the_sequence(op: OpInfo, mg: ModelGraph) -> bool:

@@ -147,6 +147,8 @@ class ModelGraph:
     tp_styles: dict[str, dict[str, str]] = field(default_factory=dict)
     # axis -> why autoplan.runtime cannot apply it to this model (trace/capability.py)
     refused: dict[str, str] = field(default_factory=dict)
+    # why sequence parallelism would train this model wrong, read off its facts ("": it would not)
+    sp_problem: str = ""
     capability_probe_s: float = 0.0
     fingerprint: str = ""
     model_name: str = ""
@@ -193,7 +195,7 @@ class ModelGraph:
         which under SP would be the shard's. "sp" in `refused`: the capability probe ran TP
         only without SP (trace/capability.py)."""
         return (not self.image_size and not self.user_batch_inputs and not self.window_masked
-                and "sp" not in self.refused)
+                and "sp" not in self.refused and not self.sp_problem)
 
     @property
     def window_masked(self) -> bool:

@@ -154,6 +154,13 @@ CONFIGS = {
     "hf_qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                     dict(_COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])),
+    # an untied masked-LM head: its own `bias` beside the decoder's, which the forward never
+    # uses (DDP must not wait for its gradient)
+    "hf_roberta_untied": ("RobertaConfig", "RobertaForMaskedLM",
+                          {"hidden_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+                           "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
+                           "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                           "tie_word_embeddings": False, "pad_token_id": 1, "attn_implementation": "sdpa"}),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
@@ -169,7 +176,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
                "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
-               "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers"}
+               "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers",
+               "hf_roberta_untied": "roberta.encoder.layer"}
 
 
 def build(kind: str, **overrides):

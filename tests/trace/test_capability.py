@@ -308,6 +308,24 @@ def test_bert_is_offered_tensor_and_context_parallelism():
     assert graph.tp_styles[""]["bert.embeddings.token_type_embeddings"] == "whole_embedding"
 
 
+def test_roberta_numbers_its_own_positions_so_it_gets_no_position_ids_and_no_context_parallelism():
+    # positions from padding_idx + 1, past padding tokens: position_ids = 0, 1, 2, ... would
+    # shift them (the job's losses 3.0e-3 off the model's own from the first step)
+    pytest.importorskip("transformers")
+    from autoplan.runtime.model_io import model_call
+    from tests.runtime import hf_models
+
+    with torch.device("meta"):
+        model = hf_models.build("hf_roberta_untied")
+        bert = hf_models.build("hf_bert")
+    ids = torch.zeros(1, 32, dtype=torch.long)
+    assert "position_ids" not in model_call(model).kwargs(ids, torch.arange(32))
+    assert "position_ids" in model_call(bert).kwargs(ids, torch.arange(32))  # BERT's are 0, 1, 2, ...
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert "numbers its tokens itself" in graph.refused["cp"]
+    assert graph.tensor_parallel and "tp" not in graph.refused
+
+
 def test_a_known_failure_is_said_as_its_cause_without_torchs_words():
     from autoplan.trace.capability import known_failure
 

@@ -646,3 +646,36 @@ def test_a_parameter_of_a_module_holding_the_linears_leaves_the_pair_unsplit():
     graph = _trace(lambda: MLPBlock(InlineScaleMLP))
     assert graph.tensor_parallel == []
     assert [(u["module"], "reads a parameter" in u["reason"]) for u in graph.tp_unsplit] == [("mlp", True)]
+
+
+class ResidualScaleBlock(PlainNormBlock):
+    """A learned scale on the residual stream, held by the block itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.scale * self.ffn(self.ffn_norm(x))
+
+
+@pytest.mark.parametrize("block,parameter", [(PlainNormBlock, "layers.0.attn_norm.weight"),
+                                             (ResidualScaleBlock, "layers.0.scale")])
+def test_a_parameter_no_style_shards_read_on_the_residual_stream_rules_out_sequence_parallelism(block, parameter):
+    # under SP each rank would read it on its own tokens, and nothing sums its gradient's shares
+    graph = _trace(block)
+    assert graph.tensor_parallel and not graph.sequence_shardable
+    assert graph.sp_problem.startswith(parameter) and graph.refused["sp"] == graph.sp_problem
+
+
+def test_norm_modules_sharded_by_sequence_parallelism_leave_it_offered():
+    class NormModuleBlock(PlainNormBlock):
+        def __init__(self):
+            super().__init__()
+            self.attn_norm, self.ffn_norm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+
+    graph = _trace(NormModuleBlock)
+    assert graph.tp_styles["layers.*"]["attn_norm"] == "sequence_parallel"
+    assert graph.sp_problem == "" and graph.sequence_shardable
