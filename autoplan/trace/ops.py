@@ -98,9 +98,13 @@ def function_kind(name: str, module_type: str = "") -> str:
         return "matmul"
     if name in _VIEW_FUNCS or name in ("select", "slice", "unbind", "expand_as", "view_as"):
         return "view"
-    if module_type.endswith("Norm") or "LayerNorm" in module_type or "RMSNorm" in module_type:
-        return "norm"
-    return "elementwise"
+    return "norm" if is_norm_type(module_type) else "elementwise"
+
+
+def is_norm_type(module_type: str) -> bool:
+    """A normalisation module by its class name (HF's RMSNorm classes, a hand-written LayerNorm):
+    its elementwise work counts as norm."""
+    return module_type.endswith("Norm") or "LayerNorm" in module_type or "RMSNorm" in module_type
 
 
 def gemm_mnk(kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],

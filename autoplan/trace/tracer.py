@@ -29,7 +29,7 @@ from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.runtime.transposed_linear import is_transposed_linear
 from autoplan.runtime.model_io import attention_window, vocab_embedding
-from autoplan.trace.ops import classify, gemm_mnk, shape_of, tensor_bytes, tensors_in
+from autoplan.trace.ops import classify, gemm_mnk, is_norm_type, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.autocast import MetaAutocast
 from autoplan.trace.blocks import build_segments, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
@@ -186,6 +186,8 @@ class _CostInterpreter(fx.Interpreter):
         flops = self.counter.get_total_flops() - before
         module, target = self._owner(node)
         kind = classify(node, target, self.module if node.op == "call_module" else None)
+        if kind == "elementwise" and node.op != "call_module" and is_norm_type(self._owner_type(node)):
+            kind = "norm"  # a norm written out in plain ops, as the recorder counts it
         out = tensors_in(result)
         op = OpInfo(
             name=name, module=module, kind=kind, target=target,
@@ -228,6 +230,12 @@ class _CostInterpreter(fx.Interpreter):
         inner = list(stack.values())[-1][0] if stack else ""
         target = getattr(node.target, "__name__", str(node.target))
         return self._path(inner), target
+
+    @staticmethod
+    def _owner_type(node: fx.Node) -> str:
+        stack = node.meta.get("nn_module_stack") or {}
+        kind = list(stack.values())[-1][1] if stack else ""
+        return kind if isinstance(kind, str) else getattr(kind, "__name__", "")
 
     def _parameter_reads(self, node: fx.Node) -> tuple[str, ...]:
         """Paths of the parameters a call reads: a leaf module's own, or one fetched by get_attr."""

@@ -188,7 +188,9 @@ def test_styles_are_stated_once_per_block_class():
         "attn.q": "colwise", "attn.k": f"colwise_kv:{HEADS},{KV_HEADS}",
         "attn.v": f"colwise_kv:{HEADS},{KV_HEADS}", "attn.o": "rowwise",
         "attn": "prepare_input", "ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise",
-        "ffn": "prepare_input"}
+        "ffn": "prepare_input",
+        # written out in plain ops, a norm by its class name (as the recorder counts HF's)
+        "attn_norm": "sequence_parallel", "ffn_norm": "sequence_parallel"}
 
 
 def test_timm_fused_qkv_is_split_per_rank_with_its_attention_on_dtensors():
@@ -661,7 +663,17 @@ class ResidualScaleBlock(PlainNormBlock):
         return x + self.scale * self.ffn(self.ffn_norm(x))
 
 
-@pytest.mark.parametrize("block,parameter", [(PlainNormBlock, "layers.0.attn_norm.weight"),
+class RootMeanSquare(PlainRMSNorm):
+    """The same norm under a name that does not say so: its ops are elementwise work."""
+
+
+class UnnamedNormBlock(PlainNormBlock):
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = RootMeanSquare(HIDDEN), RootMeanSquare(HIDDEN)
+
+
+@pytest.mark.parametrize("block,parameter", [(UnnamedNormBlock, "layers.0.attn_norm.weight"),
                                              (ResidualScaleBlock, "layers.0.scale")])
 def test_a_parameter_no_style_shards_read_on_the_residual_stream_rules_out_sequence_parallelism(block, parameter):
     # under SP each rank would read it on its own tokens, and nothing sums its gradient's shares
@@ -676,6 +688,7 @@ def test_norm_modules_sharded_by_sequence_parallelism_leave_it_offered():
             super().__init__()
             self.attn_norm, self.ffn_norm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
 
-    graph = _trace(NormModuleBlock)
-    assert graph.tp_styles["layers.*"]["attn_norm"] == "sequence_parallel"
-    assert graph.sp_problem == "" and graph.sequence_shardable
+    for block in (NormModuleBlock, PlainNormBlock):  # an nn.RMSNorm, a hand-written PlainRMSNorm
+        graph = _trace(block)
+        assert graph.tp_styles["layers.*"]["attn_norm"] == "sequence_parallel"
+        assert graph.sp_problem == "" and graph.sequence_shardable
