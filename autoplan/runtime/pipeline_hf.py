@@ -73,6 +73,7 @@ _FAMILIES = {
     "gpt_neox": _Parts(embed="embed_in", norm="final_layer_norm", first_stage_only=("emb_dropout",)),
     "gptj": _Parts(embed="wte", layers="h", norm="ln_f", first_stage_only=("drop",)),
     "granite": _Parts(later_stage_values=(("embedding_multiplier", 1.0),)),
+    "granitemoe": _Parts(later_stage_values=(("embedding_multiplier", 1.0),)),
     "cohere": _Parts(), "glm": _Parts(), "stablelm": _Parts(),
     "starcoder2": _Parts(later_stage_values=(("embedding_dropout", 0.0),)),
     "falcon": _Parts(embed="word_embeddings", layers="h", norm="ln_f", layer_tuple=True),

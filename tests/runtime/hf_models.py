@@ -154,6 +154,11 @@ CONFIGS = {
     "hf_qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                     dict(_COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])),
+    # Granite's multipliers with routed experts
+    "hf_granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                      dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                           attention_multiplier=0.25, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # an untied masked-LM head: its own `bias` beside the decoder's, which the forward never
     # uses (DDP must not wait for its gradient)
     "hf_roberta_untied": ("RobertaConfig", "RobertaForMaskedLM",
@@ -177,7 +182,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
                "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
                "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers",
-               "hf_roberta_untied": "roberta.encoder.layer"}
+               "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers"}
 
 
 def build(kind: str, **overrides):

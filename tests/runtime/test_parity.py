@@ -187,6 +187,7 @@ CONFIGS = {
         "hf_gptj_pp2": ("hf_gptj", P("hf_gptj", pp=2, schedule="1f1b")),
         # the embedding multiplier applied once (stage 0), the tied head on the last stage
         "hf_granite_pp2": ("hf_granite", P("hf_granite", pp=2, schedule="1f1b")),
+        "hf_granitemoe_pp2": ("hf_granitemoe", P("hf_granitemoe", pp=2, schedule="1f1b")),
         "hf_deepseek_v3_pp2": ("hf_deepseek_v3", P("hf_deepseek_v3", pp=2, schedule="1f1b")),  # MLA + MoE
         # MLA's q/k heads wider than its v heads: the ring runs them zero-padded to one size
         "hf_deepseek_v3_cp2": ("hf_deepseek_v3", P("hf_deepseek_v3", cp=2)),

@@ -23,7 +23,7 @@ from autoplan.runtime.pipeline_hf import SPLIT_MODEL_TYPES, hf_split_problem, sp
 FAMILY_KINDS = {
     "bert": "hf_bert", "cohere": "hf_cohere", "deepseek_v3": "hf_deepseek_v3",
     "falcon": "hf_falcon", "gemma": "hf_gemma", "gemma2": "hf_gemma2", "gemma3_text": "hf_gemma3",
-    "glm": "hf_glm", "gpt2": "hf_gpt2_untied",
+    "glm": "hf_glm", "gpt2": "hf_gpt2_untied", "granitemoe": "hf_granitemoe",
     "gpt_neox": "hf_gptneox", "gptj": "hf_gptj", "granite": "hf_granite", "llama": "hf_llama",
     "mamba": "hf_mamba", "mistral": "hf_mistral", "mixtral": "hf_mixtral", "olmo2": "hf_olmo2",
     "opt": "hf_opt", "phi3": "hf_phi3", "qwen2": "hf_qwen2", "qwen2_moe": "hf_qwen2moe", "qwen3": "hf_qwen3",
