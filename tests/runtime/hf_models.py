@@ -159,6 +159,9 @@ CONFIGS = {
                       dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                            embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
                            attention_multiplier=0.25, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # BitNet b1.58: ternary weights and 8-bit activations through straight-through estimators
+    "hf_bitnet": ("BitNetConfig", "BitNetForCausalLM",
+                  dict(_COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # an untied masked-LM head: its own `bias` beside the decoder's, which the forward never
     # uses (DDP must not wait for its gradient)
     "hf_roberta_untied": ("RobertaConfig", "RobertaForMaskedLM",
@@ -182,7 +185,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
                "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
                "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers",
-               "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers"}
+               "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers",
+               "hf_bitnet": "model.layers"}
 
 
 def build(kind: str, **overrides):

@@ -195,6 +195,8 @@ CONFIGS = {
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
         # families outside the verified list, split once a tiny copy of their config checks out
         "hf_apertus_pp2": ("hf_apertus", P("hf_apertus", pp=2, schedule="1f1b")),
+        # ternary weights and 8-bit activations (straight-through estimators) under ring attention
+        "hf_bitnet_cp2": ("hf_bitnet", P("hf_bitnet", cp=2)),
         # DDP over a model with a parameter its forward never uses (an untied head's bias)
         "hf_roberta_untied_ddp": ("hf_roberta_untied", P("hf_roberta_untied", dp=2)),
         "hf_qwen3moe_pp2": ("hf_qwen3moe", P("hf_qwen3moe", pp=2, schedule="1f1b")),
