@@ -52,6 +52,7 @@ from autoplan.runtime.fused_projection import holds_head_count
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED
 from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
+from autoplan.runtime.tying import tied_groups
 from autoplan.trace.fallback import moe_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.trace.recorder import func_name
@@ -564,31 +565,26 @@ def _head_tables_on_dtensors(block: nn.Module, pair: dict, path: str) -> bool:
     which the runtime shards by heads (global_attention.shard_head_tables: Swin's relative
     position bias)."""
     style, _, counts = pair.get("column_style", "").partition(":")
-    if style != "colwise_qkv_global" or not _in_block(block, path):
+    sub = _submodule_at(block, path) if style == "colwise_qkv_global" else None
+    if sub is None:
         return False
     heads = int(counts.split(",")[0])
-    own = list(_submodule_at(block, path).parameters(recurse=False))
+    own = list(sub.parameters(recurse=False))
     return bool(own) and all(p.dim() >= 1 and p.shape[-1] == heads for p in own)
 
 
 def _holds_only_its_own(block: nn.Module, path: str) -> bool:
-    """The module at `path` has parameters and none of its submodules does."""
-    if not _in_block(block, path):
-        return False
+    """The module at `path` (not the block itself) has parameters and none of its submodules does."""
     sub = _submodule_at(block, path)
-    return any(True for _ in sub.parameters(recurse=False)) and \
+    return sub is not None and any(True for _ in sub.parameters(recurse=False)) and \
         all(not any(True for _ in child.parameters()) for child in sub.children())
 
 
-def _in_block(block: nn.Module, path: str) -> bool:
-    """`path` (a model path) names a submodule of the block, not the block itself."""
-    return any(name and ("." + path).endswith("." + name) for name, _ in block.named_modules())
-
-
-def _submodule_at(block: nn.Module, path: str) -> nn.Module:
-    """The block's submodule whose path (relative to the block) ends the model path `path`."""
+def _submodule_at(block: nn.Module, path: str) -> nn.Module | None:
+    """The block's submodule whose path (relative to the block) ends the model path `path`;
+    None when none does (`path` is the block itself, or outside it)."""
     found = [(name, sub) for name, sub in block.named_modules() if name and ("." + path).endswith("." + name)]
-    return max(found, key=lambda item: len(item[0]))[1]
+    return max(found, key=lambda item: len(item[0]))[1] if found else None
 
 
 def unsplit_reasons(ops: list[OpInfo], pairs: list[dict]) -> list[tuple[str, str]]:
@@ -830,11 +826,8 @@ def _unstyled_parameters(ops: list[OpInfo], styles: dict[str, str], first: str,
 
 
 def _parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
-    """Each parameter's name (the first, as named_parameters gives it) -> all its names."""
-    names: dict[int, list[str]] = defaultdict(list)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names[id(param)].append(name)
-    return {group[0]: group for group in names.values()}
+    """A shared parameter's name (the first, as named_parameters gives it) -> all its names."""
+    return {group[0]: group for group in tied_groups(model)}
 
 
 def _attends_over_the_sequence(op: OpInfo, mg: ModelGraph) -> bool:

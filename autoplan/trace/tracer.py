@@ -186,7 +186,7 @@ class _CostInterpreter(fx.Interpreter):
         flops = self.counter.get_total_flops() - before
         module, target = self._owner(node)
         kind = classify(node, target, self.module if node.op == "call_module" else None)
-        if kind == "elementwise" and node.op != "call_module" and is_norm_type(self._owner_type(node)):
+        if kind == "elementwise" and node.op != "call_module" and is_norm_type(_innermost_module(node)[1]):
             kind = "norm"  # a norm written out in plain ops, as the recorder counts it
         out = tensors_in(result)
         op = OpInfo(
@@ -226,16 +226,8 @@ class _CostInterpreter(fx.Interpreter):
         if node.op == "call_module":
             sub = self.fetch_attr(node.target)
             return self._path(str(node.target)), type(sub).__name__
-        stack = node.meta.get("nn_module_stack") or {}
-        inner = list(stack.values())[-1][0] if stack else ""
         target = getattr(node.target, "__name__", str(node.target))
-        return self._path(inner), target
-
-    @staticmethod
-    def _owner_type(node: fx.Node) -> str:
-        stack = node.meta.get("nn_module_stack") or {}
-        kind = list(stack.values())[-1][1] if stack else ""
-        return kind if isinstance(kind, str) else getattr(kind, "__name__", "")
+        return self._path(_innermost_module(node)[0]), target
 
     def _parameter_reads(self, node: fx.Node) -> tuple[str, ...]:
         """Paths of the parameters a call reads: a leaf module's own, or one fetched by get_attr."""
@@ -248,6 +240,13 @@ class _CostInterpreter(fx.Interpreter):
         if node.op != "call_module":
             return 0
         return sum(p.numel() for p in self.fetch_attr(node.target).parameters())
+
+
+def _innermost_module(node: fx.Node) -> tuple[str, str]:
+    """(path, class name) of the innermost module whose forward made `node` ("" when none)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path, kind = list(stack.values())[-1] if stack else ("", "")
+    return path, kind if isinstance(kind, str) else getattr(kind, "__name__", "")
 
 
 class _BlockRunner:
