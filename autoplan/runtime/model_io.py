@@ -165,8 +165,9 @@ def without_causal_only_mask(module: nn.Module, kwargs: dict, queries: int | Non
     bidirectional encoder's, BERT's), which is what ring attention and the sequence-parallel
     gather of the full sequence rely on. A sliding window no longer than the mask's keys is a
     mask the real run builds too, so a fake one stays; a real one under a window stays too
-    (no flag applies a window), and so does a floating-point one for ring attention (it adds
-    a bias: Falcon's ALiBi), fake or real; ring attention refuses what stays."""
+    (no flag applies a window), and so does a floating-point one, fake or real: under SDPA
+    transformers' own masks are boolean, so a float one carries a bias the model adds (Falcon's
+    ALiBi, a bias of every head) that no flag stands for; ring attention refuses what stays."""
     config = getattr(module, "config", None)
     window = sliding_window(module)
     causal = bool(getattr(module, "is_causal", False))
@@ -184,8 +185,7 @@ def _stands_for_no_mask(mask: torch.Tensor, window: int | None, causal: bool,
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(mask, FakeTensor) or mask.is_meta:
-        return (not (window and mask.shape[-1] >= window)
-                and (queries is None or mask.dtype == torch.bool))
+        return not (window and mask.shape[-1] >= window) and mask.dtype == torch.bool
     if queries is None or window is not None or mask.dim() != 4:
         return False
     if mask.shape[-2] not in (1, queries):

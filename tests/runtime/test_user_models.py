@@ -172,8 +172,11 @@ def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
     real = {"hidden_states": torch.zeros(1), "attention_mask": torch.zeros(1, 1, 4, 4)}
     assert without_causal_only_mask(attention, real) is real
     with FakeTensorMode() as mode:
-        fake = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
+        fake = {"attention_mask": mode.from_tensor(torch.ones(1, 1, 4, 4, dtype=torch.bool))}
+        bias = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
     assert without_causal_only_mask(attention, fake)["attention_mask"] is None
+    # under SDPA transformers' masks are boolean: a float one is a bias the model adds (ALiBi)
+    assert without_causal_only_mask(attention, bias) is bias
     # a bidirectional encoder's (BERT's) real run passes no mask either: all tokens attend
     bert_attention = _meta("hf_bert").bert.encoder.layer[0].attention.self
     assert without_causal_only_mask(bert_attention, fake)["attention_mask"] is None
@@ -181,8 +184,8 @@ def test_only_the_mask_transformers_builds_for_fake_tensors_is_dropped():
     # a sliding window no longer than the mask's keys: the real run builds that mask too
     local, whole = _meta("hf_gemma3").model.layers  # windows 8 and none (hf_models)
     with FakeTensorMode() as mode:
-        short = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 4, 4))}
-        long = {"attention_mask": mode.from_tensor(torch.zeros(1, 1, 8, 8))}
+        short = {"attention_mask": mode.from_tensor(torch.ones(1, 1, 4, 4, dtype=torch.bool))}
+        long = {"attention_mask": mode.from_tensor(torch.ones(1, 1, 8, 8, dtype=torch.bool))}
     assert without_causal_only_mask(local.self_attn, short)["attention_mask"] is None
     assert without_causal_only_mask(local.self_attn, long) is long
     assert without_causal_only_mask(whole.self_attn, long)["attention_mask"] is None
@@ -217,7 +220,7 @@ def test_at_ring_attention_a_mask_standing_for_causality_goes_and_any_other_stay
     with FakeTensorMode() as mode:
         fake_bool, fake_bias = mode.from_tensor(causal), mode.from_tensor(torch.zeros(2, 1, 4, 4))
     assert dropped(attention, fake_bool) and not dropped(attention, fake_bias)
-    assert dropped(attention, fake_bias, queries=None)  # the probe of SP alone: its mask goes
+    assert not dropped(attention, fake_bias, queries=None)  # TP alone: a bias stays too
 
 
 @pytest.mark.parametrize("kind,config,window", [

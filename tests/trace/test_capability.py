@@ -326,6 +326,22 @@ def test_roberta_numbers_its_own_positions_so_it_gets_no_position_ids_and_no_con
     assert graph.tensor_parallel and "tp" not in graph.refused
 
 
+def test_alibi_bias_of_every_head_refuses_tensor_parallelism_at_plan_time():
+    # Falcon with ALiBi adds a (batch, heads, q, k) bias of every head to its mask; a TP rank
+    # runs a share of the heads, so the job failed at its first step while the probe, which
+    # dropped every mask made on fake tensors, offered TP
+    pytest.importorskip("transformers")
+    from tests.runtime import hf_models
+
+    with torch.device("meta"):
+        old_layout = dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, num_kv_heads=4)
+        alibi = hf_models.build("hf_falcon", alibi=True, **old_layout)
+        rotary = hf_models.build("hf_falcon", **old_layout)
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    assert "a bias of all heads" in trace_model(alibi, (ids,)).refused["tp"]
+    assert "tp" not in trace_model(rotary, (ids,)).refused
+
+
 def test_a_known_failure_is_said_as_its_cause_without_torchs_words():
     from autoplan.trace.capability import known_failure
 
