@@ -109,6 +109,15 @@ def probe_plans(graph: ModelGraph, seq_len: int, blocks: set[str]) -> dict[str, 
     return plans
 
 
+def copy_module(model: nn.Module) -> nn.Module:
+    """copy.deepcopy of `model`, whose traced forward may have left a state it keeps between
+    calls in an attribute (RecurrentGemma's `recurrent_states`): a tensor autograd made, which
+    deepcopy refuses. Such a tensor is carried over detached; the next forward replaces it."""
+    memo = {id(value): value.detach() for module in model.modules() for value in vars(module).values()
+            if isinstance(value, torch.Tensor) and not value.is_leaf}
+    return copy.deepcopy(model, memo)
+
+
 def shallow_copy(model: nn.Module, graph: ModelGraph) -> tuple[nn.Module, set[str]]:
     """A copy of the meta model whose block lists keep only the prefix holding the first two
     copies of each block class (copies are identical, so what applies to two applies to
@@ -120,7 +129,7 @@ def shallow_copy(model: nn.Module, graph: ModelGraph) -> tuple[nn.Module, set[st
         seen[group] = seen.get(group, 0) + 1
         if index.isdigit() and seen[group] <= 2:
             keep[parent] = max(keep.get(parent, 0), int(index) + 1)
-    small = copy.deepcopy(model)
+    small = copy_module(model)
     for parent, length in keep.items():
         blocks = small.get_submodule(parent)
         if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
@@ -429,7 +438,7 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
                        heads: frozenset = frozenset()) -> str | None:
     """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
     not, naming the innermost module that was running when it failed."""
-    copy_ = copy.deepcopy(model)
+    copy_ = copy_module(model)
     names = {id(m): path for path, m in copy_.named_modules()}
     running: list[str] = []
     enter = nn.modules.module.register_module_forward_pre_hook(

@@ -342,6 +342,19 @@ def test_alibi_bias_of_every_head_refuses_tensor_parallelism_at_plan_time():
     assert "tp" not in trace_model(rotary, (ids,)).refused
 
 
+def test_a_state_the_traced_forward_leaves_on_a_module_does_not_stop_the_probe():
+    # RecurrentGemma keeps its recurrence's state in an attribute: after the trace it holds a
+    # tensor autograd made, which copy.deepcopy refuses (plan ended in a traceback)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.RecurrentGemmaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256, lru_width=64, head_dim=16, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.RecurrentGemmaForCausalLM(config)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert "temporal_block.linear_y" in graph.refused["tp"], graph.refused  # the probe's own reason
+
+
 def test_a_known_failure_is_said_as_its_cause_without_torchs_words():
     from autoplan.trace.capability import known_failure
 
