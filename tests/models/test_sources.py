@@ -394,3 +394,17 @@ def test_transformers_config_defaults_to_its_positions_and_feeds_encoder_decoder
     inputs = load_model(f"hf:{t5}").example_inputs(2, 16)
     assert sorted(inputs) == ["decoder_input_ids", "input_ids"]
     assert inputs["decoder_input_ids"].shape == (2, 16)
+
+
+def test_a_config_transformers_saved_with_an_infinite_field_builds(tmp_path):
+    # save_pretrained writes float("inf") as {"__float__": "Infinity"} (Falcon-H1's Mamba-2
+    # time_step_limit of (0, inf)); read back as a dict it failed the config's type check
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconH1Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    config.architectures = ["FalconH1ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    module = load_model(f"hf:{tmp_path}").module
+    assert type(module) is transformers.FalconH1ForCausalLM
+    assert module.config.time_step_limit[1] == float("inf")
