@@ -535,4 +535,6 @@ def add_capability_facts(graph: ModelGraph, model: nn.Module, args: tuple, kwarg
     graph.refused = {axis: reason for axis, reason in results.items() if reason}
     if graph.sp_problem and graph.tensor_parallel:  # read off the facts, not probed
         graph.refused.setdefault("sp", graph.sp_problem)
+    if graph.cp_problem and graph.context_parallel:
+        graph.refused["cp"] = graph.cp_problem
     graph.capability_probe_s = time.perf_counter() - start

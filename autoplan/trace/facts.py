@@ -740,6 +740,8 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
     ops = [mg.graph.nodes[n]["op"] for n in mg.graph.nodes]
     table: dict[str, dict[str, str]] = {}
     unstyled: list[str] = []
+    mixers: list[tuple[OpInfo, str]] = []  # ops combining tokens outside attention (CP)
+    unsharded_mixers: list[tuple[OpInfo, str]] = []  # and outside every TP region (SP)
     aliases = _parameter_aliases(model)
     # T5's attention adds a bias of one column per head (a table in its first block; the
     # others, and a decoder's cross-attention, make zeros of their head count): every
@@ -790,6 +792,11 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
         for scope in block_scopes(model, block.paths):
             table[scope] = dict(styles)
         attention_modules = sorted({op.module for op in block_ops if _attends_over_the_sequence(op, mg)})
+        block_mixers = _sequence_mixers(block_ops, attention_modules, {loop["module"] for loop in mg.sequence_loops})
+        mixers += block_mixers
+        # under SP a TP region sees the whole sequence (gathered at its column); the rest a shard
+        regions = _tp_regions(mg.graph, facts["pairs"])
+        unsharded_mixers += [(op, what) for op, what in block_mixers if op.name not in regions]
         for copy in block.paths:
             mg.context_parallel += [copy + a[len(first):] for a in attention_modules]
             if moe is not None:
@@ -801,12 +808,63 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
         mg.tp_styles = {"": _pre_post_styles(mg, model, ops, first_path), **table}
         outside = [op for op in ops if not op.name.startswith(tuple(p + "." for p in first_path.values()))]
         unstyled += _unstyled_parameters(outside, mg.tp_styles[""], "", None, aliases)
-        if unstyled:
+        if unsharded_mixers:
+            op, what = unsharded_mixers[0]
+            mg.sp_problem = (f"{op.module} combines tokens along the sequence ({what}) outside the "
+                             "tensor-parallel regions, where sequence parallelism hands it a rank's own "
+                             "share of the tokens; tensor parallelism runs without SP")
+        elif unstyled:
             mg.sp_problem = (f"{unstyled[0]} is read on the sequence shard by a module sequence "
                              "parallelism does not shard (a hand-written norm, a learned scale on the "
                              "residual stream), so each rank's gradient of it would cover its own tokens "
                              "only; tensor parallelism runs without SP")
     mg.cp_buffers = _sliced_buffers(gm) if mg.context_parallel else {}
+    if mg.context_parallel and mixers:
+        op, what = mixers[0]
+        mg.cp_problem = (f"{op.module} combines tokens along the sequence outside attention ({what}), "
+                         "which a context-parallel rank would run on its own share of the tokens "
+                         "alone (ring attention is the only part that sees the others), training a "
+                         "wrong model; use cp=1 for this model")
+
+
+# cumulative ops along a dimension: the scan of a state-space or linear-attention mixer
+# (Mamba-2's and gated DeltaNet's chunked scans)
+_SCAN_TARGETS = frozenset({"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"})
+
+
+def _sequence_mixers(block_ops: list[OpInfo], attention_modules: list[str],
+                     loops: set[str]) -> list[tuple[OpInfo, str]]:
+    """(op, what it is) for each op of a block outside its SDPA attention modules that may
+    combine tokens: a convolution (a state-space mixer's causal conv1d, LFM2's short
+    convolution), a cumulative scan, a Python loop over the tokens (sequence_loops), or an
+    attention written out with per-head matmuls (MiniMax's lightning attention). Under CP every
+    module but the attention runs on a rank's own tokens, so each of these must be token-wise."""
+    def outside(op: OpInfo) -> bool:
+        return not any(_inside(op.module, a) for a in attention_modules)
+
+    ops = list(filter(outside, block_ops))
+    return ([(op, "a convolution over the sequence") for op in ops if op.kind == "conv"]
+            + [(op, f"a running total, {op.target}") for op in ops if op.target in _SCAN_TARGETS]
+            + [(op, "an attention written out with matmuls") for op in ops if op.kind == "matmul"
+               and len(op.input_shapes) >= 2 and per_head_matmul(*op.input_shapes[:2])]
+            + [(op, "a Python loop over the tokens") for op in ops if op.module in loops])
+
+
+def _tp_regions(graph, pairs: list[dict]) -> set[str]:
+    """The ops on a path from a pair's column to its row, the pairs' own included."""
+    import networkx as nx
+
+    region: set[str] = set()
+    for pair in pairs:
+        row = pair["row"]
+        before_row = nx.ancestors(graph, row) if row in graph else set()
+        for column in (c for c in pair["column"] if c in graph):
+            region |= (nx.descendants(graph, column) & before_row) | {column, row}
+    return region
+
+
+def _inside(path: str, module: str) -> bool:
+    return path == module or path.startswith(module + ".") or module == ""
 
 
 def _unstyled_parameters(ops: list[OpInfo], styles: dict[str, str], first: str,

@@ -149,6 +149,8 @@ class ModelGraph:
     refused: dict[str, str] = field(default_factory=dict)
     # why sequence parallelism would train this model wrong, read off its facts ("": it would not)
     sp_problem: str = ""
+    # why context parallelism would train this model wrong, read off its facts ("": it would not)
+    cp_problem: str = ""
     capability_probe_s: float = 0.0
     fingerprint: str = ""
     model_name: str = ""

@@ -118,7 +118,7 @@ def write(key: str, graph: ModelGraph, ref: ModelRef) -> None:
 
 _GRAPH_SCALARS = ("batch_size", "seq_len", "dtype_bytes", "parameters", "embedding_parameters", "vocab",
                   "tensor_parallel", "context_parallel", "cp_buffers", "expert_parallel", "fallback_modules", "sequence_loops",
-                  "tp_unsplit", "tp_styles", "refused", "sp_problem", "capability_probe_s", "fingerprint", "model_name",
+                  "tp_unsplit", "tp_styles", "refused", "sp_problem", "cp_problem", "capability_probe_s", "fingerprint", "model_name",
                   "image_size", "image_channels", "num_classes", "user_batch_inputs",
                   "user_batch_keywords", "attention_window")
 

@@ -77,6 +77,11 @@ LAYOUT_FAMILIES = {
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # LayerNorm1P, squared ReLU
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),  # layers without rotary
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
+    # attention layers only (Mamba-2 layers refuse the layout); its config holds an infinite
+    # time_step_limit, which to_json_string writes as {"__float__": "Infinity"}
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         {"layer_types": ["attention", "attention"], "num_local_experts": 4,
+                          "num_experts_per_tok": 2, "shared_intermediate_size": 64}),
 }
 
 

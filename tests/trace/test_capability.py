@@ -355,6 +355,41 @@ def test_a_state_the_traced_forward_leaves_on_a_module_does_not_stop_the_probe()
     assert "temporal_block.linear_y" in graph.refused["tp"], graph.refused  # the probe's own reason
 
 
+def test_a_token_mixer_outside_attention_refuses_cp_and_sp():
+    # a running mean over the tokens on the residual stream: a rank holding a share of the
+    # sequence would average its own tokens only, and nothing would fail
+    graph = _graph("token_mixer.py")
+    assert graph.context_parallel and graph.tensor_parallel
+    assert "running total, cumsum" in graph.refused["cp"] and "use cp=1" in graph.refused["cp"]
+    assert "outside the tensor-parallel regions" in graph.refused["sp"]
+    assert "tp" not in graph.refused and not graph.sequence_shardable
+
+
+@pytest.mark.parametrize("family,fields,what", [
+    # a short causal convolution in every other layer (LFM2); a Mamba-2 mixer beside attention
+    # (Granite-4.0-H: scan and convolution); MiniMax's lightning attention, written out with
+    # matmuls: trained under CP each ran on a rank's tokens alone, the losses 6e-5 to 3e-3 off
+    ("Lfm2", dict(layer_types=["conv", "full_attention"]), "a convolution over the sequence"),
+    ("GraniteMoeHybrid", dict(layer_types=["mamba", "attention"], num_local_experts=4,
+                              num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16),
+     "a convolution over the sequence"),
+    ("MiniMax", dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4,
+                     num_experts_per_tok=2), "an attention written out with matmuls"),
+])
+def test_hybrid_models_mixing_tokens_outside_attention_refuse_cp(family, fields, what):
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256, use_cache=False, **fields)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert graph.context_parallel == ["model.layers.1.self_attn"]
+    assert f"model.layers.0.{'self_attn' if family == 'MiniMax' else ''}" in graph.refused["cp"]
+    assert what in graph.refused["cp"], graph.refused["cp"]
+
+
 def test_a_known_failure_is_said_as_its_cause_without_torchs_words():
     from autoplan.trace.capability import known_failure
 
