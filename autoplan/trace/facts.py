@@ -792,7 +792,9 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
         for scope in block_scopes(model, block.paths):
             table[scope] = dict(styles)
         attention_modules = sorted({op.module for op in block_ops if _attends_over_the_sequence(op, mg)})
-        block_mixers = _sequence_mixers(block_ops, attention_modules, {loop["module"] for loop in mg.sequence_loops})
+        # an image model's convolutions mix pixels, and neither CP nor SP splits its images
+        block_mixers = [] if mg.image_size else _sequence_mixers(
+            block_ops, attention_modules, {loop["module"] for loop in mg.sequence_loops})
         mixers += block_mixers
         # under SP a TP region sees the whole sequence (gathered at its column); the rest a shard
         regions = _tp_regions(mg.graph, facts["pairs"])
