@@ -64,6 +64,7 @@ class LoadedModel:
     inputs_fn: InputsFn = field(repr=False, default=None)  # type: ignore[assignment]
     takes_images: bool = False  # inputs_fn's second argument is the image side
     user_batch: bool = False  # inputs_fn gives the inputs of the file's example_batch
+    own_loss: bool = False  # the file defines loss(outputs, labels)
 
     def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...] | dict:
         """Meta tensors to trace the model with, for this batch size and sequence length (the
@@ -478,7 +479,7 @@ def _load_file(path: Path, spec: str, seq_len: int | None, *,
     ref = ModelRef("file", path.stem, spec, fingerprint(model, None), sha)
     return LoadedModel(model, ref, None, table[1] if table else None, inputs_fn,
                        takes_images=getattr(inputs_fn, "image_channels", 0) > 0,
-                       user_batch=callable(user_batch))
+                       user_batch=callable(user_batch), own_loss=callable(getattr(module, "loss", None)))
 
 
 def _batch_inputs_fn(batch: Callable, spec: str, has_loss: bool) -> InputsFn:

@@ -33,7 +33,8 @@ def load_graph(model_spec: str, seq_len: int | None, image_size: int | None = No
     loaded = load_model(model_spec, seq_len=seq_len)
     seq = input_extent(loaded, seq_len, image_size)
     graph = trace_model(loaded.module, loaded.example_inputs(batch_size, seq), name=loaded.ref.name,
-                        user_batch=loaded.user_batch)
+                        user_batch=loaded.user_batch,
+                        token_labels=not (loaded.user_batch or loaded.takes_images or loaded.own_loss))
     if key:
         store.write(key, graph, loaded.ref)
     return graph, loaded.ref, graph.seq_len

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.runtime.transposed_linear import is_transposed_linear
-from autoplan.runtime.model_io import attention_window, vocab_embedding
+from autoplan.runtime.model_io import attention_window, logits_of, vocab_embedding
 from autoplan.trace.ops import classify, gemm_mnk, is_norm_type, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.autocast import MetaAutocast
 from autoplan.trace.blocks import build_segments, find_block_groups
@@ -286,7 +286,7 @@ def fingerprint(module: nn.Module) -> str:
 
 def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = "",
                 example_kwargs: dict | None = None, probe_runtime: bool = True,
-                user_batch: bool = False) -> ModelGraph:
+                user_batch: bool = False, token_labels: bool = False) -> ModelGraph:
     """Trace `module` (parameters on meta) called with `example_inputs` (positional inputs,
     or a dict of keyword inputs) and `example_kwargs` into a ModelGraph.
 
@@ -297,18 +297,22 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
     `probe_runtime=False` leaves out the capability probe (capability.py): for graphs that
     only cost layouts other runtimes ran, never to choose what autoplan's runtime applies.
     `user_batch`: the inputs are those of the model file's `example_batch`, which the job
-    feeds as they are (models/user_batch.py).
+    feeds as they are (models/user_batch.py). `token_labels`: the job will train it on next-
+    token labels shaped like its token ids, so its logits must be (batch, seq, vocab).
     """
     if not type(module).__module__.startswith(USER_MODULE_PREFIX):  # autoplan's or a library's model
         return _trace_model(module, example_inputs, name=name, example_kwargs=example_kwargs,
-                            probe_runtime=probe_runtime, user_batch=user_batch)
+                            probe_runtime=probe_runtime, user_batch=user_batch,
+                            token_labels=token_labels)
     with user_code(f"tracing the forward of {name or type(module).__name__} (on the meta device)"):
         return _trace_model(module, example_inputs, name=name, example_kwargs=example_kwargs,
-                            probe_runtime=probe_runtime, user_batch=user_batch)
+                            probe_runtime=probe_runtime, user_batch=user_batch,
+                            token_labels=token_labels)
 
 
 def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
-                 example_kwargs: dict | None, probe_runtime: bool, user_batch: bool = False) -> ModelGraph:
+                 example_kwargs: dict | None, probe_runtime: bool, user_batch: bool = False,
+                 token_labels: bool = False) -> ModelGraph:
     if isinstance(example_inputs, dict):
         example_inputs, example_kwargs = (), {**example_inputs, **(example_kwargs or {})}
     module = module.to(device="meta")
@@ -316,6 +320,9 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
     args = tuple(_to_meta(x) for x in example_inputs)
     kwargs = {k: _to_meta(v) for k, v in (example_kwargs or {}).items()}
     _check_call(module, args, kwargs)
+    ids = args[0] if args else kwargs.get("input_ids")
+    labels = tuple(ids.shape) if token_labels and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+        and not ids.is_floating_point() else None
     batch, seq, image = input_dims(args, kwargs)
     classes = classifier_width(module, own_dtype_args, {k: _to_meta(v, dtype=None) for k, v in
                                                         (example_kwargs or {}).items()}) if image else 0
@@ -329,10 +336,11 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         try:
             if kwargs:
                 raise _NotSymbolic("keyword inputs")
-            gm, rec, first_path = _trace_by_fx(module, args, block_of, seq, batch)
+            gm, rec, first_path = _trace_by_fx(module, args, block_of, seq, batch, labels)
             costed_by_routing: list[str] = []
         except _NotSymbolic:
-            gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq, batch)
+            gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq,
+                                                                                    batch, labels)
     graph = nx.DiGraph()
     for op in rec.ops:
         graph.add_node(op.name, op=op)
@@ -361,7 +369,8 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
     return model_graph
 
 
-def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: int, batch: int):
+def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: int, batch: int,
+                 labels: tuple | None = None):
     """Symbolic fx trace of the root (blocks as leaves) and of each block group's first copy."""
     gm = _trace_symbolic(module, "", set(block_of))
     rec = _Recorder(seq_len=seq, batch=batch)
@@ -369,12 +378,12 @@ def _trace_by_fx(module: nn.Module, args: tuple, block_of: dict[str, str], seq: 
         runner = _BlockRunner(block_of, rec, counter)
         interp = _CostInterpreter(gm, "", rec, counter, runner)
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), torch.enable_grad():
-            _check_output(module, interp.run(*args))
+            _check_output(module, interp.run(*args), labels)
     return gm, rec, runner.first_path
 
 
 def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: dict[str, str],
-                      seq: int, batch: int):
+                      seq: int, batch: int, labels: tuple | None = None):
     """Run the forward on fake meta tensors under the recorder (see recorder.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -398,7 +407,7 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
                 with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
                         torch.enable_grad(), recorder:
                     output = module(*fake_args, **fake_kwargs)
-        _check_output(module, output)
+        _check_output(module, output, labels)
     except UserError:
         raise
     except Exception as exc:
@@ -417,11 +426,21 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
     return RecordedGraph(recorder.graph, module), rec, first_path, routing.modules
 
 
-def _check_output(module: nn.Module, output) -> None:
-    """A forward that returns no tensor cannot be trained (there is no loss to take)."""
+def _check_output(module: nn.Module, output, labels: tuple | None = None) -> None:
+    """A forward that returns no tensor cannot be trained (there is no loss to take); one
+    trained on next-token `labels` (their shape) must give a logit row per token."""
     items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
     if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None \
             or any(isinstance(item, torch.Tensor) for item in items):
+        shape = tuple(logits_of(output).shape) if labels is not None else ()
+        if labels is not None and (len(shape) != 3 or shape[:2] != labels):
+            raise UserError(
+                f"the forward of {type(module).__name__} returns {shape} for token ids of shape "
+                f"{labels}: a model fed token ids is trained on next-token prediction, which takes "
+                "logits of (batch, seq, vocab). For another objective (a label per sample, a "
+                "regression), define example_batch(batch_size) in the model file returning "
+                "(inputs, labels), and loss(outputs, labels) unless cross-entropy over the "
+                "output's last dimension is the loss")
         return
     raise UserError(f"the forward of {type(module).__name__} returned {type(output).__name__}, not a tensor: "
                     "return the logits (or an object with .logits, or a tuple or dict holding them), "
