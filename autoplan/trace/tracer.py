@@ -434,11 +434,14 @@ def _check_output(module: nn.Module, output, labels: tuple | None = None) -> Non
             or any(isinstance(item, torch.Tensor) for item in items):
         shape = tuple(logits_of(output).shape) if labels is not None else ()
         if labels is not None and (len(shape) != 3 or shape[:2] != labels):
+            library = type(module).__module__.split(".")[0]
+            file = "" if library.startswith(USER_MODULE_PREFIX.split(".")[0]) else (
+                f" (a {library} class: write a model file whose build_model() returns it)")
             raise UserError(
                 f"the forward of {type(module).__name__} returns {shape} for token ids of shape "
                 f"{labels}: a model fed token ids is trained on next-token prediction, which takes "
                 "logits of (batch, seq, vocab). For another objective (a label per sample, a "
-                "regression), define example_batch(batch_size) in the model file returning "
+                f"regression), define example_batch(batch_size) in the model file{file} returning "
                 "(inputs, labels), and loss(outputs, labels) unless cross-entropy over the "
                 "output's last dimension is the loss")
         return

@@ -382,3 +382,17 @@ def test_a_token_model_with_a_row_per_sample_is_refused_unless_its_file_has_a_lo
         load_graph(str(path), 16)
     path.write_text(_POOLED + "\n\ndef loss(outputs, labels):\n    return outputs.float().logsumexp(-1).mean()\n")
     assert load_graph(str(path), 16)[0].layer_order
+
+
+def test_a_transformers_sequence_classifier_is_refused_with_the_way_to_train_it(tmp_path):
+    pytest.importorskip("transformers")
+    import json
+
+    from autoplan.trace.load import load_graph
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "bert", "architectures": ["BertForSequenceClassification"], "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256}))
+    with pytest.raises(UserError, match=r"returns \(1, 2\) .*a transformers class: write a model file "
+                                        r"whose build_model\(\) returns it"):
+        load_graph(f"hf:{tmp_path}", 16)
