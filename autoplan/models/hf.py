@@ -55,11 +55,13 @@ def _held_warnings(transformers):
         logger.handle(record)
 
 
-def _special_floats(transformers, config: dict[str, Any]) -> dict[str, Any]:
+def special_floats_read_back(config: dict[str, Any]) -> dict[str, Any]:
     """`config` with the floats JSON has no literal for read back: transformers writes an
     infinite or NaN field as `{"__float__": "Infinity"}` (a Mamba-2 mixer's `time_step_limit`
     of (0, inf) in Falcon-H1, Bamba, Granite-4.0-H) and decodes it in from_pretrained, which a
-    config given as a dict skips."""
+    config given as a dict skips. Call it where transformers is importable."""
+    import transformers
+
     decode = getattr(transformers.PretrainedConfig, "_decode_special_floats", None)
     return decode(config) if decode else config
 
@@ -68,7 +70,7 @@ def _build(transformers, config: dict[str, Any], where: str) -> nn.Module:
     import torch
 
     model_type = config.get("model_type")
-    fields = {key: value for key, value in _special_floats(transformers, config).items() if key != "model_type"}
+    fields = {key: value for key, value in special_floats_read_back(config).items() if key != "model_type"}
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError):  # its message lists every family it knows: hundreds

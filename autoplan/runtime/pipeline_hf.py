@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from autoplan.models.hf import special_floats_read_back
+
 
 @dataclass(frozen=True)
 class _Parts:
@@ -171,9 +173,7 @@ def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
     training mode from one seed, gives the whole copy's logits: a module applied on two stages
     or on none (an embedding scale, a dropout drawing twice) moves them by far more than
     rounding. Else what failed."""
-    fields = json.loads(config_json)  # to_json_string writes inf as {"__float__": "Infinity"}
-    decode = getattr(model_class.config_class, "_decode_special_floats", None)
-    config = model_class.config_class.from_dict(decode(fields) if decode else fields)
+    config = model_class.config_class.from_dict(special_floats_read_back(json.loads(config_json)))
     try:
         _shrink(config)
         with torch.device("meta"):

@@ -796,9 +796,9 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
         block_mixers = [] if mg.image_size else _sequence_mixers(
             block_ops, attention_modules, {loop["module"] for loop in mg.sequence_loops})
         mixers += block_mixers
-        # under SP a TP region sees the whole sequence (gathered at its column); the rest a shard
-        regions = _tp_regions(mg.graph, facts["pairs"])
-        unsharded_mixers += [(op, what) for op, what in block_mixers if op.name not in regions]
+        if block_mixers:  # under SP a TP region sees the whole sequence (gathered at its column)
+            regions = _tp_regions(mg.graph, facts["pairs"])
+            unsharded_mixers += [(op, what) for op, what in block_mixers if op.name not in regions]
         for copy in block.paths:
             mg.context_parallel += [copy + a[len(first):] for a in attention_modules]
             if moe is not None:

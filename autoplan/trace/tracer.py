@@ -432,22 +432,28 @@ def _check_output(module: nn.Module, output, labels: tuple | None = None) -> Non
     items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
     if isinstance(output, torch.Tensor) or getattr(output, "logits", None) is not None \
             or any(isinstance(item, torch.Tensor) for item in items):
-        shape = tuple(logits_of(output).shape) if labels is not None else ()
-        if labels is not None and (len(shape) != 3 or shape[:2] != labels):
-            library = type(module).__module__.split(".")[0]
-            file = "" if library.startswith(USER_MODULE_PREFIX.split(".")[0]) else (
-                f" (a {library} class: write a model file whose build_model() returns it)")
-            raise UserError(
-                f"the forward of {type(module).__name__} returns {shape} for token ids of shape "
-                f"{labels}: a model fed token ids is trained on next-token prediction, which takes "
-                "logits of (batch, seq, vocab). For another objective (a label per sample, a "
-                f"regression), define example_batch(batch_size) in the model file{file} returning "
-                "(inputs, labels), and loss(outputs, labels) unless cross-entropy over the "
-                "output's last dimension is the loss")
+        if labels is not None:
+            _check_token_logits(module, tuple(logits_of(output).shape), labels)
         return
     raise UserError(f"the forward of {type(module).__name__} returned {type(output).__name__}, not a tensor: "
                     "return the logits (or an object with .logits, or a tuple or dict holding them), "
                     "which the training loss is taken from")
+
+
+def _check_token_logits(module: nn.Module, shape: tuple, labels: tuple) -> None:
+    """Next-token labels of shape `labels` need logits of (batch, seq, vocab)."""
+    if len(shape) == 3 and shape[:2] == labels:
+        return
+    library = type(module).__module__.split(".")[0]
+    file = "" if library.startswith(USER_MODULE_PREFIX) else (
+        f" (a {library} class: write a model file whose build_model() returns it)")
+    raise UserError(
+        f"the forward of {type(module).__name__} returns {shape} for token ids of shape "
+        f"{labels}: a model fed token ids is trained on next-token prediction, which takes "
+        "logits of (batch, seq, vocab). For another objective (a label per sample, a "
+        f"regression), define example_batch(batch_size) in the model file{file} returning "
+        "(inputs, labels), and loss(outputs, labels) unless cross-entropy over the "
+        "output's last dimension is the loss")
 
 
 def _check_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
