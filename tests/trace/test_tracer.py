@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.errors import UserError
+from bad_input_cases import GOOD_MODEL
 from gpt_blocks import MathAttentionBlock, Stack
 from autoplan.models import build_model
 from autoplan.trace.graph import SideValue
@@ -343,32 +344,8 @@ def test_the_vocabulary_is_the_token_table_not_a_larger_position_table():
     assert graph.tp_styles[""]["lm_head"] == "vocab_head"
 
 
-_POOLED = '''
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(32, 32)
-
-    def forward(self, x):
-        return x + self.lin(x)
-
-
-class Pooled(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.mean(dim=1))
-'''
+# the suite's good token model, mean-pooled into one row per sample
+_POOLED = GOOD_MODEL.replace("return self.head(x)", "return self.head(x.mean(dim=1))")
 
 
 def test_a_token_model_with_a_row_per_sample_is_refused_unless_its_file_has_a_loss(tmp_path):
@@ -378,7 +355,7 @@ def test_a_token_model_with_a_row_per_sample_is_refused_unless_its_file_has_a_lo
 
     path = tmp_path / "pooled.py"
     path.write_text(_POOLED)
-    with pytest.raises(UserError, match=r"returns \(1, 5\) for token ids of shape \(1, 16\).*example_batch"):
+    with pytest.raises(UserError, match=r"returns \(1, 64\) for token ids of shape \(1, 16\).*example_batch"):
         load_graph(str(path), 16)
     path.write_text(_POOLED + "\n\ndef loss(outputs, labels):\n    return outputs.float().logsumexp(-1).mean()\n")
     assert load_graph(str(path), 16)[0].layer_order
