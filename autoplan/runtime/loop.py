@@ -452,7 +452,8 @@ class Trainer:
             self.grad_norms.append(self.last_grad_norm)
             if metrics is not None:
                 metrics.write(step, loss, lr_at(step, self.plan.optimizer), elapsed,
-                              print_line=(step + 1) % self.args.log_every == 0)
+                              print_line=(step + 1) % self.args.log_every == 0,
+                              grad_norm=self.last_grad_norm)
             every = self.args.checkpoint_every
             saved = bool(every and (step + 1) % every == 0)
             if saved or self.stop_requested:
@@ -530,12 +531,16 @@ class MetricsLog:
         self.peak_flops = est.get("peak_flops_per_gpu")
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
-    def write(self, step: int, loss: float, lr: float, step_time_s: float, print_line: bool) -> None:
+    def write(self, step: int, loss: float, lr: float, step_time_s: float, print_line: bool,
+              grad_norm: float = float("nan")) -> None:
+        """`grad_norm`: the global gradient norm before clipping, the same under every plan (a
+        gradient summed where it should be averaged shows here, where Adam's updates hide it)."""
         tokens_per_s = self.plan.global_batch * self.plan.seq_len / step_time_s
         mfu = None
         if self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / (float(self.peak_flops) * self.plan.world_size)
-        record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": lr, "tokens_per_s": tokens_per_s, "mfu": mfu,
+        record = {"step": step, "loss": loss if math.isfinite(loss) else None,
+                  "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "peak_memory_gib": peak_memory_gib(self.device_type), "step_time_s": step_time_s,
                   "device": self.device_type}
         write_file(self.path, (json.dumps(record) + "\n").encode(), append=True)

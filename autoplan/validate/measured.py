@@ -1,8 +1,8 @@
 """Predicted vs measured for a generated job's run (`autoplan validate --run DIR`).
 
 A run directory holds `metrics.jsonl` (one JSON object per step, written by the runtime's
-rank 0: step, loss, lr, tokens_per_s, mfu, peak_memory_gib, step_time_s, device; a record may carry
-`rank`, then peak memory is reported per rank). The job's `plan.json` sits in the run
+rank 0: step, loss, grad_norm, lr, tokens_per_s, mfu, peak_memory_gib, step_time_s, device; a
+record may carry `rank`, then peak memory is reported per rank). The job's `plan.json` sits in the run
 directory or one of its parents (generated jobs write runs under <job>/runs/<name>/); its
 `estimate` holds the prediction. The first steps are warm-up (lazy initialisation, allocator
 growth, kernel autotuning) and are left out: `warmup` of them (default 2), fewer when the
