@@ -298,6 +298,15 @@ def fsdp_copy_out_s(gathered_params: float, weight_bytes: int, gpu) -> float:
     return gathered_params * 2 * weight_bytes / hw.hbm_bytes_per_s(gpu)
 
 
+def fsdp_copy_in_s(params: float, grad_bytes: int, reduce_bytes: int, gpu) -> float:
+    """Seconds to copy one reduce-scatter's gradients into its send buffer: FSDP2 fully_shard
+    runs `foreach_reduce_scatter_copy_in` (torch.ops.fsdp.chunk_cat into a buffer of the
+    reduce dtype, one read of each unsharded gradient and one write in the reduce dtype) on
+    the compute stream, which the reduce-scatter stream then waits for
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce)."""
+    return params * (grad_bytes + reduce_bytes) / hw.hbm_bytes_per_s(gpu)
+
+
 def recompute_time_s(times: BlockTimes, recompute: str, selective_policy: str = "op") -> float:
     """Extra forward work per micro-batch. full: all of it. selective: what the policy does
     not save (trace/activations.py) -- under the "op" policy every op but the GEMMs and the

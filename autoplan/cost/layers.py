@@ -58,9 +58,11 @@ class Runtime:
     pass over the states (Apex/TE FusedAdam, torch fused AdamW), or "per-op", a kernel per tensor
     op of the update (Composer's DecoupledAdamW, llm-foundry's default optimizer; torch's
     foreach and single-tensor AdamW, which autoplan's runtime builds: runtime/loop.py).
-    fsdp_copy_out: ZeRO-2/3 all-gathers land in a flat buffer that FSDP2 copies out into the
-    parameters on the compute stream (compute.fsdp_copy_out_s); FSDP1's flat parameter is the
-    gather buffer itself.
+    fsdp_buffer_copies: FSDP2's copies through its flat communication buffers, both on the
+    compute stream: ZeRO-2/3 all-gathers land in a flat buffer copied out into the parameters
+    (compute.fsdp_copy_out_s), and each micro-batch's unsharded gradients are copied into the
+    reduce-scatter's send buffer in the reduce dtype (compute.fsdp_copy_in_s). FSDP1's flat
+    parameter is the gather buffer itself and its flat gradient the send buffer.
     fsdp_root_regathered: ZeRO-3 gathers the embedding and head again for the backward
     (volume.fsdp_gathers); autoplan's runtime keeps them, FSDP's root unit, gathered from
     forward to backward.
@@ -114,7 +116,7 @@ class Runtime:
     allocator_reserve_fraction: float = 0.0
     sp_saves_gathered_inputs: bool = True
     optimizer_kernels: str = "per-op"
-    fsdp_copy_out: bool = True
+    fsdp_buffer_copies: bool = True
     loss_keeps_logits: bool = False
     fused_vocab_cross_entropy: bool = False
     experts_replicated_over_tp: bool = True
@@ -516,12 +518,15 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
     accumulate = grad_accumulation_s(params, config, gpu)
     if accumulate:
         bwd_s += accumulate
-    if runtime.fsdp_copy_out and config.zero_stage >= 2 and not fsdp_pipeline_unsharded(config):
+    if runtime.fsdp_buffer_copies and config.zero_stage >= 2 and not fsdp_pipeline_unsharded(config):
         # ZeRO-3 gathers before forward and again before backward, ZeRO-2 before forward only
         copy = compute.fsdp_copy_out_s(params.dense + params.expert,
                                        memory.weight_bytes_per_param(config.precision), gpu)
         fwd_s += copy
         bwd_s += copy if config.zero_stage >= 3 else 0.0
+        bwd_s += compute.fsdp_copy_in_s(params.dense + params.expert,
+                                        compute.activation_dtype_bytes(config.precision),
+                                        memory.grad_reduce_bytes_per_param(config.precision), gpu)
     cast_fwd, cast_bwd = float8_cast_times(block, graph, config, gpu, runtime, profile)
     fwd_s, bwd_s = fwd_s + cast_fwd, bwd_s + cast_bwd
     if rc == "full" or (rc == "selective" and policy == "op"):

@@ -44,8 +44,8 @@ def runtime_traits(family: str) -> dict[str, Any]:
     out["sp_saves_gathered_inputs"] = bool(traits.get("sp_saves_gathered_inputs", False))
     # fused AdamW (Megatron's Apex/TE FusedAdam) unless the family's optimizer runs op by op
     out["optimizer_kernels"] = str(traits.get("optimizer_kernels", "fused"))
-    # only FSDP2 copies gathered parameters out of the gather buffer
-    out["fsdp_copy_out"] = bool(traits.get("fsdp_copy_out", False))
+    # only FSDP2 copies gathered parameters and gradients through flat buffers
+    out["fsdp_buffer_copies"] = bool(traits.get("fsdp_buffer_copies", False))
     # Megatron's fused vocab-parallel cross entropy unless the family runs torch's eager one
     out["fused_vocab_cross_entropy"] = bool(traits.get("fused_vocab_cross_entropy", True))
     out["loss_keeps_logits"] = bool(traits.get("loss_keeps_logits", False))

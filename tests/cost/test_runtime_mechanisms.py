@@ -188,9 +188,11 @@ def test_megatron_loss_traffic_counts_every_pass_over_the_fp32_logits():
     assert compute.LOSS_BWD_BYTES_PER_LOGIT == 14
 
 
-def test_fsdp2_copies_each_gather_out_on_the_compute_stream(make_gpt_graph, h100_cluster):
+def test_fsdp2_copies_gathers_out_and_gradients_in_on_the_compute_stream(make_gpt_graph, h100_cluster):
     # ZeRO-3: gathered before forward and before backward; each copy-out reads and writes the
-    # block's 16-bit parameters once. FSDP1 (fsdp_copy_out=False) gathers into the parameter.
+    # block's 16-bit parameters once. Each micro-batch's reduce-scatter first copies the 16-bit
+    # gradients into its fp32 send buffer (read 2 B, write 4 B a parameter). FSDP1
+    # (fsdp_buffer_copies=False) gathers into the parameter and scatters its flat gradient.
     from autoplan.cost import hw
 
     graph = make_gpt_graph(layers=4, hidden=2048, heads=16, seq=2048)
@@ -198,15 +200,22 @@ def test_fsdp2_copies_each_gather_out_on_the_compute_stream(make_gpt_graph, h100
     cluster = h100_cluster(8)
     block = graph.blocks[0]
     fsdp2 = layer_cost(block, graph, config, cluster)
-    fsdp1 = layer_cost(block, graph, config, cluster, runtime=Runtime(fsdp_copy_out=False))
-    copy_s = block.parameters * 2 * 2 / hw.hbm_bytes_per_s(cluster.gpu)
-    assert fsdp2.fwd_s - fsdp1.fwd_s == pytest.approx(copy_s, rel=1e-9)
-    assert fsdp2.bwd_s - fsdp1.bwd_s == pytest.approx(copy_s, rel=1e-9)
+    fsdp1 = layer_cost(block, graph, config, cluster, runtime=Runtime(fsdp_buffer_copies=False))
+    bandwidth = hw.hbm_bytes_per_s(cluster.gpu)
+    copy_out_s = block.parameters * 2 * 2 / bandwidth
+    copy_in_s = block.parameters * (2 + 4) / bandwidth
+    assert fsdp2.fwd_s - fsdp1.fwd_s == pytest.approx(copy_out_s, rel=1e-9)
+    assert fsdp2.bwd_s - fsdp1.bwd_s == pytest.approx(copy_out_s + copy_in_s, rel=1e-9)
     zero2 = layer_cost(block, graph, dataclasses.replace(config, zero_stage=2), cluster)
     zero2_fsdp1 = layer_cost(block, graph, dataclasses.replace(config, zero_stage=2), cluster,
-                             runtime=Runtime(fsdp_copy_out=False))
-    assert zero2.fwd_s - zero2_fsdp1.fwd_s == pytest.approx(copy_s, rel=1e-9)
-    assert zero2.bwd_s == pytest.approx(zero2_fsdp1.bwd_s, rel=1e-12)  # not resharded after forward
+                             runtime=Runtime(fsdp_buffer_copies=False))
+    assert zero2.fwd_s - zero2_fsdp1.fwd_s == pytest.approx(copy_out_s, rel=1e-9)
+    # not resharded after forward: no second gather, but the gradients still go through the buffer
+    assert zero2.bwd_s - zero2_fsdp1.bwd_s == pytest.approx(copy_in_s, rel=1e-9)
+    # a pipeline accumulates unsharded gradients and reduces once a step: no per-micro-batch copy
+    piped = dataclasses.replace(config, dp=4, pp=2)
+    assert layer_cost(block, graph, piped, cluster).bwd_s == pytest.approx(
+        layer_cost(block, graph, piped, cluster, runtime=Runtime(fsdp_buffer_copies=False)).bwd_s, rel=1e-12)
 
 
 def test_ring_attention_time_follows_what_each_runtime_sends(make_gpt_graph, h100_cluster):

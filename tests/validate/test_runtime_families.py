@@ -78,7 +78,7 @@ def test_torchtitan_runtime_traits():
                                                    "selective_policy": "attention_core",
                                                    "sp_saves_gathered_inputs": False,
                                                    "optimizer_kernels": "fused",
-                                                   "fsdp_copy_out": False,
+                                                   "fsdp_buffer_copies": False,
                                                    "fused_vocab_cross_entropy": True,
                                                    "loss_keeps_logits": False,
                                                    "experts_replicated_over_tp": False,
@@ -111,9 +111,9 @@ def test_adamw_runs_op_by_op_in_llm_foundry_and_the_torchtitan_runs():
     assert families.runtime_traits("megatron")["optimizer_kernels"] == "fused"
 
 
-def test_only_fsdp2_copies_gathered_parameters_out():
-    assert families.runtime_traits("torchtitan")["fsdp_copy_out"] is True
-    assert families.runtime_traits("llm-foundry")["fsdp_copy_out"] is False  # FSDP1 flat parameter
+def test_only_fsdp2_copies_through_flat_buffers():
+    assert families.runtime_traits("torchtitan")["fsdp_buffer_copies"] is True
+    assert families.runtime_traits("llm-foundry")["fsdp_buffer_copies"] is False  # FSDP1 flat parameter
 
 
 def test_interleaved_torchtitan_run_takes_two_stages_per_rank():
