@@ -54,3 +54,18 @@ def write_file(path: str | Path, data: bytes, *, append: bool = False,
         if executable:  # on the open file: a chmod by name would follow a link put there since
             os.fchmod(fd, os.fstat(fd).st_mode | 0o111)
         fh.write(data)
+
+
+def write_output(path: str | Path, text: str) -> None:
+    """Write a command's -o file: its missing folders are made, a link in its place is refused,
+    and a path that cannot be written (a folder there, no permission, a full disk) is one
+    UserError naming it; whether an existing file may be replaced is the command's check."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, text.encode())
+    except UserError:
+        raise
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}; choose another -o path "
+                        "(a file in a folder you can write to)") from None

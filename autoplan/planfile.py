@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, replace
 
 from autoplan.errors import UserError
+from autoplan.files import write_output
 from autoplan.plan import ModelRef, Plan, PlanFormatError
 
 TRUST_FLAG = "--trust-plan-model"
@@ -51,7 +52,7 @@ def write_plan(plan: Plan, path: str) -> None:
     if model_path is not None and not os.path.isabs(model_path):
         folder = os.path.abspath(os.path.dirname(path) or ".")
         plan = replace(plan, model=replace(plan.model, path=os.path.relpath(os.path.abspath(model_path), folder)))
-    plan.save(path)
+    write_output(path, plan.to_json())
 
 
 def plan_model_ref(plan: Plan, plan_file: str) -> ModelRef:

@@ -165,3 +165,24 @@ def test_estimate_that_does_not_fit_exits_1(tmp_path):
     err = expect(1, "estimate", "llama3.1-70b", "--gpu", "h100", "--gpus", "8", "--global-batch", "8",
                  cwd=tmp_path, match="does not fit")
     assert "GiB per GPU" in err
+
+
+@pytest.mark.parametrize("command, name", [
+    (["plan", "tiny-gpt", "--gpu", "cpu", "--gpus", "1", "--global-batch", "2"], "plan.json"),
+    (["report", "tiny-gpt", "--tokens", "1M", "--global-batch", "8", "--gpu", "h100", "--gpus", "8",
+      "--format", "md"], "report.md"),
+    (["report", "tiny-gpt", "--tokens", "1M", "--global-batch", "8", "--gpu", "h100", "--gpus", "8"], "report.txt"),
+])
+def test_output_files_make_their_folder_and_refuse_a_link(tmp_path, run_cli, command, name):
+    # an -o path in folders that do not exist yet is written, not a traceback
+    code, _, err = run_cli(*command, "-o", str(tmp_path / "new" / "sub" / name))
+    assert code == 0, err
+    assert (tmp_path / "new" / "sub" / name).stat().st_size > 0
+    # a link where the file goes is refused; its target is left alone
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("the user's file\n")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / name).symlink_to(target)
+    code, _, err = run_cli(*command, "-o", str(tmp_path / "linked" / name), "--force")
+    assert code == 2 and "symbolic link" in err and "Traceback" not in err
+    assert target.read_text() == "the user's file\n"

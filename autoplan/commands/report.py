@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import click
 
 from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
+from autoplan.files import write_output
 from autoplan.hardware import GB, load_hardware_file, load_prices, parse_price_options
 
 FORMATS = ("terminal", "md", "html", "json")
@@ -232,14 +234,15 @@ def _emit(doc, fmt, out, force, sweep, detail) -> None:
         from autoplan.report.render_terminal import print_report
 
         if out:
-            with out.open("w") as handle:
-                print_report(doc, Console(file=handle, width=160, force_terminal=False))
+            handle = io.StringIO()
+            print_report(doc, Console(file=handle, width=160, force_terminal=False))
+            write_output(out, handle.getvalue())
             click.echo(f"report written to {out}")
         else:
             print_report(doc, Console())
         return
     if out:
-        out.write_text(text)
+        write_output(out, text)
         click.echo(f"report written to {out}")
     else:
         click.echo(text, nl=False)

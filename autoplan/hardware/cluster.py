@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from autoplan.errors import UserError
+from autoplan.files import write_output
 from autoplan.limits import MAX_GPUS, check_at_most
 from autoplan.paths import cost_models_dir
 from autoplan.hardware.gpu import GPU, _gpu_from_table, _gpu_to_table, load_gpu
@@ -151,7 +152,7 @@ def write_hardware_file(cluster_or_gpu: Cluster | GPU, path: str | Path, measure
     table["sources"] = {k: c.sources.get(k, default_source) for k in values}
     table["gpu"] = _gpu_to_table(c.gpu)
     path = Path(path)
-    path.write_text(_dump_toml(table), encoding="utf-8")
+    write_output(path, _dump_toml(table))
     return path
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import UserError
+from autoplan.files import write_output
 from autoplan.paths import templates_dir
 from autoplan.report import charts as ch
 from autoplan.report.formatting import FILTERS
@@ -71,6 +72,6 @@ def write_markdown(path: Path, doc: dict[str, Any], charts: dict[str, str], forc
     images = markdown_chart_paths(path, charts)
     check_writable([path, *images.values()], force)
     for name, image in images.items():
-        image.write_text(charts[name])
-    path.write_text(render_markdown(doc, {name: image.name for name, image in images.items()}))
+        write_output(image, charts[name])
+    write_output(path, render_markdown(doc, {name: image.name for name, image in images.items()}))
     return [path, *images.values()]
