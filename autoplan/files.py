@@ -64,8 +64,6 @@ def write_output(path: str | Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, text.encode())
-    except UserError:
-        raise
-    except OSError as exc:
+    except OSError as exc:  # a refused link is a UserError already
         raise UserError(f"cannot write {path}: {exc.strerror or exc}; choose another -o path "
                         "(a file in a folder you can write to)") from None

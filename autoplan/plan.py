@@ -144,9 +144,6 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         if not isinstance(data, dict):

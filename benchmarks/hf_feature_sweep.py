@@ -16,7 +16,7 @@ between micro-batches of 4, 2 and 1). A wrong gradient (a missing reduction, a g
 where it is averaged) is off by 1e-2 or more from the first updated step.
 
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
-    python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zb
+    python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble
 """
 
 from __future__ import annotations

@@ -520,12 +520,11 @@ def _layer_cost(block: BlockInfo, graph: ModelGraph, config: ParallelConfig, clu
         bwd_s += accumulate
     if runtime.fsdp_buffer_copies and config.zero_stage >= 2 and not fsdp_pipeline_unsharded(config):
         # ZeRO-3 gathers before forward and again before backward, ZeRO-2 before forward only
-        copy = compute.fsdp_copy_out_s(params.dense + params.expert,
-                                       memory.weight_bytes_per_param(config.precision), gpu)
+        block_params_on_rank = params.dense + params.expert
+        copy = compute.fsdp_copy_out_s(block_params_on_rank, memory.weight_bytes_per_param(config.precision), gpu)
         fwd_s += copy
         bwd_s += copy if config.zero_stage >= 3 else 0.0
-        bwd_s += compute.fsdp_copy_in_s(params.dense + params.expert,
-                                        compute.activation_dtype_bytes(config.precision),
+        bwd_s += compute.fsdp_copy_in_s(block_params_on_rank, compute.activation_dtype_bytes(config.precision),
                                         memory.grad_reduce_bytes_per_param(config.precision), gpu)
     cast_fwd, cast_bwd = float8_cast_times(block, graph, config, gpu, runtime, profile)
     fwd_s, bwd_s = fwd_s + cast_fwd, bwd_s + cast_bwd

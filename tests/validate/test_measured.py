@@ -14,6 +14,7 @@ import pytest
 
 from autoplan.calibrate.error import measured_error
 from autoplan.errors import UserError
+from autoplan.planfile import write_plan
 from autoplan.config import ParallelConfig
 from autoplan.plan import ModelRef, Plan
 from autoplan.validate.measured import render_run, compare_run_dir
@@ -26,10 +27,10 @@ def _job(tmp_path: Path, estimate: dict | None = None, gpu: str = "h100-sxm-80gb
     (job / "runs" / "r1").mkdir(parents=True, exist_ok=True)
     est = {"step_time_s": 0.5, "tokens_per_s": 8 * 128 / 0.5, "mfu": 0.02, "memory_gib_per_gpu": 1.5,
            "per_stage": [{"stage": 0, "memory_gib": 1.5}, {"stage": 1, "memory_gib": 1.0}]}
-    Plan(model=ModelRef("catalog", "tiny-gpt"), gpu=gpu, world_size=4, gpus_per_node=8,
-         parallel=ParallelConfig(global_batch=8, seq_len=128, dp=2, pp=2, stage_layers=(1, 1)),
-         blocks=("layers.0", "layers.1"),
-         estimate=est if estimate is None else estimate).save(job / "plan.json")
+    write_plan(Plan(model=ModelRef("catalog", "tiny-gpt"), gpu=gpu, world_size=4, gpus_per_node=8,
+                    parallel=ParallelConfig(global_batch=8, seq_len=128, dp=2, pp=2, stage_layers=(1, 1)),
+                    blocks=("layers.0", "layers.1"),
+                    estimate=est if estimate is None else estimate), job / "plan.json")
     return job
 
 
