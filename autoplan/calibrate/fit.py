@@ -18,6 +18,7 @@ import torch
 
 from autoplan.calibrate.measure import CalibrationResult, ring_steps
 from autoplan.errors import UserError
+from autoplan.files import refuse_link, write_output
 from autoplan.hardware import (GB, GIB, TFLOPS, US, GPU, Cluster, list_gpus, load_gpu, make_cluster,
                                write_hardware_file)
 
@@ -269,9 +270,10 @@ def write(result: CalibrationResult, base: GPU, path: str | Path, standard_shape
     gpu = calibrated_gpu(result, base, standard_shapes)
     cluster = calibrated_cluster(result, base, gpu, gpus_per_node)
     path = Path(path)
+    refuse_link(measurements_path(path))  # before the hardware file, so neither is half-written
     path.parent.mkdir(parents=True, exist_ok=True)
     write_hardware_file(cluster, path, measured_at=result.measured_at, method=result.method())
     data = result.to_dict()
     data["base_gpu"] = base.key
-    measurements_path(path).write_text(json.dumps(data, indent=2) + "\n")
+    write_output(measurements_path(path), json.dumps(data, indent=2) + "\n")
     return path, cluster

@@ -11,6 +11,7 @@ import click
 from autoplan.commands import options as o
 from autoplan.commands.plan import plan_options, run_plan
 from autoplan.errors import NoFeasiblePlan, UserError
+from autoplan.files import write_output
 
 
 @click.command("tune")
@@ -69,7 +70,7 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         trials.append(run_trial(trial, steps, timeout_s))
     factor, notes = write_refit(job.cluster, trials, out / "tuned.toml")
     results = _results(trials, band, factor, notes, out)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_output(out / "results.json", json.dumps(results, indent=2) + "\n")
     if as_json:
         click.echo(json.dumps(results, indent=2))
     else:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from autoplan.codegen.job import ModelSource, render_job, write_job
 from autoplan.errors import UserError
+from autoplan.files import write_file
 from autoplan.plan import Plan
 from autoplan.validate.measured import compare_run_dir
 
@@ -87,7 +88,7 @@ def run_trial(trial: Trial, steps: int, timeout_s: float) -> Trial:
         return trial
     finally:
         trial.seconds = time.perf_counter() - start
-    (trial.job_dir / "tune.log").write_text(out + err)
+    write_file(trial.job_dir / "tune.log", (out + err).encode())
     if proc.returncode != 0:
         trial.reason = _last_words(err or out) or f"exit status {proc.returncode}"
         return trial

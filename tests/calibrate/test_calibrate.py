@@ -86,6 +86,15 @@ def test_calibrated_file_keeps_datasheet_peaks_and_replaces_fractions(tmp_path):
     assert err is not None and err < 0.1
 
 
+def test_a_link_where_the_measurements_go_is_refused_before_anything_is_written(tmp_path):
+    target = tmp_path / "users_file.json"
+    target.write_text("the user's file\n")
+    fit.measurements_path(tmp_path / "h100.toml").symlink_to(target)
+    with pytest.raises(UserError, match="symbolic link"):
+        fit.write(_synthetic_h100_result(), load_gpu("h100"), tmp_path / "h100.toml", gpus_per_node=8)
+    assert target.read_text() == "the user's file\n" and not (tmp_path / "h100.toml").exists()
+
+
 def test_cpu_calibration_sets_peaks_and_rates_from_measurements(tmp_path):
     env = measure.LaunchEnv(0, 2, 0, 2, True)
     result = measure.CalibrationResult(env=env, device="cpu", device_name="CPU", measured_at="2026-12-02T00:00:00Z")
