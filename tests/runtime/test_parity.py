@@ -125,7 +125,11 @@ PARITY_OPTIMIZER = dict(OPTIMIZER, lr=5e-3, warmup_steps=0, max_steps=10**9)
 # 8 steps; at 1e-3 they end 6.9e-6 apart in losses (the loss still falls 4%), 2.4e-4 in grad
 # norms and 1.5e-2 in weights (a BatchNorm bias), which sets its tolerances on grad norms and
 # weights (measured over 8 steps: 4.8e-6, 2.1e-4, 5.9e-3, pp2 gpipe the worst; over 4: 9.5e-8,
-# 1.7e-7, 1.7e-5). Its first step is also
+# 1.7e-7, 1.7e-5). Those figures are one CPU's: on an AMD EPYC (2026-12-07; the reference the
+# same on 1 and 2 threads there) the dp4 case runs its first step bit-identical to the
+# reference (loss and grad norm), its second loss 1.7e-7 off and its second grad norm 2.4e-6,
+# and the rounding of the 4-rank sums then grows to 9.7e-6, 1.9e-4 and 5.6e-2 (a BatchNorm
+# bias) by the fourth step; the tolerances below leave that a margin of 3 to 5. Its first step is also
 # checked on its own (the statistics over the DP ranks' micro-batches: each rank normalising
 # its own micro-batch instead gives 7.9e-4 on the first loss and 1.8e-2 on the first grad
 # norm). Without the stages' buffers kept out of torch's shape-inference forward, a pipeline
@@ -133,7 +137,7 @@ PARITY_OPTIMIZER = dict(OPTIMIZER, lr=5e-3, warmup_steps=0, max_steps=10**9)
 # uninitialised memory.
 KIND_OPTIMIZER = {"image_resnet": dict(PARITY_OPTIMIZER, lr=1e-3)}
 BATCH_NORM_KINDS = {"image_resnet"}
-BATCH_NORM_FP32 = (1e-5, 1e-3, 5e-2)
+BATCH_NORM_FP32 = (5e-5, 1e-3, 2e-1)
 
 
 def P(kind: str = "llama", **over) -> dict:
