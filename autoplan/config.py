@@ -23,13 +23,25 @@ OFFLOAD = ("none", "optimizer", "params", "both")
 TP_STYLES = ("colwise", "rowwise", "rowwise_copy", "sequence_parallel", "final_norm", "prepare_input",
              "vocab_embedding", "whole_embedding", "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv",
              "colwise_heads", "head_embedding", "colwise_qkv_global", "mha_heads", "sharded_rms_norm",
-             "replicated", "colwise_local")
+             "replicated", "colwise_local", "head_inputs")
 # the styles that name their attention's head counts, "<style>:<heads>,<kv_heads>"
 HEAD_COUNTED = ("colwise_qkv", "colwise_kv", "colwise_heads", "colwise_qkv_global", "mha_heads")
 
 
 # the styles as a plan writes them (error messages)
-TP_STYLE_FORMS = tuple(f"{s}:<heads>,<kv_heads>" if s in HEAD_COUNTED else s for s in TP_STYLES)
+TP_STYLE_FORMS = tuple(f"{s}:<heads>,<kv_heads>" if s in HEAD_COUNTED else
+                       f"{s}:<heads>:<input>[+<input>...]" if s == "head_inputs" else s for s in TP_STYLES)
+
+
+def head_inputs_parts(style: str) -> tuple[int, list[str]] | None:
+    """(heads, input names) of a "head_inputs:<heads>:<input>+<input>" style; None if it is
+    not one (runtime/head_inputs.py)."""
+    name, _, rest = str(style).partition(":")
+    heads, _, names = rest.partition(":")
+    parts = names.split("+")
+    if name != "head_inputs" or not heads.isdigit() or int(heads) < 1 or not all(p.isidentifier() for p in parts):
+        return None
+    return int(heads), parts
 
 
 def tp_style_known(style: str) -> bool:
@@ -42,8 +54,12 @@ def tp_style_known(style: str) -> bool:
     a fused q/k/v projection viewed as (..., 3, heads, head_dim) by an attention that
     reads the full width from its input (timm) "colwise_qkv_global:<heads>,<heads>" (the
     attention runs on DTensors with the model's shapes), and an nn.MultiheadAttention's
-    "mha_heads:<heads>,<heads>" (split by heads as one module)."""
+    "mha_heads:<heads>,<heads>" (split by heads as one module), and an attention handed
+    tensors of every head by its model (ALiBi's bias) "head_inputs:<heads>:<input>+<input>"
+    (each rank is handed its heads of those inputs)."""
     name, colon, args = str(style).partition(":")
+    if name == "head_inputs":
+        return head_inputs_parts(style) is not None
     if name in HEAD_COUNTED:
         counts = args.split(",")
         return len(counts) == 2 and all(c.isdigit() and int(c) > 0 for c in counts)

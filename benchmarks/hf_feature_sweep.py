@@ -9,7 +9,7 @@ loss (5e-3, no warm-up, no clipping). Compared with the one-rank job of the same
 every step's loss, and the global gradient norm before clipping (metrics.jsonl), which shows a
 gradient of the wrong scale that Adam's normalised update would hide.
 
-Tolerances, fp32, 3 steps: losses 1e-5, norms 1e-3. The largest gaps seen over these 12
+Tolerances, fp32, 3 steps: losses 1e-5, norms 1e-3. The largest gaps seen over the first 12
 families x 7 settings (2026-12) were 3.0e-6 in a loss and 1.8e-4 in a norm, both Phi-3 at tp2,
 whose split matmuls sum in another order (its one-rank job alone moves the last norm by 4e-5
 between micro-batches of 4, 2 and 1). A wrong gradient (a missing reduction, a gradient summed
@@ -59,6 +59,16 @@ FAMILIES = {
                           architectures=["BertForMaskedLM"])),
     "t5": ("t5", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                       vocab_size=256, dropout_rate=0.0, architectures=["T5ForConditionalGeneration"])),
+    # ALiBi, a bias of every head built by the model: BLOOM folds heads into the batch of
+    # baddbmm, MPT writes its attention out, old-layout Falcon adds it to the SDPA mask
+    "bloom": ("bloom", dict(hidden_size=64, n_layer=4, n_head=4, vocab_size=256, hidden_dropout=0.0,
+                            attention_dropout=0.0)),
+    "mpt": ("mpt", dict(d_model=64, n_layers=4, n_heads=4, vocab_size=256, max_seq_len=128, expansion_ratio=2,
+                        resid_pdrop=0.0, emb_pdrop=0.0)),
+    "falcon_alibi": ("falcon", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=256,
+                                    alibi=True, new_decoder_architecture=False, multi_query=False,
+                                    parallel_attn=False, num_kv_heads=4, hidden_dropout=0.0,
+                                    attention_dropout=0.0)),
 }
 SETTINGS = {
     "zero1_accumulate": ["dp=2", "zero=1", "micro-batch=1"],

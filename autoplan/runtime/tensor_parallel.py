@@ -9,7 +9,8 @@ the same styles in its transposed form (transposed_linear.py). An nn.MultiheadAt
 split by heads as one module (mha_parallel.py); an RMSNorm over all heads of a column's
 output sums its statistic over the ranks (sharded_norm.py); a low-rank attention (MLA) is
 split by heads after its down-projections, which every rank computes whole
-(latent_attention.py). Between blocks the residual
+(latent_attention.py); an attention handed a bias of every head by its model (ALiBi) takes
+its heads of it (head_inputs.py). Between blocks the residual
 stream is sequence-sharded when SP is on; "prepare_input" gathers it before attention/MLP.
 The output head stays vocab-sharded and the loss runs under `loss_parallel`, so the full
 logits are never gathered. The token embedding is vocab-sharded too and looks up and
@@ -32,13 +33,14 @@ from torch.distributed.tensor import (DTensor, Partial, Placement, Replicate, Sh
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from autoplan.config import TP_STYLES  # noqa: F401 (the styles this module applies)
+from autoplan.config import TP_STYLES, head_inputs_parts  # noqa: F401 (TP_STYLES: the styles this module applies)
 from autoplan.errors import UserError
 from autoplan.runtime import rng
 from autoplan.runtime.data_parallel import allreduce_grads
 from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.inline_colwise import InlineColwiseParallel
 from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
+from autoplan.runtime.head_inputs import HEAD_INPUTS, slice_head_inputs
 from autoplan.runtime.global_attention import GLOBAL_QKV, GlobalFusedColwiseParallel, shard_head_tables
 from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED, ColwiseLocalInput, replicate_module
@@ -84,6 +86,26 @@ class GatherFirstInput(ParallelStyle):
 
         module.register_forward_pre_hook(_on_first_input(gather), with_kwargs=True)
         module.register_forward_pre_hook(gather_encoder_states, with_kwargs=True)
+        return module
+
+
+class GatherFirstAndOwnHeads(GatherFirstInput):
+    """GatherFirstInput for an attention its model hands tensors of every head (ALiBi's bias;
+    head_inputs.py): the rank's heads of the inputs the style names are handed on."""
+
+    def __init__(self, style: str, input_layout: Placement) -> None:
+        super().__init__(input_layout)
+        parsed = head_inputs_parts(style)
+        if parsed is None:
+            raise UserError(f"malformed TP style {style!r}; expected {HEAD_INPUTS}:<heads>:<name>[+<name>...]")
+        self.heads, self.names = parsed
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.heads % device_mesh.size():
+            raise UserError(f"tp={device_mesh.size()} does not divide the {self.heads} heads of "
+                            f"{type(module).__name__}'s per-head inputs {self.names}.")
+        super()._apply(module, device_mesh)
+        slice_head_inputs(module, self.heads, self.names, device_mesh)
         return module
 
 
@@ -251,6 +273,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return ShardedRMSNorm()
     if name == "prepare_input":
         return GatherFirstInput(seq)
+    if name.partition(":")[0] == HEAD_INPUTS:
+        return GatherFirstAndOwnHeads(name, seq)
     if name == "vocab_embedding":
         return VocabParallelEmbedding(output_layout=seq)
     if name == "whole_embedding":

@@ -36,7 +36,7 @@ from autoplan.runtime.parallelize import apply_plan, validate_plan
 from autoplan.runtime.tensor_parallel import uses_loss_parallel
 from autoplan.trace.fake_group import fake_process_group
 from autoplan.trace.graph import ModelGraph
-from autoplan.trace.ops import per_head_matmul
+from autoplan.trace.ops import bmm_operands, folded_scores, per_head_matmul
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 
 # probe results by model and call convention: running the runtime on fake tensors takes
@@ -170,7 +170,7 @@ def _balanced(routing: RoutingContext | None, plan: Plan):
 
 
 def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
-           routing: RoutingContext | None, heads: frozenset = frozenset()) -> None:
+           routing: RoutingContext | None, heads: frozenset = frozenset(), folds_heads: bool = False) -> None:
     """apply_plan on the fake process group, then (if `run`) one forward and backward, on
     fake CPU tensors (meta tensors have no process-group backend for point-to-point ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -185,7 +185,7 @@ def _apply(model: nn.Module, plan: Plan, args: tuple, kwargs: dict, run: bool,
                 if isinstance(x, torch.Tensor) else x  # noqa: E731
             with _balanced(routing, plan):  # routing on fake values: balanced, as traced
                 _step(part, plan, tuple(map(to_fake, args)), {k: to_fake(v) for k, v in kwargs.items()},
-                      heads)
+                      heads, folds_heads)
 
 
 class LocalPositions(RuntimeError):
@@ -238,11 +238,14 @@ class _LocalHeadsGuard(TorchFunctionMode):
     without an error, into other heads (H/tp heads of 2d...), and train wrong; the
     runtime's own counts (fused_projection.localise_head_counts) are checked here too."""
 
-    def __init__(self, heads: frozenset, tp: int) -> None:
+    def __init__(self, heads: frozenset, tp: int, folded: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.heads, self.tp = heads, tp
+        self.folded = folded  # (batch, seq) of the step, where the model folds heads into the batch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.folded and func in _BMMS:
+            self._check_folded(*_bmm_operands(func, args, kwargs or {}))
         query = args[0] if args else (kwargs or {}).get("query")
         if func is torch.nn.functional.scaled_dot_product_attention and _plain_4d(query) \
                 and (query.shape[1] * self.tp, query.shape[-1]) not in self.heads:
@@ -253,6 +256,15 @@ class _LocalHeadsGuard(TorchFunctionMode):
                             for d in (args[0].shape[-1], args[1].shape[-1])):
             self._refuse(args[0].shape[1], args[0].shape[-1])
         return func(*args, **(kwargs or {}))
+
+    def _check_folded(self, a, b) -> None:
+        """q @ k^T on (batch * heads, seq, head size): the rank's heads, as for SDPA."""
+        batch, seq = self.folded
+        if _plain(a, 3) and _plain(b, 3) and folded_scores(tuple(a.shape), tuple(b.shape), seq) \
+                and a.shape[0] % batch == 0:
+            local = a.shape[0] // batch
+            if (local * self.tp, a.shape[-1]) not in self.heads:
+                self._refuse(local, a.shape[-1])
 
     def _refuse(self, heads: int, size: int) -> None:
         share = " or ".join(f"{h // self.tp} of size {d}" for h, d in sorted(self.heads))
@@ -270,6 +282,22 @@ class _LocalHeadsGuard(TorchFunctionMode):
 
 
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+_BMMS = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
+
+
+def _bmm_operands(func, args: tuple, kwargs: dict) -> tuple:
+    """The two batched operands of a bmm (input, mat2) or a baddbmm (batch1, batch2; BLOOM
+    passes them by keyword to `alibi.baddbmm`)."""
+    if func in (torch.bmm, torch.Tensor.bmm):
+        given = list(args) + [kwargs.get("mat2")]
+        return given[0], given[1]
+    given = list(args[1:]) + [kwargs.get("batch1"), kwargs.get("batch2")]
+    given = [g for g in given if g is not None] + [None, None]
+    return given[0], given[1]
+
+
+def _plain(value, dims: int) -> bool:
+    return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and value.dim() == dims
 
 
 def _plain_4d(value) -> bool:
@@ -277,10 +305,10 @@ def _plain_4d(value) -> bool:
     return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and value.dim() == 4
 
 
-def _heads_guard(plan: Plan, heads: frozenset):
+def _heads_guard(plan: Plan, heads: frozenset, folded: tuple[int, int] | None = None):
     if plan.tp == 1 or not heads:
         return contextlib.nullcontext()
-    return _LocalHeadsGuard(heads, plan.tp)
+    return _LocalHeadsGuard(heads, plan.tp, folded)
 
 
 def _position_tables(part: nn.Module, full: int) -> dict[int, str]:
@@ -294,7 +322,8 @@ def _positions_guard(part: nn.Module, plan: Plan):
     return _LocalPositionsGuard(plan.seq_len // plan.cp, plan.seq_len, _position_tables(part, plan.seq_len))
 
 
-def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict, heads: frozenset = frozenset()) -> None:
+def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict, heads: frozenset = frozenset(),
+          folds_heads: bool = False) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
     if plan.cp > 1:  # this rank's share of the sequence (dim 1 of token ids)
@@ -307,7 +336,7 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict, heads: frozens
         args = (kwargs.pop("input_ids"),)
     vocab_sharded = plan.tp > 1 and uses_loss_parallel(plan.tp_styles)
     with loss_parallel() if vocab_sharded else contextlib.nullcontext(), _positions_guard(part, plan), \
-            _heads_guard(plan, heads):
+            _heads_guard(plan, heads, _batch_and_seq(args, kwargs) if folds_heads else None):
         out = part(*args, **kwargs)
         if plan.pp > 1:  # stage 0: whatever it hands on that carries gradients
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
@@ -323,6 +352,12 @@ def _step(part: nn.Module, plan: Plan, args: tuple, kwargs: dict, heads: frozens
                 labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
                 loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
         loss.backward()
+
+
+def _batch_and_seq(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """(batch, seq) of the step's token ids (or first input)."""
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+    return (int(first.shape[0]), int(first.shape[1])) if first is not None else None
 
 
 def _runtime_kwargs(part: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> dict:
@@ -357,6 +392,21 @@ def _written_out_heads(graph: ModelGraph) -> frozenset:
             by_module.setdefault(op.module, []).append(op)
     return frozenset((int(op.input_shapes[0][1]), int(op.input_shapes[0][-1]))
                      for ops in by_module.values() for op in ops[::2])
+
+
+def _folded_heads(graph: ModelGraph) -> frozenset:
+    """(heads, head size) of each attention whose heads are folded into the batch of its
+    bmm/baddbmm (facts.py reads it as per head), from its q @ k^T at a block's head count."""
+    counts = {block.heads for block in graph.blocks if block.heads}
+    found = set()
+    for op in (graph.graph.nodes[n]["op"] for n in graph.graph.nodes):
+        if op.kind != "matmul" or op.target not in ("bmm", "baddbmm"):
+            continue
+        a, b = (bmm_operands(op.target, op.input_shapes) + ((), ()))[:2]
+        if folded_scores(tuple(a), tuple(b), graph.seq_len) and a[0] % graph.batch_size == 0 \
+                and a[0] // graph.batch_size in counts:
+            found.add((int(a[0] // graph.batch_size), int(a[-1])))
+    return frozenset(found)
 
 
 def _mha_heads(model: nn.Module) -> frozenset:
@@ -394,6 +444,9 @@ def _pop(running: list[str]) -> None:
     running.pop()  # a forward hook that returns something replaces the module's output
 
 
+_SPLIT_WITH_WHOLE = ("its forward combines a split tensor with a whole one of the original size (position or "
+                     "token-type embeddings added to a sequence shard, a bias of all heads added to some, "
+                     "a mask or bias the model sized from a sequence shard)")
 # (what torch's error says, what it means for the model): the probe's failures that have one
 # cause, said as the cause
 KNOWN_FAILURES = (
@@ -412,9 +465,8 @@ KNOWN_FAILURES = (
      "or, in an attention that runs on DTensors (a fused qkv viewed as (..., 3, heads, head_dim)), "
      "with a plain tensor made in its forward (a mask or rotary table other than a parameter "
      "of one column per head)"),
-    ("Attempting to broadcast a dimension",
-     "its forward combines a split tensor with a whole one of the original size (position or "
-     "token-type embeddings added to a sequence shard, a bias of all heads added to some)"),
+    ("Attempting to broadcast a dimension", _SPLIT_WITH_WHOLE),
+    ("must match the existing size", _SPLIT_WITH_WHOLE),
     ("stack expects each tensor to be equal size",
      "its attention's keys and values differ in shape (MLA's separate rope and value head "
      "dimensions), which ring attention does not exchange"),
@@ -435,7 +487,7 @@ def known_failure(message: str, kind: str) -> str | None:
 
 def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
                        routing: RoutingContext | None, run: bool = True,
-                       heads: frozenset = frozenset()) -> str | None:
+                       heads: frozenset = frozenset(), folds_heads: bool = False) -> str | None:
     """None when the runtime applies `plan` (and runs it, if `run`), else the reason it does
     not, naming the innermost module that was running when it failed."""
     copy_ = copy_module(model)
@@ -448,7 +500,7 @@ def _run_on_fake_group(model: nn.Module, plan: Plan, args: tuple, kwargs: dict,
         with fake_process_group(plan.world_size), warnings.catch_warnings():
             # the probe's mesh is a CPU one whatever the job's: not the job's RNG to warn about
             warnings.filterwarnings("ignore", message="DTensor random operators")
-            _apply(copy_, plan, args, kwargs, run, routing, heads)
+            _apply(copy_, plan, args, kwargs, run, routing, heads, folds_heads)
     except UserError as exc:  # the runtime's own words; name the module it ran if they do not
         where = next((p for p in reversed(running) if p), "")
         return f"{where}: {exc}" if where and where not in str(exc) else str(exc)
@@ -501,12 +553,13 @@ def probe_capabilities(graph: ModelGraph, model: nn.Module, args: tuple,
         plans = probe_plans(graph, seq, blocks)
         routing = _routing(graph)
         run = bool(plans) and _run_on_fake_group(model, single, args, kwargs, routing) is None
-        heads = _attention_heads(graph) | _written_out_heads(graph) | _mha_heads(model)
+        folded = _folded_heads(graph)
+        heads = _attention_heads(graph) | _written_out_heads(graph) | _mha_heads(model) | folded
 
         def probe(plan: Plan, run_axis: bool) -> str | None:
             return (_cp_positions_problem(model, plan.cp_modules, heads) if plan.cp > 1 else None) or \
                 _run_on_fake_group(model, plan, args, kwargs, routing, run_axis,
-                                   heads if plan.tp > 1 else frozenset())
+                                   heads if plan.tp > 1 else frozenset(), bool(folded))
 
         _CACHE[key] = {}
         for axis, plan in plans.items():

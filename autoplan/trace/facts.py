@@ -33,8 +33,15 @@ model is tensor-parallel (the sequence-sharded residual stream needs every block
 other fused layouts (a fused k/v beside a separate q: a ColwiseParallel row slice would mix
 the parts), an `nn.MultiheadAttention` the runtime cannot split
 (mha_parallel.mha_split_problem), and an attention written out with matmuls whose heads are
-not read (folded into the batch, an einsum). One written out as q @ k^T and @ v on (batch,
-heads, seq, head_dim) stands for an SDPA (`_written_out_attention`).
+not read (an einsum; heads folded into the batch other than by one reshape). One written out
+as q @ k^T and @ v on (batch, heads, seq, head_dim) stands for an SDPA
+(`_written_out_attention`), and so does one whose bmm/baddbmm operands are reshapes of such
+tensors to (batch * heads, ...) (BLOOM; `_unfold_heads`).
+
+An attention its model hands a tensor of every head beside the hidden states (ALiBi's bias,
+as old-layout Falcon's mask or MPT's position_bias; recorder.record_module_inputs names it)
+takes the rank's heads of that input ("head_inputs:<heads>:<input>", runtime/head_inputs.py)
+where it would only gather its input ("prepare_input").
 
 An `nn.MultiheadAttention` (q, k, v packed in `in_proj_weight`, attention and `out_proj`
 inside one call) is a column/row pair by itself: the runtime splits it by heads as one
@@ -43,12 +50,14 @@ module ("mha_heads:<heads>,<heads>", runtime/mha_parallel.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch.fx as fx
 import torch.nn as nn
 
 from autoplan.runtime.fused_projection import holds_head_count
+from autoplan.runtime.head_inputs import HEAD_INPUTS, head_inputs_of, head_inputs_style
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED
 from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
@@ -77,7 +86,8 @@ _PARAMETER_IN_REGION = ("reads a parameter of its own between a column-parallel 
                         "modules (or is the linear itself), so it cannot be computed whole on every rank "
                         "with its gradient summed; left unsplit")
 _UNREAD_HEADS = ("its attention is written out with matmuls whose heads autoplan does not read "
-                 "(heads folded into the batch, or an einsum), so a rank could run other heads "
+                 "(an einsum, or heads folded into the batch other than by one reshape from (batch, "
+                 "heads, seq, head_dim)), so a rank could run other heads "
                  "than its share and train wrong; left unsplit (F.scaled_dot_product_attention, "
                  "or q @ k^T on (batch, heads, seq, head_dim), is split by heads)")
 
@@ -186,9 +196,45 @@ def _region(feeders: set[str], through: set[str], users: dict) -> set[str]:
 
 
 def _query_shapes(region: set[str], by_name: dict) -> list[tuple]:
-    """The (batch, heads, seq, head_dim) query shapes of the attention ops in `region`."""
-    return [tuple(by_name[n].input_shapes[0]) for n in region if by_name[n].kind == "attention"
-            and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4]
+    """The (batch, heads, seq, head_dim) query shapes of the attention ops in `region`, or of
+    the q @ k^T of an attention written out with matmuls."""
+    shapes = [tuple(by_name[n].input_shapes[0]) for n in region if by_name[n].kind == "attention"
+              and by_name[n].input_shapes and len(by_name[n].input_shapes[0]) == 4]
+    if shapes:
+        return shapes
+    written = _written_out_attention(region, by_name, list(by_name))
+    return [tuple(written[0].input_shapes[0])] if written else []
+
+
+def _unfold_heads(by_name: dict, inputs: dict) -> dict:
+    """`by_name` with each batched matmul of an attention whose heads are folded into the
+    batch (BLOOM: q, k and v reshaped from (batch, heads, seq, head_dim) to (batch * heads,
+    seq, head_dim) for bmm, and baddbmm adding its ALiBi bias) recorded on the unfolded
+    shapes, operands only: it then reads as the per-head matmul it is (ops.per_head_matmul).
+    A matmul whose operands are not both such reshapes of the same (batch, heads) is kept."""
+    unfolded = dict(by_name)
+    for name, op in by_name.items():
+        if op.kind != "matmul" or op.target not in ("bmm", "baddbmm") or len(inputs[name]) < 2:
+            continue
+        # the last two inputs: a baddbmm's bias made in the block comes first
+        shapes = [_unfolded_shape(src, by_name, inputs) for src in inputs[name][-2:]]
+        if all(shapes) and shapes[0][:2] == shapes[1][:2] and shapes[0][-1] == shapes[1][-2]:
+            unfolded[name] = dataclasses.replace(op, input_shapes=tuple(shapes))
+    return unfolded
+
+
+def _unfolded_shape(name: str, by_name: dict, inputs: dict) -> tuple | None:
+    """The (batch, heads, rows, cols) shape a 3-dim operand was folded from: through at most
+    a transpose of its last two dims and one view from 4 dims whose first two multiply to its
+    first; None otherwise."""
+    op, transposed = by_name[name], False
+    if op.kind == "view" and op.target == "transpose" and len(op.output_shape) == 3 and inputs[name]:
+        transposed, op = True, by_name[inputs[name][0]]
+    source = op.input_shapes[0] if op.kind == "view" and op.input_shapes else ()
+    out = op.output_shape
+    if len(out) != 3 or len(source) != 4 or source[0] * source[1] != out[0] or tuple(source[2:]) != tuple(out[1:]):
+        return None
+    return tuple(source[:2]) + ((source[3], source[2]) if transposed else tuple(source[2:]))
 
 
 def _illegal(row: str, feeders: set[str], region: set[str], by_name: dict, inputs: dict,
@@ -366,7 +412,7 @@ def _fused_style(kind: str, feeders: set[str], region: set[str], by_name: dict, 
     if kind == "mlp":
         return "colwise_gate_up" if len(parts) == 2 and parts[0] == parts[1] else None
     sdpa = [by_name[n] for n in region if by_name[n].kind == "attention" and by_name[n].input_shapes
-            and len(by_name[n].input_shapes[0]) == 4]
+            and len(by_name[n].input_shapes[0]) == 4] or _written_out_attention(region, by_name, order)[:1]
     if len(sdpa) != 1:
         return None
     heads, head_dim = int(sdpa[0].input_shapes[0][1]), int(sdpa[0].input_shapes[0][-1])
@@ -420,6 +466,7 @@ def linear_pairs(ops: list[OpInfo], edges: list[tuple[str, str]]) -> list[dict]:
     """Column/row linear pairs of one block's ops (full op names), each marked "fused" when
     a column computes several parts (a fused qkv / kv / gate_up projection)."""
     by_name, inputs, users = _graph_maps(ops, edges)
+    by_name = _unfold_heads(by_name, inputs)
     order = list(by_name)
     pairs = []
     for op in ops:
@@ -782,6 +829,8 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
             for path in (_relative(c, first) for c in columns):
                 if styles.get(path) == "colwise":
                     styles[path] = f"colwise_heads:{block.heads},{block.kv_heads or block.heads}"
+        _own_head_inputs(styles, facts["pairs"], module_of, first, block.heads,
+                         getattr(gm, "module_inputs", {}), mg.batch_size)
         if block.heads and counted_heads:
             for path in _head_tables(model.get_submodule(first), block.heads):
                 styles[path] = "head_embedding"
@@ -852,6 +901,19 @@ def _sequence_mixers(block_ops: list[OpInfo], attention_modules: list[str],
             + [(op, "a Python loop over the tokens") for op in ops if op.module in loops])
 
 
+def _own_head_inputs(styles: dict[str, str], pairs: list[dict], module_of: dict[str, str], first: str,
+                     heads: int, module_inputs: dict[str, list[tuple]], batch: int) -> None:
+    """An attention module its model hands tensors of every head (ALiBi's bias; a mask with
+    it folded in) gathers its input and takes the rank's heads of those ("head_inputs",
+    runtime/head_inputs.py) instead of "prepare_input"."""
+    for pair in (p for p in pairs if p["kind"] == "attention" and heads and p.get("mha") is None):
+        parent = _common_parent([module_of[c].rpartition(".")[0] for c in pair["column"]])
+        names = head_inputs_of(module_inputs.get(parent, []), heads, batch)
+        relative = _relative(parent, first)
+        if names and styles.get(relative) == "prepare_input":
+            styles[relative] = head_inputs_style(heads, names)
+
+
 def _tp_regions(graph, pairs: list[dict]) -> set[str]:
     """The ops on a path from a pair's column to its row, the pairs' own included."""
     import networkx as nx
@@ -878,7 +940,7 @@ def _unstyled_parameters(ops: list[OpInfo], styles: dict[str, str], first: str,
     def styled(name: str) -> bool:
         owner = name.rpartition(".")[0]
         owner = _relative(owner, first) if first else owner
-        return styles.get(owner, "prepare_input") != "prepare_input" or (
+        return styles.get(owner, "prepare_input").partition(":")[0] not in ("prepare_input", HEAD_INPUTS) or (
             token_local is not None and f"{owner}.".startswith(f"{token_local}."))
 
     return sorted({param for op in ops for param in op.parameter_reads

@@ -133,6 +133,17 @@ def per_head_matmul(a: tuple, b: tuple) -> bool:
     return len(a) == 4 and len(b) == 4 and tuple(a[:2]) == tuple(b[:2]) and a[-1] == b[-2]
 
 
+def folded_scores(a: tuple, b: tuple, seq: int) -> bool:
+    """Whether a bmm of `a` by `b` is the q @ k^T of a self-attention whose heads are folded
+    into the batch (BLOOM): (batch * heads, seq, head size) by (batch * heads, head size, seq)."""
+    return len(a) == 3 and len(b) == 3 and a[0] == b[0] and a[2] == b[1] and a[1] == b[2] == seq
+
+
+def bmm_operands(target: str, shapes: tuple) -> tuple:
+    """The two batched operands' shapes of a recorded bmm, or of a baddbmm (after its bias)."""
+    return tuple(shapes[1:3]) if target == "baddbmm" else tuple(shapes[:2])
+
+
 def mha_parts(op) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
     """(attention-core FLOPs, (M, N, K, FLOPs) of its projection GEMMs) of one recorded
     nn.MultiheadAttention op (`op.flops` counts both): q, k and v projections (one [q | k | v]

@@ -15,6 +15,8 @@ about one layer.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -323,6 +325,28 @@ def install_module_hooks(stack: ModuleStack):
     post = nn.modules.module.register_module_forward_hook(
         lambda module, args, output: stack.pop(), always_call=True)
     return pre, post
+
+
+def record_module_inputs(model: nn.Module, seen: dict[str, list[tuple]]) -> list:
+    """Pre-hooks filling `seen` with each module's first call's tensor inputs after the first
+    (path -> [(argument name, shape, requires grad)], positional ones named by the forward's
+    signature): what the model hands its attention beside the hidden states (a per-head
+    bias, facts.py). Returns the handles to remove."""
+    import inspect
+
+    def hook(module, args, kwargs, path):
+        if path in seen:
+            return
+        try:
+            names = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+        given = list(zip(names, args)) + list(kwargs.items())
+        tensors = [(n, v) for n, v in given if isinstance(v, torch.Tensor)]
+        seen[path] = [(n, tuple(v.shape), bool(v.requires_grad)) for n, v in tensors[1:]]
+
+    return [sub.register_forward_pre_hook(functools.partial(hook, path=path), with_kwargs=True)
+            for path, sub in model.named_modules() if path]
 
 
 def skip_copies(module: nn.Module, block_of: dict[str, str]):

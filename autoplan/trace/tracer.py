@@ -33,7 +33,8 @@ from autoplan.trace.ops import classify, gemm_mnk, is_norm_type, shape_of, tenso
 from autoplan.trace.autocast import MetaAutocast
 from autoplan.trace.blocks import build_segments, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
-                                     install_module_hooks, restore_forwards, skip_copies)
+                                     install_module_hooks, record_module_inputs, restore_forwards,
+                                     skip_copies)
 from autoplan.trace.routing import BalancedRouting, RoutingContext
 from autoplan.trace.side_values import pipeline_side_values
 from autoplan.trace.capability import add_capability_facts
@@ -394,7 +395,8 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
         paths.setdefault(id(sub), path)
     stack = ModuleStack(paths, {p: type(m).__name__ for p, m in module.named_modules()}, routing)
     first_path, blocks = skip_copies(module, block_of)
-    handles = install_module_hooks(stack)
+    module_inputs: dict[str, list[tuple]] = {}
+    handles = [*install_module_hooks(stack), *record_module_inputs(module, module_inputs)]
     recorder = None
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
@@ -423,7 +425,7 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
         for handle in handles:
             handle.remove()
         restore_forwards(blocks)
-    return RecordedGraph(recorder.graph, module), rec, first_path, routing.modules
+    return RecordedGraph(recorder.graph, module, module_inputs), rec, first_path, routing.modules
 
 
 def _check_output(module: nn.Module, output, labels: tuple | None = None) -> None:
@@ -493,8 +495,9 @@ class RecordedGraph:
     """The fx graph a run recorded, with the module's buffers (what facts.py reads of a
     GraphModule), without generating Python code for it."""
 
-    def __init__(self, graph: fx.Graph, module: nn.Module) -> None:
+    def __init__(self, graph: fx.Graph, module: nn.Module, module_inputs: dict[str, list[tuple]]) -> None:
         self.graph, self._module = graph, module
+        self.module_inputs = module_inputs  # recorder.record_module_inputs
 
     def named_buffers(self):
         return self._module.named_buffers()

@@ -169,6 +169,22 @@ CONFIGS = {
                            "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
                            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                            "tie_word_embeddings": False, "pad_token_id": 1, "attn_implementation": "sdpa"}),
+    # ALiBi: the model builds one bias of every head and hands it to each attention (BLOOM's
+    # `alibi` of (batch * heads, 1, keys), its heads folded into the batch of baddbmm; MPT's
+    # `position_bias` of (heads, 1, max_seq_len) over a written-out attention reading [all q |
+    # all k | all v] by chunk; old-layout Falcon's folded into a (batch, heads, q, k) mask)
+    "hf_bloom": ("BloomConfig", "BloomForCausalLM",
+                 {"hidden_size": 64, "n_layer": LAYERS, "n_head": 4, "vocab_size": 256,
+                  "hidden_dropout": 0.0, "attention_dropout": 0.0, "use_cache": False,
+                  "tie_word_embeddings": False, "attn_implementation": "eager"}),
+    "hf_mpt": ("MptConfig", "MptForCausalLM",
+               {"d_model": 64, "n_layers": LAYERS, "n_heads": 4, "vocab_size": 256, "max_seq_len": 256,
+                "expansion_ratio": 2, "resid_pdrop": 0.0, "emb_pdrop": 0.0, "use_cache": False,
+                "tie_word_embeddings": False, "attn_implementation": "eager"}),
+    "hf_falcon_alibi": ("FalconConfig", "FalconForCausalLM",
+                        dict(_COMMON, alibi=True, new_decoder_architecture=False, multi_query=False,
+                             parallel_attn=False, num_kv_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                             bos_token_id=0, eos_token_id=0)),
 }
 BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_qwen2moe": "model.layers", "hf_qwen3": "model.layers", "hf_olmo2": "model.layers",
@@ -186,7 +202,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
                "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers",
                "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers",
-               "hf_bitnet": "model.layers"}
+               "hf_bitnet": "model.layers", "hf_bloom": "transformer.h", "hf_mpt": "transformer.blocks",
+               "hf_falcon_alibi": "transformer.h"}
 
 
 def build(kind: str, **overrides):

@@ -242,6 +242,13 @@ CONFIGS = {
         # from the sequence shard under SP
         "hf_falcon_tp2_traced": ("hf_falcon", functools.partial(
             traced_plan_dict, "hf_falcon", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # ALiBi (hf_models): each rank is handed its heads of the bias the model builds whole
+        "hf_falcon_alibi_tp2_traced": ("hf_falcon_alibi", functools.partial(
+            traced_plan_dict, "hf_falcon_alibi", tp=2, optimizer=PARITY_OPTIMIZER)),
+        "hf_mpt_tp2_traced": ("hf_mpt", functools.partial(
+            traced_plan_dict, "hf_mpt", tp=2, optimizer=PARITY_OPTIMIZER)),
+        "hf_bloom_tp2_traced": ("hf_bloom", functools.partial(
+            traced_plan_dict, "hf_bloom", tp=2, optimizer=PARITY_OPTIMIZER)),
         # xIELU's learned scalars on each rank's MLP columns: whole on every rank, their
         # gradients summed over the tp ranks
         "hf_apertus_tp2_traced": ("hf_apertus", functools.partial(

@@ -326,20 +326,37 @@ def test_roberta_numbers_its_own_positions_so_it_gets_no_position_ids_and_no_con
     assert graph.tensor_parallel and "tp" not in graph.refused
 
 
-def test_alibi_bias_of_every_head_refuses_tensor_parallelism_at_plan_time():
-    # Falcon with ALiBi adds a (batch, heads, q, k) bias of every head to its mask; a TP rank
-    # runs a share of the heads, so the job failed at its first step while the probe, which
-    # dropped every mask made on fake tensors, offered TP
+@pytest.mark.parametrize("kind, block, style", [
+    ("hf_falcon_alibi", "transformer.h.*", "head_inputs:4:attention_mask"),
+    ("hf_mpt", "transformer.blocks.*", "head_inputs:4:position_bias"),
+    # heads folded into the batch of baddbmm and bmm, (batch * heads, 1, keys)
+    ("hf_bloom", "transformer.h.*", "head_inputs:4:alibi"),
+])
+def test_an_alibi_bias_of_every_head_is_handed_to_each_rank_as_its_heads(kind, block, style):
+    # the model builds the bias whole and hands it to each attention: under TP a rank runs a
+    # share of the heads, so its attention added every head's bias and failed at the first
+    # step (Falcon: a (batch, heads, q, k) mask; MPT: (heads, 1, max_seq_len)); the attention
+    # now takes its heads of the named input. Under SP the model sizes its mask from the shard
     pytest.importorskip("transformers")
     from tests.runtime import hf_models
 
     with torch.device("meta"):
-        old_layout = dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, num_kv_heads=4)
-        alibi = hf_models.build("hf_falcon", alibi=True, **old_layout)
-        rotary = hf_models.build("hf_falcon", **old_layout)
-    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
-    assert "a bias of all heads" in trace_model(alibi, (ids,)).refused["tp"]
-    assert "tp" not in trace_model(rotary, (ids,)).refused
+        model = hf_models.build(kind)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert "tp" not in graph.refused and "sp" in graph.refused, graph.refused
+    attention = next(path for path, s in graph.tp_styles[block].items() if s.startswith("head_inputs"))
+    assert graph.tp_styles[block][attention] == style
+
+
+def test_a_rotary_model_hands_its_attention_no_tensor_of_every_head():
+    pytest.importorskip("transformers")
+    from tests.runtime import hf_models
+
+    with torch.device("meta"):
+        model = hf_models.build("hf_falcon_alibi", alibi=False)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    assert "tp" not in graph.refused and "sp" not in graph.refused, graph.refused
+    assert not any(s.startswith("head_inputs") for t in graph.tp_styles.values() for s in t.values())
 
 
 def test_a_state_the_traced_forward_leaves_on_a_module_does_not_stop_the_probe():
@@ -423,5 +440,17 @@ def test_attention_written_out_in_a_form_whose_heads_are_not_read_is_left_whole(
     # heads at half their size without an error, so no block is split (tp is not offered)
     graph = _graph("written_out_heads.py", builder)
     assert graph.tensor_parallel == [] and graph.tp_styles == {}
-    assert [(u["module"], "heads folded into the batch, or an einsum" in u["reason"])
+    assert [(u["module"], "an einsum, or heads folded into the batch other than" in u["reason"])
             for u in graph.tp_unsplit] == [("attn", True)]
+
+
+def test_heads_folded_into_the_batch_by_reshapes_are_read_and_checked_per_rank():
+    # bmm on (batch * heads, seq, size), each operand one reshape of (batch, heads, seq,
+    # size), as BLOOM: split by heads where the runtime hands the module the rank's count;
+    # where the count is an attribute not named for heads each rank would run all heads at
+    # half their size without an error, which the probe catches on the folded bmm
+    counted = _graph("written_out_heads.py", "build_folded_as_bloom_counted")
+    assert counted.tp_styles["blocks.*"]["attn.q"] == "colwise_heads:4,4"
+    assert "tp" not in counted.refused, counted.refused
+    graph = _graph("written_out_heads.py", "build_folded_as_bloom")
+    assert "runs 4 heads of size 8 per rank at tp=2, not 2 of size 16" in graph.refused["tp"]

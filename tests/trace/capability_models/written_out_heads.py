@@ -2,8 +2,11 @@
 heads (an attribute not named for heads) of whatever size is left: with q column-sharded
 every reshape still works, each rank running all `n` heads at half their size, and nothing
 fails. `HeadCounted` holds its count as `n_head`, which the runtime sets to the rank's.
-`Folded` (heads folded into the batch for torch.bmm) and `Einsum` are forms whose heads the
-trace does not read: left whole."""
+`Folded` (heads folded into the batch for torch.bmm, the softmax on the folded scores) and
+`Einsum` are forms whose heads the trace does not read: left whole. `FoldedAsBloom` folds
+them for bmm only, each operand one reshape of (batch, heads, seq, size), as BLOOM does: read
+per head, and refused at plan time where its count `n` would stay the model's under TP
+(`FoldedAsBloomCounted` holds it as `n_head`)."""
 
 import torch
 import torch.nn as nn
@@ -47,6 +50,23 @@ class Folded(Attention):
         scores = (torch.bmm(q, k.transpose(1, 2)) * q.shape[-1] ** -0.5).masked_fill(~causal, float("-inf"))
         out = torch.bmm(scores.softmax(-1), v).view(b, self.n, s, -1)
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FoldedAsBloom(Attention):
+    def forward(self, x):
+        b, s, _ = x.shape
+        n = self.count()
+        q, k, v = (p(x).view(b, s, n, -1).transpose(1, 2).reshape(b * n, s, -1)
+                   for p in (self.q, self.k, self.v))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = (torch.bmm(q, k.transpose(1, 2)) * q.shape[-1] ** -0.5).view(b, n, s, s)
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(-1).view(b * n, s, s)
+        out = torch.bmm(weights, v).view(b, n, s, -1)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FoldedAsBloomCounted(FoldedAsBloom, HeadCounted):
+    pass
 
 
 class Einsum(Attention):
@@ -96,6 +116,14 @@ def build_head_counted():
 
 def build_folded():
     return WrittenOut(Folded)
+
+
+def build_folded_as_bloom():
+    return WrittenOut(FoldedAsBloom)
+
+
+def build_folded_as_bloom_counted():
+    return WrittenOut(FoldedAsBloomCounted)
 
 
 def build_einsum():
