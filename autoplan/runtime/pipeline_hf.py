@@ -79,6 +79,10 @@ _FAMILIES = {
     "cohere": _Parts(), "glm": _Parts(), "stablelm": _Parts(),
     "starcoder2": _Parts(later_stage_values=(("embedding_dropout", 0.0),)),
     "falcon": _Parts(embed="word_embeddings", layers="h", norm="ln_f", layer_tuple=True),
+    # ALiBi: every stage builds the bias from its hidden states' length, as the whole model
+    "bloom": _Parts(embed="word_embeddings", layers="h", norm="ln_f", layer_tuple=True,
+                    first_stage_only=("word_embeddings_layernorm",)),
+    "mpt": _Parts(embed="wte", layers="blocks", norm="norm_f", layer_tuple=True),
     "deepseek_v3": _Parts(),
     "opt": _Parts(decoder="decoder", norm="final_layer_norm", first_stage_only=("embed_positions", "project_in"),
                   last_stage_only=("project_out",), optional=("final_layer_norm", "project_in", "project_out")),

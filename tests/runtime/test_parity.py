@@ -349,6 +349,10 @@ CONFIGS = {
         # GPT2Model's closing view(-1, seq, hidden) takes and lm_head gathers
         "hf_gpt2_untied_dp2_tp2_zero3_traced": ("hf_gpt2_untied", functools.partial(
             traced_plan_dict, "hf_gpt2_untied", dp=2, tp=2, zero_stage=3, optimizer=PARITY_OPTIMIZER)),
+        # ALiBi built by each stage from its hidden states (pipeline_hf's bloom shell) and cut
+        # to the rank's heads, heads folded into the batch
+        "hf_bloom_pp2_tp2_traced": ("hf_bloom", functools.partial(
+            traced_plan_dict, "hf_bloom", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_phi3_pp2_tp2_traced": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", pp=2, tp=2, schedule="1f1b", optimizer=PARITY_OPTIMIZER)),
         "hf_gptj_dp2_tp2_sp_traced": ("hf_gptj", functools.partial(
