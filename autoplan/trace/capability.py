@@ -247,11 +247,11 @@ class _LocalHeadsGuard(TorchFunctionMode):
         if self.folded and func in _BMMS:
             self._check_folded(*_bmm_operands(func, args, kwargs or {}))
         query = args[0] if args else (kwargs or {}).get("query")
-        if func is torch.nn.functional.scaled_dot_product_attention and _plain_4d(query) \
+        if func is torch.nn.functional.scaled_dot_product_attention and _plain(query, 4) \
                 and (query.shape[1] * self.tp, query.shape[-1]) not in self.heads:
             self._refuse(query.shape[1], query.shape[-1])
-        if func in _MATMULS and len(args) == 2 and _plain_4d(args[0]) \
-                and _plain_4d(args[1]) and per_head_matmul(args[0].shape, args[1].shape) \
+        if func in _MATMULS and len(args) == 2 and _plain(args[0], 4) \
+                and _plain(args[1], 4) and per_head_matmul(args[0].shape, args[1].shape) \
                 and not any((args[0].shape[1] * self.tp, d) in self.heads
                             for d in (args[0].shape[-1], args[1].shape[-1])):
             self._refuse(args[0].shape[1], args[0].shape[-1])
@@ -297,12 +297,9 @@ def _bmm_operands(func, args: tuple, kwargs: dict) -> tuple:
 
 
 def _plain(value, dims: int) -> bool:
+    """A plain (not DTensor) tensor of `dims` dims: a rank's own (batch, heads, seq, head
+    size), or its heads folded into the batch (batch * heads, seq, size)."""
     return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and value.dim() == dims
-
-
-def _plain_4d(value) -> bool:
-    """A plain (not DTensor) tensor of 4 dims: a rank's own (batch, heads, seq, head size)."""
-    return isinstance(value, torch.Tensor) and not hasattr(value, "device_mesh") and value.dim() == 4
 
 
 def _heads_guard(plan: Plan, heads: frozenset, folded: tuple[int, int] | None = None):
