@@ -20,11 +20,11 @@ def test_dry_run_walks_the_whole_path(tmp_path):
     done = run_killable(["bash", str(SCRIPT), "--dry-run", "--steps", "3", "--out", str(out)], timeout=600,
                         env={"PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.startswith(("bf16 ", "fp32 "))}
-    assert set(rows) == {"bf16", "fp32"}
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.startswith(("bf16 ", "fp8 "))}
+    assert set(rows) == {"bf16"}
     assert all(float(row[2]) > 0 for row in rows.values())  # a measured step time
     assert "torchtitan: not compared (not judged in --dry-run)" in done.stdout and done.stdout.rstrip().endswith("PASS")
-    assert (out / "run-bf16" / "metrics.jsonl").is_file() and (out / "job-fp32" / "plan.json").is_file()
+    assert (out / "run-bf16" / "metrics.jsonl").is_file() and (out / "job-bf16" / "plan.json").is_file()
 
 
 def test_an_out_folder_with_files_is_refused(tmp_path):
