@@ -66,10 +66,19 @@ def head_inputs_of(inputs: list[tuple], heads: int, batch: int) -> list[str]:
             if not grad and head_dim_of(tuple(shape), heads, batch) is not None]
 
 
+def forward_arg_names(module: nn.Module) -> list[str]:
+    """`module.forward`'s argument names in order: what a positional input is called, in the
+    trace's record of the inputs and here alike (none where Python cannot read the signature)."""
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def slice_head_inputs(module: nn.Module, heads: int, names: list[str], mesh: DeviceMesh) -> None:
     """Register the pre-hook handing `module` the rank's heads of its inputs `names`."""
     rank, tp = mesh.get_local_rank(), mesh.size()
-    params = list(inspect.signature(module.forward).parameters)
+    params = forward_arg_names(module)
 
     def hook(module, args, kwargs):
         first = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoplan.trace.fallback import expert_matrices, moe_facts, routes_tokens
 from autoplan.trace.graph import OpInfo
+from autoplan.runtime.head_inputs import forward_arg_names
 from autoplan.runtime.transposed_linear import is_transposed_linear
 from autoplan.trace.ops import function_kind, gemm_mnk, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.routing import RoutingContext
@@ -332,16 +333,11 @@ def record_module_inputs(model: nn.Module, seen: dict[str, list[tuple]]) -> list
     (path -> [(argument name, shape, requires grad)], positional ones named by the forward's
     signature): what the model hands its attention beside the hidden states (a per-head
     bias, facts.py). Returns the handles to remove."""
-    import inspect
 
     def hook(module, args, kwargs, path):
         if path in seen:
             return
-        try:
-            names = list(inspect.signature(module.forward).parameters)
-        except (TypeError, ValueError):
-            names = []
-        given = list(zip(names, args)) + list(kwargs.items())
+        given = list(zip(forward_arg_names(module), args)) + list(kwargs.items())
         tensors = [(n, v) for n, v in given if isinstance(v, torch.Tensor)]
         seen[path] = [(n, tuple(v.shape), bool(v.requires_grad)) for n, v in tensors[1:]]
 
