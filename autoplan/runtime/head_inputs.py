@@ -79,6 +79,10 @@ def slice_head_inputs(module: nn.Module, heads: int, names: list[str], mesh: Dev
     """Register the pre-hook handing `module` the rank's heads of its inputs `names`."""
     rank, tp = mesh.get_local_rank(), mesh.size()
     params = forward_arg_names(module)
+    if not params:  # a positional input could not be found, and would reach forward whole
+        raise UserError(f"tensor parallelism cannot hand {type(module).__name__} its heads of "
+                        f"{', '.join(names)}: Python cannot read its forward's signature to find "
+                        "them among the inputs; use tp=1 for this model.")
 
     def hook(module, args, kwargs):
         first = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 from autoplan.config import head_inputs_parts, tp_style_known
 from autoplan.errors import UserError
-from autoplan.runtime.head_inputs import _own_heads, head_inputs_of, head_inputs_style, rank_heads
+from autoplan.runtime.head_inputs import (_own_heads, head_inputs_of, head_inputs_style, rank_heads,
+                                         slice_head_inputs)
 
 HEADS, BATCH, TP = 4, 3, 2
 
@@ -57,3 +59,19 @@ def test_the_style_round_trips_and_is_a_known_plan_style():
     assert tp_style_known(style)
     for bad in ("head_inputs:4", "head_inputs:0:alibi", "head_inputs:x:alibi", "head_inputs:4:a-b"):
         assert not tp_style_known(bad) and head_inputs_parts(bad) is None
+
+
+class _Mesh:
+    def get_local_rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+def test_an_attention_whose_signature_cannot_be_read_is_refused():
+    class Builtin(nn.Module):
+        forward = staticmethod(max)  # a builtin: inspect finds no signature
+
+    with pytest.raises(UserError, match="cannot read its forward's signature"):
+        slice_head_inputs(Builtin(), 4, ["alibi"], _Mesh())
