@@ -150,13 +150,24 @@ def hf_split_problem(model: nn.Module) -> str | None:
 
 
 def _layout_problem(model: nn.Module, parts: _Parts) -> str | None:
-    base = _decoder(getattr(model, getattr(model, "base_model_prefix", ""), None), parts)
+    base = _decoder(getattr(model, base_model_name(model), None), parts)
     names = tuple(n for n in (parts.embed, parts.layers, parts.norm, *parts.first_stage_only,
                               *parts.last_stage_only) if n)
     if base is None or not all(_get(base, n) is not None or n in parts.optional for n in names) \
             or not hasattr(model, parts.head):
         return f"it lacks the {' / '.join(names)} / {parts.head} modules the split expects"
     return None
+
+
+def base_model_name(model: nn.Module) -> str:
+    """The attribute of a Hugging Face model that holds its base model: its class's
+    `base_model_prefix`, or `model` where the class names a prefix it does not hold
+    (Llama4ForCausalLM says "language_model", the name in its multimodal checkpoints, and
+    keeps its decoder at `.model`)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    return "model" if isinstance(getattr(model, "model", None), nn.Module) else prefix
 
 
 def _parts(model: nn.Module) -> _Parts:
@@ -230,7 +241,7 @@ def _decoder(base: nn.Module | None, parts: _Parts) -> nn.Module | None:
 def hf_block_paths(model: nn.Module) -> list[str]:
     """The full paths of the decoder blocks of a model `hf_split_problem` accepts."""
     parts = _parts(model)
-    prefix = ".".join(n for n in (model.base_model_prefix, parts.decoder, parts.layers) if n)
+    prefix = ".".join(n for n in (base_model_name(model), parts.decoder, parts.layers) if n)
     return [f"{prefix}.{i}" for i in range(len(_get(model, prefix)))]
 
 
@@ -284,7 +295,7 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     `zigzag`: the positions are a context-parallel rank's (flag, not read from the tensor,
     so the split also runs on fake tensors)."""
     parts = _parts(model)
-    prefix = model.base_model_prefix
+    prefix = base_model_name(model)
     base = getattr(model, prefix)
     decoder = _decoder(base, parts)
     blocks = _get(decoder, parts.layers)

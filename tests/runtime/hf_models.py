@@ -154,6 +154,13 @@ CONFIGS = {
     "hf_qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                     dict(_COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])),
+    # Llama-4's text model: every block's MLP routed (one expert a token, its score scaling the
+    # expert's input) beside a shared expert, q/k norms, layers without rotary; the class names
+    # "language_model" as its base model prefix and holds its decoder at `.model`
+    "hf_llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+                  dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                       num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=1,
+                       pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # Granite's multipliers with routed experts
     "hf_granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
                       dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -200,7 +207,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
                "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
-               "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers",
+               "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers", "hf_llama4": "model.layers",
                "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers",
                "hf_bitnet": "model.layers", "hf_bloom": "transformer.h", "hf_mpt": "transformer.blocks",
                "hf_falcon_alibi": "transformer.h"}

@@ -205,6 +205,8 @@ CONFIGS = {
         "hf_roberta_untied_ddp": ("hf_roberta_untied", P("hf_roberta_untied", dp=2)),
         "hf_qwen3moe_pp2": ("hf_qwen3moe", P("hf_qwen3moe", pp=2, schedule="1f1b")),
         "hf_qwen3moe_ep2": ("hf_qwen3moe", P("hf_qwen3moe", dp=2, ep=2)),
+        # Llama-4's decoder held at `.model` while its class names "language_model"
+        "hf_llama4_pp2": ("hf_llama4", P("hf_llama4", pp=2, schedule="1f1b")),
         # OPT-350m's layout: word embeddings projected in on the first stage and out on the last,
         # and tied to the head across the two stages
         "hf_opt_350m_layout_pp2": ("hf_opt_350m_layout", P("hf_opt_350m_layout", pp=2, schedule="1f1b")),

@@ -77,6 +77,10 @@ LAYOUT_FAMILIES = {
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # LayerNorm1P, squared ReLU
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),  # layers without rotary
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
+    # routed experts in every block; its class's base_model_prefix ("language_model") is not
+    # the attribute that holds its decoder (`model`)
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128}),
     # attention layers only (Mamba-2 layers refuse the layout); its config holds an infinite
     # time_step_limit, which to_json_string writes as {"__float__": "Infinity"}
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
