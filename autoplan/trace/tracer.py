@@ -311,6 +311,28 @@ def trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str = 
                             token_labels=token_labels)
 
 
+def _refuse_blocks_never_run(module: nn.Module, groups: dict[str, list[str]],
+                             first_path: dict[str, str], name: str) -> None:
+    """A stack of blocks the forward never calls on the inputs it is trained on (a multimodal
+    model's vision tower, given token ids alone) would sit in every plan, costed by nothing
+    and trained by no step: refused, naming it."""
+    idle = [paths for group, paths in groups.items() if group not in first_path]
+    if not idle:
+        return
+    blocks = sum(len(paths) for paths in idle)
+    parameters = sum(p.numel() for paths in idle for path in paths
+                     for p in module.get_submodule(path).parameters())
+    stacks = ", ".join(sorted({path.rsplit(".", 1)[0] for paths in idle for path in paths}))
+    raise UserError(
+        f"the forward of {name} never runs {blocks} of its blocks ({stacks}: {parameters:,} "
+        f"parameters) on the inputs autoplan trains it on (token ids, or the model file's "
+        f"example_batch): every plan would hold them and no step would train them, as with a "
+        f"multimodal model's vision tower given text alone. Plan the part that runs: for a "
+        f"Hugging Face multimodal config, its language model (a config.json of the fields of its "
+        f"\"text_config\", which name the text model's model_type); for a model file, a model "
+        f"whose forward calls every block.")
+
+
 def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
                  example_kwargs: dict | None, probe_runtime: bool, user_batch: bool = False,
                  token_labels: bool = False) -> ModelGraph:
@@ -342,6 +364,7 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         except _NotSymbolic:
             gm, rec, first_path, costed_by_routing = _trace_by_running(module, args, kwargs, block_of, seq,
                                                                                     batch, labels)
+    _refuse_blocks_never_run(module, groups, first_path, type(module).__name__)
     graph = nx.DiGraph()
     for op in rec.ops:
         graph.add_node(op.name, op=op)

@@ -373,3 +373,34 @@ def test_a_transformers_sequence_classifier_is_refused_with_the_way_to_train_it(
     with pytest.raises(UserError, match=r"returns \(1, 2\) .*a transformers class: write a model file "
                                         r"whose build_model\(\) returns it"):
         load_graph(f"hf:{tmp_path}", 16)
+
+
+def _llama4_config(architectures: list[str] | None) -> dict:
+    text = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 128,
+            "intermediate_size_mlp": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
+            "vocab_size": 256, "max_position_embeddings": 128, "pad_token_id": 0}
+    vision = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+              "image_size": 56, "patch_size": 14, "vision_output_dim": 64, "projector_input_dim": 64,
+              "projector_output_dim": 64}
+    return {"model_type": "llama4", "architectures": architectures, "text_config": text,
+            "vision_config": vision}
+
+
+def test_a_multimodal_model_whose_vision_tower_never_runs_is_refused_naming_its_text_model(tmp_path):
+    # Llama-4's published config builds Llama4ForConditionalGeneration: given token ids alone its
+    # vision tower's blocks never run, and the search costed a block it had no numbers for
+    # (StopIteration, exit 1, a traceback)
+    pytest.importorskip("transformers")
+    import json
+
+    from autoplan.trace.load import load_graph
+
+    (tmp_path / "config.json").write_text(json.dumps(_llama4_config(["Llama4ForConditionalGeneration"])))
+    with pytest.raises(UserError, match=r"Llama4ForConditionalGeneration never runs 2 of its blocks "
+                                        r"\(vision_model\.model\.layers: [\d,]+ parameters\).*text_config"):
+        load_graph(f"hf:{tmp_path}", 16)
+    # the way out the error names: its text_config's fields as a config.json of their own
+    (tmp_path / "config.json").write_text(json.dumps(_llama4_config(None)["text_config"]))
+    graph = load_graph(f"hf:{tmp_path}", 16)[0]
+    assert [path for path, _ in graph.layer_order] == ["model.layers.0", "model.layers.1"]
