@@ -113,11 +113,30 @@ def vocab_embedding(model: nn.Module) -> nn.Embedding | None:
                 embeddings[0] if embeddings else None)
 
 
-def vocab_size_of(model: nn.Module) -> int:
-    """The vocabulary of a token-id model: the size of its token embedding (`vocab_embedding`)."""
+def token_vocab(model: nn.Module) -> int:
+    """How many token ids the runtime draws (0..n-1; 0 for a model without a token embedding):
+    the rows of the embedding that reads them (`vocab_embedding`), no more than a Hugging Face
+    model's head predicts over, since every id is also a label (CPM-Ant's embedding holds its
+    prompt tokens' rows beside a head of the vocabulary alone)."""
     embedding = vocab_embedding(model)
-    if embedding is not None:
-        return embedding.num_embeddings
+    if embedding is None:
+        return 0
+    own = getattr(model, "get_output_embeddings", None)
+    try:
+        head = own() if callable(own) else None
+    except (NotImplementedError, AttributeError):
+        head = None
+    if isinstance(head, nn.Linear):
+        return min(embedding.num_embeddings, head.out_features)
+    return embedding.num_embeddings
+
+
+def vocab_size_of(model: nn.Module) -> int:
+    """The vocabulary of a token-id model (`token_vocab`), or a UserError for a model
+    without a token embedding."""
+    vocab = token_vocab(model)
+    if vocab:
+        return vocab
     raise UserError(f"{type(model).__name__} has no nn.Embedding, so it does not read token ids "
                     "(an image model?), and the plan trains on token ids (it has no image "
                     "`inputs`). Make the plan for this model with `autoplan plan` (an image "

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.errors import UserError
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.runtime.transposed_linear import is_transposed_linear
-from autoplan.runtime.model_io import attention_window, logits_of, vocab_embedding
+from autoplan.runtime.model_io import attention_window, logits_of, token_vocab
 from autoplan.trace.ops import classify, gemm_mnk, is_norm_type, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.autocast import MetaAutocast
 from autoplan.trace.blocks import build_segments, find_block_groups
@@ -376,7 +376,7 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
     model_graph = ModelGraph(
         graph=graph, segments=segments, layer_order=layer_order, batch_size=batch, seq_len=seq,
         dtype_bytes=torch.finfo(TRACE_DTYPE).bits // 8, parameters=params,
-        embedding_parameters=emb, vocab=_vocab(module),
+        embedding_parameters=emb, vocab=token_vocab(module),
         fallback_modules=_outermost(costed_by_routing, block_of, first_path),
         fingerprint=fingerprint(module), model_name=name, image_size=image,
         image_channels=image_channels(args, kwargs) if image else 0,
@@ -466,7 +466,15 @@ def _check_output(module: nn.Module, output, labels: tuple | None = None) -> Non
 
 
 def _check_token_logits(module: nn.Module, shape: tuple, labels: tuple) -> None:
-    """Next-token labels of shape `labels` need logits of (batch, seq, vocab)."""
+    """Next-token labels of shape `labels` need logits of (batch, seq, vocab), over every id
+    the job draws."""
+    vocab = token_vocab(module)
+    if len(shape) == 3 and shape[:2] == labels and shape[2] < vocab:
+        raise UserError(
+            f"the forward of {type(module).__name__} predicts over {shape[2]} tokens, but its token "
+            f"embedding reads {vocab}: the job draws every id below {vocab} and takes each as a "
+            f"next-token label too, which its logits cannot score. Make the output as wide as the "
+            f"token embedding, or the embedding as narrow as the vocabulary the model predicts.")
     if len(shape) == 3 and shape[:2] == labels:
         return
     library = type(module).__module__.split(".")[0]
@@ -577,12 +585,6 @@ def classifier_width(module: nn.Module, args: tuple, kwargs: dict) -> int:
 def image_channels(args: tuple, kwargs: dict) -> int:
     first = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
     return int(first.shape[1])
-
-
-def _vocab(module: nn.Module) -> int:
-    """The vocabulary as the runtime draws tokens from it (0: no token embedding)."""
-    embedding = vocab_embedding(module)
-    return embedding.num_embeddings if embedding is not None else 0
 
 
 def _outermost(fallbacks: list[str], block_of: dict[str, str], first_path: dict[str, str]) -> list[str]:

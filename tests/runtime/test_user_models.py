@@ -232,3 +232,24 @@ def test_at_ring_attention_a_mask_standing_for_causality_goes_and_any_other_stay
 ])
 def test_attention_window_is_the_one_transformers_masks_by(kind, config, window):
     assert attention_window(_meta(kind, **config)) == window
+
+
+def test_token_ids_are_drawn_below_what_the_head_predicts_over():
+    # CPM-Ant's token embedding holds 32 x 32 prompt rows besides its 256-token vocabulary, and
+    # its head predicts over the 256: ids drawn below the embedding's 1,280 rows were labels
+    # the logits cannot score, and the job died at its first step (IndexError in cross_entropy)
+    transformers = pytest.importorskip("transformers")
+    from autoplan.runtime.data import SyntheticTokens
+    from autoplan.runtime.model_io import vocab_embedding, vocab_size_of
+
+    config = transformers.CpmAntConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       dim_head=16, dim_ff=128, vocab_size=256, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.CpmAntForCausalLM(config)
+    assert vocab_embedding(model).num_embeddings == 256 + 32 * 32
+    vocab = vocab_size_of(model)
+    assert vocab == 256
+    tokens = SyntheticTokens(vocab, seed=0).global_batch(0, rows=64, seq_len=16)
+    logits = logits_of(model(input_ids=tokens[:, :-1], use_cache=False))
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    assert logits.shape[-1] == vocab and torch.isfinite(loss)

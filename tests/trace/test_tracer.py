@@ -404,3 +404,27 @@ def test_a_multimodal_model_whose_vision_tower_never_runs_is_refused_naming_its_
     (tmp_path / "config.json").write_text(json.dumps(_llama4_config(None)["text_config"]))
     graph = load_graph(f"hf:{tmp_path}", 16)[0]
     assert [path for path, _ in graph.layer_order] == ["model.layers.0", "model.layers.1"]
+
+
+class NarrowHeadModel(nn.Module):
+    """Reads 65 token ids, predicts over 60."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.wte = nn.Embedding(65, h)
+        self.blocks = nn.ModuleList(MathAttentionBlock(h, 4) for _ in range(2))
+        self.lm_head = nn.Linear(h, 60, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def test_a_head_narrower_than_the_token_embedding_is_refused():
+    # the job draws ids below the embedding's rows and takes them as labels too
+    with torch.device("meta"):
+        model = NarrowHeadModel()
+    with pytest.raises(UserError, match="predicts over 60 tokens, but its token embedding reads 65"):
+        trace_model(model, tokens(2, 16), token_labels=True)
