@@ -180,6 +180,8 @@ class Trainer:
         self.mesh = mesh or build_mesh(plan, self.device_type)
         self.unsaved = non_persistent_buffers(meta)
         model = materialise(build_model, meta, args.seed, self.device)
+        if plan.pp > 1:
+            rng.fork_pipeline_stream(self.mesh.pp_rank)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.par = apply_plan(model, plan, self.mesh, ddp=ddp)
         self.params = [p for part in self.par.parts for p in part.parameters()]

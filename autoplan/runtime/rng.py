@@ -6,9 +6,12 @@ process would otherwise restart from the seed. Saved: torch's CPU generator, eve
 device's generator (when CUDA is present) and Python's `random` (user models may use it).
 Stored as JSON, not pickle: loading a checkpoint must never run code.
 
-Every rank seeds one stream, so a dropout mask on an activation every rank holds whole is the
-same on each, as it must be: replicas that drew different masks would compute different
-gradients for one replicated weight. Ranks that hold shards of one activation (a TP rank's
+Every rank of a pipeline stage draws from one stream, so a dropout mask on an activation
+every rank holds whole is the same on each, as it must be: replicas that drew different masks
+would compute different gradients for one replicated weight. Each pipeline rank forks a stream
+of its own once the weights are made (`fork_pipeline_stream`): stages drawing from one stream
+would give a later stage's layers the masks (or router noise) an earlier stage's layers drew,
+where one process draws anew for every layer; Megatron-LM seeds its pipeline ranks apart too. Ranks that hold shards of one activation (a TP rank's
 heads or columns, a CP rank's part of the sequence) draw their masks from a stream of their
 own (`ShardDropouts`), as Megatron-LM's model-parallel RNG tracker does for TP, derived from
 the shared stream so that nothing more needs saving and checkpointed recomputation draws the
@@ -100,6 +103,14 @@ def _first_tensor(values) -> torch.Tensor | None:
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+def fork_pipeline_stream(pp_rank: int) -> None:
+    """Moves this process's generators (CPU and CUDA) to a stream of pipeline rank `pp_rank`'s
+    own: a seed mixed from a number the shared stream yields (the same on every rank) and the
+    pipeline rank, so the ranks of one stage still share their stream."""
+    gen = _generator(torch.device("cpu"))
+    torch.manual_seed((_advance(gen, torch.device("cpu")) * _MIX + pp_rank + 1) % 2**63)
 
 
 class ShardDropouts(TorchFunctionMode):

@@ -3,7 +3,8 @@ different masks the ranks drew in the first forward.
 
 usage: torchrun --nproc-per-node N dropout_worker.py CONFIGS.json RESULTS.json
 CONFIGS.json: [{"name", "kind", "plan", "masks": {module: expected count}}, ...]
-Rank 0 writes {name: {"losses", "replica_spread", "masks": {module: count}}}.
+Rank 0 writes {name: {"losses", "replica_spread", "masks": {module: count}, "streams": [[pipeline
+ranks of the processes whose random stream is one], ...]}}.
 """
 
 import json
@@ -45,13 +46,25 @@ def distinct_over_ranks(masks: dict[str, torch.Tensor]) -> dict[str, int]:
     return {name: len({rank[name].numpy().tobytes() for rank in gathered}) for name in masks}
 
 
+def streams(trainer: Trainer) -> list[list[int]]:
+    """The pipeline ranks of the processes that share one random stream, per stream."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (trainer.mesh.pp_rank, torch.get_rng_state().numpy().tobytes()))
+    groups: dict[bytes, list[int]] = {}
+    for pp_rank, state in gathered:
+        groups.setdefault(state, []).append(pp_rank)
+    return sorted(groups.values())
+
+
 def run_case(config: dict, run_dir: str) -> dict:
     args = TrainArgs(steps=STEPS, seed=SEED, run_dir=run_dir, log_every=10**9)
     trainer = Trainer(builder(config["kind"]), Plan.from_dict(config["plan"]), args)
+    shared = streams(trainer)  # before the first step draws from them
     masks = record_first_masks(trainer, list(config["masks"]))
     losses = trainer.run()
     _, spread = full_state(trainer)
-    return {"losses": losses, "replica_spread": spread, "masks": distinct_over_ranks(masks)}
+    return {"losses": losses, "replica_spread": spread, "masks": distinct_over_ranks(masks),
+            "streams": shared}
 
 
 def main() -> None:

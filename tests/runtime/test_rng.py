@@ -72,8 +72,14 @@ CASES = {  # world: {name: (kind, plan overrides, distinct masks over the ranks,
     4: {"bert_cp_tp_sp": ("hf_bert_dropout", {"cp": 2, "tp": 2, "sequence_parallel": True},
                           dict.fromkeys(BERT_MASKS, 4)),
         "bert_cp_tp_no_sp": ("hf_bert_dropout", {"cp": 2, "tp": 2, "sequence_parallel": False},
-                             dict.fromkeys(BERT_MASKS, 2))},
+                             dict.fromkeys(BERT_MASKS, 2)),
+        # a stream per pipeline stage, shared by the stage's data parallel replicas (no module
+        # is on every rank here, so the masks are the streams')
+        "gpt2_pp_dp": ("hf_gpt2_dropout", {"pp": 2, "dp": 2}, {})},
 }
+# the pipeline ranks of the processes sharing each random stream once the model is made: one
+# stream on every rank, except that each pipeline rank draws from its own
+STREAMS = {"gpt2_pp_dp": [[0, 0], [1, 1]]}
 RECOMPUTED = {"gpt2_sp", "t5", "bert_cp_tp_sp"}
 
 
@@ -100,6 +106,7 @@ def test_ranks_draw_their_own_masks_on_their_shards_and_replicas_stay_identical(
     got = json.loads((tmp_path / "out.json").read_text())
     for config in configs:
         result = got[config["name"]]
+        assert result["streams"] == STREAMS.get(config["name"], [[0] * world]), config["name"]
         assert result["replica_spread"] == 0.0, (config["name"], result["replica_spread"])
         assert result["masks"] == config["masks"], config["name"]
         assert all(math.isfinite(loss) for loss in result["losses"]), config["name"]
