@@ -107,10 +107,10 @@ def _first_tensor(values) -> torch.Tensor | None:
 
 def fork_pipeline_stream(pp_rank: int) -> None:
     """Moves this process's generators (CPU and CUDA) to a stream of pipeline rank `pp_rank`'s
-    own: a seed mixed from a number the shared stream yields (the same on every rank) and the
-    pipeline rank, so the ranks of one stage still share their stream."""
-    gen = _generator(torch.device("cpu"))
-    torch.manual_seed((_advance(gen, torch.device("cpu")) * _MIX + pp_rank + 1) % 2**63)
+    own: a seed mixed from the run's seed and the pipeline rank, so the ranks of one stage
+    still share their stream. No tensor is drawn: the dry run makes its trainer under fake
+    tensors, which have no values to seed from."""
+    torch.manual_seed((torch.initial_seed() * _MIX + pp_rank + 1) % 2**63)
 
 
 class ShardDropouts(TorchFunctionMode):
