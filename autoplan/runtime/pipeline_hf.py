@@ -190,7 +190,7 @@ def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
     rounding. Else what failed."""
     config = model_class.config_class.from_dict(special_floats_read_back(json.loads(config_json)))
     try:
-        _shrink(config)
+        shrink_config(config)
         with torch.device("meta"):
             size = sum(p.numel() for p in model_class(config).parameters())
         if size > _TINY_MAX_PARAMETERS:
@@ -214,7 +214,7 @@ def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
     return None
 
 
-def _shrink(config) -> None:
+def shrink_config(config) -> None:
     """`config` at tiny sizes, in place: fields that count per layer cut to two layers."""
     layers = config.num_hidden_layers
     for name, value in _TINY_SIZES.items():
