@@ -24,6 +24,10 @@ differ from the first step, README: Limits), Hunyuan-V3 at tp2 ends 1.3e-5 apart
 after 3 steps (its step-0 loss equal, grad norm 6e-8: an MoE's top-2 routing flips on rounding
 once the weights move, as the parity suite's Qwen2-MoE tolerance allows), and CPM-Ant (its
 embedding std 1.0 gives losses of 23; its dp2 run alone ends 1.3e-3 apart in a grad norm).
+Of 16 more (`--settings chosen,tp2_full`: SarvamMoE, Aria, Cohere2, CTRL, EXAONE-4, GPT-Neo,
+GLM-4, Phi, VaultGemma, OLMo-3, Moshi, HRM, BigBird, BART, InternLM3, Jais2) one was wrong:
+Moshi at tp2 (losses 1.9e-3 apart from the first step), whose MLP views its [gate | up]
+column as (batch, seq, 2, ffn); split per part since (trace/facts.py), 8.6e-8.
 
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble

@@ -347,7 +347,16 @@ def _fused(kind: str, feeders: set[str], region: set[str], by_name: dict, inputs
     return split_whole or any(by_name[n].target in _SPLITS or (by_name[n].target == "getitem"
                and by_name[n].input_shapes and by_name[n].output_shape
                and by_name[n].output_shape[-1] != by_name[n].input_shapes[0][-1])
-               for n in region)
+               or _splits_features(by_name[n], widths) for n in region)
+
+
+def _splits_features(op: OpInfo, widths: set[int]) -> bool:
+    """A view of a column's output that cuts its features into parts (Moshi's gate/up MLP
+    views (batch, seq, 2 * ffn) as (batch, seq, 2, ffn) and reads [..., 0, :] and [..., 1, :]):
+    on a rank holding some columns the view would cut its own columns instead."""
+    return (op.target in ("view", "reshape") and bool(op.input_shapes) and bool(op.input_shapes[0])
+            and op.input_shapes[0][-1] in widths and bool(op.output_shape)
+            and len(op.output_shape) > len(op.input_shapes[0]) and op.output_shape[-1] < op.input_shapes[0][-1])
 
 
 def _last_dim_parts(feeder: str, region: set[str], by_name: dict, inputs: dict,
@@ -364,6 +373,8 @@ def _last_dim_parts(feeder: str, region: set[str], by_name: dict, inputs: dict,
     while len(cut) == 1 and by_name[cut[0]].target in ("view", "reshape") and out \
             and by_name[cut[0]].output_shape[-1:] == out[-1:] and _numel(by_name[cut[0]].output_shape) == _numel(out):
         out, cut = by_name[cut[0]].output_shape, readers(cut[0])
+    if len(cut) == 1 and out and _splits_features(by_name[cut[0]], {out[-1]}):
+        return _viewed_parts(by_name[cut[0]], [by_name[n] for n in readers(cut[0])], out)
     cuts = [by_name[n] for n in cut]
     if not out or not cuts or any(tuple(op.output_shape[:-1]) != tuple(out[:-1]) for op in cuts
                                   if op.output_shape):
@@ -375,6 +386,18 @@ def _last_dim_parts(feeder: str, region: set[str], by_name: dict, inputs: dict,
         widths = [op.output_shape[-1] for op in cuts]
         return widths if sum(widths) == out[-1] else []
     return []
+
+
+def _viewed_parts(view: OpInfo, picks: list[OpInfo], out) -> list[int]:
+    """The parts of a column's output `out` that one view to (..., parts, width) cuts it into,
+    when every reader picks one part whole ([..., i, :]); [] for another view."""
+    shape = tuple(view.output_shape)
+    if len(shape) != len(out) + 1 or shape[:-2] != tuple(out[:-1]) or shape[-2] * shape[-1] != out[-1]:
+        return []
+    part = tuple(out[:-1]) + (shape[-1],)
+    if not picks or any(p.target != "getitem" or tuple(p.output_shape or ()) != part for p in picks):
+        return []
+    return [shape[-1]] * shape[-2]
 
 
 def _numel(shape) -> int:

@@ -161,6 +161,10 @@ CONFIGS = {
                   dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                        num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=1,
                        pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # Moshi's text decoder: one fc1 computes [gate | up], which its MLP views as (batch, seq,
+    # 2, ffn) and reads [..., 0, :] and [..., 1, :]
+    "hf_moshi": ("MoshiConfig", "MoshiForCausalLM",
+                 dict(_COMMON, num_key_value_heads=2, head_dim=16, ffn_dim=256, sliding_window=256)),
     # Granite's multipliers with routed experts
     "hf_granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
                       dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -207,7 +211,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_bert_dropout": "bert.encoder.layer", "hf_t5_dropout": "encoder.block",
                "hf_stablelm": "model.layers", "hf_cohere": "model.layers", "hf_glm": "model.layers",
                "hf_starcoder2": "model.layers", "hf_falcon": "transformer.h", "hf_gemma2": "model.layers",
-               "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers", "hf_llama4": "model.layers",
+               "hf_apertus": "model.layers", "hf_qwen3moe": "model.layers", "hf_llama4": "model.layers", "hf_moshi": "model.layers",
                "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers",
                "hf_bitnet": "model.layers", "hf_bloom": "transformer.h", "hf_mpt": "transformer.blocks",
                "hf_falcon_alibi": "transformer.h"}
