@@ -94,19 +94,26 @@ def logits_of(output) -> torch.Tensor:
                     "(batch, seq, vocab), an object with `.logits`, or a tuple starting with it.")
 
 
+def _own_module(model: nn.Module, getter: str) -> nn.Module | None:
+    """What a Hugging Face model's `get_input_embeddings` / `get_output_embeddings` returns;
+    None for a model without the method or one that does not implement it."""
+    own = getattr(model, getter, None)
+    if not callable(own):
+        return None
+    try:
+        return own()
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def vocab_embedding(model: nn.Module) -> nn.Embedding | None:
     """The embedding that reads token ids: the model's own `get_input_embeddings()` (Hugging
     Face models), else the first nn.Embedding as wide as an output Linear (the head predicts
     over the same vocabulary), else the first nn.Embedding. Not the largest one: a position
     table may hold more rows than the vocabulary (a character model's 65 tokens, 256 positions)."""
-    own = getattr(model, "get_input_embeddings", None)
-    if callable(own):
-        try:
-            found = own()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Embedding):
-            return found
+    found = _own_module(model, "get_input_embeddings")
+    if isinstance(found, nn.Embedding):
+        return found
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     heads = {m.out_features for m in model.modules() if isinstance(m, nn.Linear)}
     return next((e for e in embeddings if e.num_embeddings in heads),
@@ -121,11 +128,7 @@ def token_vocab(model: nn.Module) -> int:
     embedding = vocab_embedding(model)
     if embedding is None:
         return 0
-    own = getattr(model, "get_output_embeddings", None)
-    try:
-        head = own() if callable(own) else None
-    except (NotImplementedError, AttributeError):
-        head = None
+    head = _own_module(model, "get_output_embeddings")
     if isinstance(head, nn.Linear):
         return min(embedding.num_embeddings, head.out_features)
     return embedding.num_embeddings

@@ -11,9 +11,9 @@ every rank holds whole is the same on each, as it must be: replicas that drew di
 would compute different gradients for one replicated weight. Each pipeline rank forks a stream
 of its own once the weights are made (`fork_pipeline_stream`): stages drawing from one stream
 would give a later stage's layers the masks (or router noise) an earlier stage's layers drew,
-where one process draws anew for every layer; Megatron-LM seeds its pipeline ranks apart too. Ranks that hold shards of one activation (a TP rank's
-heads or columns, a CP rank's part of the sequence) draw their masks from a stream of their
-own (`ShardDropouts`), as Megatron-LM's model-parallel RNG tracker does for TP, derived from
+where one process draws anew for every layer; Megatron-LM seeds its pipeline ranks apart too.
+Ranks that hold shards of one activation (a TP rank's heads or columns, a CP rank's part of
+the sequence) draw their masks from a stream of their own (`ShardDropouts`), as Megatron-LM's model-parallel RNG tracker does for TP, derived from
 the shared stream so that nothing more needs saving and checkpointed recomputation draws the
 same masks again.
 """

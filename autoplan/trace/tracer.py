@@ -468,14 +468,15 @@ def _check_output(module: nn.Module, output, labels: tuple | None = None) -> Non
 def _check_token_logits(module: nn.Module, shape: tuple, labels: tuple) -> None:
     """Next-token labels of shape `labels` need logits of (batch, seq, vocab), over every id
     the job draws."""
-    vocab = token_vocab(module)
-    if len(shape) == 3 and shape[:2] == labels and shape[2] < vocab:
-        raise UserError(
-            f"the forward of {type(module).__name__} predicts over {shape[2]} tokens, but its token "
-            f"embedding reads {vocab}: the job draws every id below {vocab} and takes each as a "
-            f"next-token label too, which its logits cannot score. Make the output as wide as the "
-            f"token embedding, or the embedding as narrow as the vocabulary the model predicts.")
     if len(shape) == 3 and shape[:2] == labels:
+        vocab = token_vocab(module)
+        if shape[2] < vocab:
+            raise UserError(
+                f"the forward of {type(module).__name__} predicts over {shape[2]} tokens, but its "
+                f"token embedding reads {vocab}: the job draws every id below {vocab} and takes each "
+                f"as a next-token label too, which its logits cannot score. Make the output as wide "
+                f"as the token embedding, or the embedding as narrow as the vocabulary the model "
+                f"predicts.")
         return
     library = type(module).__module__.split(".")[0]
     file = "" if library.startswith(USER_MODULE_PREFIX) else (

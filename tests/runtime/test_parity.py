@@ -229,10 +229,10 @@ CONFIGS = {
         # fused [all q | all k | all v] (GQA) and [gate | up] projections, split per rank
         "hf_phi3_tp2": ("hf_phi3", functools.partial(
             traced_plan_dict, "hf_phi3", tp=2, optimizer=PARITY_OPTIMIZER)),
-        # GPT-2's Conv1D c_attn ([all q | all k | all v] along weight dim 1), its head tied
         # a [gate | up] column cut by a view to (..., 2, ffn): each rank its share of each half
         "hf_moshi_tp2_traced": ("hf_moshi", functools.partial(
             traced_plan_dict, "hf_moshi", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # GPT-2's Conv1D c_attn ([all q | all k | all v] along weight dim 1), its head tied
         "hf_opt_tp2_traced": ("hf_opt", functools.partial(
             traced_plan_dict, "hf_opt", tp=2, optimizer=PARITY_OPTIMIZER)),
         "hf_persimmon_tp2_traced": ("hf_persimmon", functools.partial(
