@@ -171,7 +171,18 @@ def base_model_name(model: nn.Module) -> str:
 
 
 def _parts(model: nn.Module) -> _Parts:
-    return _FAMILIES.get(model.config.model_type, _Parts())
+    """A verified family's parts; else the common layout, with the final norm under the first
+    of the names families give it that the base model holds (the tiny copy checks the guess)."""
+    if model.config.model_type in _FAMILIES:
+        return _FAMILIES[model.config.model_type]
+    base = getattr(model, base_model_name(model), None)
+    held = [name for name in _FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)]
+    return _Parts(norm=held[0]) if held else _Parts()
+
+
+# final norms of families with the common layout: Jamba's, RecurrentGemma's, and LFM2's (named
+# for the embedding, applied after the last block)
+_FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "embedding_norm")
 
 
 # a tiny copy's sizes, where its config has the field (the rest keep the model's values)

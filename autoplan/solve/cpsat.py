@@ -3,7 +3,8 @@
 Decision variables (K = pp * vpp pipeline chunks; chunk k runs on rank k mod pp):
     cut[k]          first block of chunk k (cut[0] = 0, cut[K] = L, each chunk >= 1 block)
     n[k, g]         blocks of group g in chunk k (groups are contiguous runs of identical
-                    blocks, so n[k, g] = clamp_g(cut[k+1]) - clamp_g(cut[k]))
+                    blocks, so n[k, g] = clamp_g(cut[k+1]) - clamp_g(cut[k]); a "block" here is
+                    a unit of tables.block_units: a block, or a period of a periodic stack)
     full[k, g], sel[k, g]   of those, blocks recomputed fully / selectively
 Constraints:
     add_partition_constraints()   contiguous, non-empty chunks covering all blocks
@@ -64,6 +65,9 @@ class Tables:
     # >= 0) of rank r holding n blocks, where it is not linear in n; one group only
     # (homogeneous.py; indexable rows, tables.RankTails computes them on demand)
     tail_ns: tuple | None = None
+    # per unit the solver places (num_layers of them), the blocks it stands for, by index in
+    # execution order (tables.block_units); () when each unit is the block of its index
+    unit_blocks: tuple[tuple[int, ...], ...] = ()
 
     @property
     def chunks(self) -> int:

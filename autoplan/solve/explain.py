@@ -13,7 +13,7 @@ from autoplan.solve import space
 from autoplan.solve.cpsat import solve_partition
 from autoplan.solve.preference import equivalence_band_family, mechanisms, within_band
 from autoplan.solve.search import Candidate, estimate_candidate, partition_to_config
-from autoplan.solve.tables import block_runs, build_tables
+from autoplan.solve.tables import build_tables
 
 LINKS = {"tp": "TP all-reduce/all-gather", "cp": "CP ring K/V exchange", "ep": "EP all-to-all",
          "zero3": "ZeRO-3 parameter gathers", "zero2": "ZeRO-2 gradient reduce-scatters", "pp": "pipeline send/recv", "dp": "DP gradient sync"}
@@ -27,7 +27,7 @@ def solve_config(job, config: ParallelConfig, capacity_extra_kib: int = 0) -> Ca
     part = solve_partition(tables, time_limit_s=5)
     if part is None:
         return "does not fit in memory"
-    cand_config = partition_to_config(config, part, block_runs(job.graph, job.cache))
+    cand_config = partition_to_config(config, part, tables)
     est = estimate_candidate(job.graph, cand_config, job.cluster, job.cache)
     if capacity_extra_kib:
         return Candidate(cand_config, est, part.status)

@@ -22,10 +22,10 @@ from autoplan.config import ParallelConfig
 from autoplan.errors import UserError
 from autoplan.cost import CostCache, Estimate, estimate_partition, hw
 from autoplan.trace.graph import ModelGraph
-from autoplan.solve.cpsat import MEMORY_UNIT_B, Partition, solve_partition
+from autoplan.solve.cpsat import MEMORY_UNIT_B, Partition, Tables, solve_partition
 from autoplan.solve.preference import mechanisms, preference_key, within_band
 from autoplan.solve.space import Request, outer_configs
-from autoplan.solve.tables import (block_runs, build_tables, least_memory_kib, lower_bound_ns,
+from autoplan.solve.tables import (build_tables, least_memory_kib, lower_bound_ns,
                                    memory_lower_bound_kib, pipeline_slots, time_lower_bound_ns)
 
 GIB_KIB = 2**20
@@ -89,16 +89,23 @@ class SearchResult:
                 "time_limit_s": self.time_limit_s}
 
 
-def partition_to_config(config: ParallelConfig, part: Partition, runs: list[tuple[int, int, str]]) -> ParallelConfig:
-    """Solver output -> blocks per chunk and a recompute mode per block (first full, then selective)."""
-    counts = tuple(b - a for a, b in zip(part.cuts, part.cuts[1:]))
-    modes: list[str] = []
-    for k in range(len(counts)):
-        lo, hi = part.cuts[k], part.cuts[k + 1]
-        for g, (glo, ghi, _) in enumerate(runs):
-            n = max(0, min(hi, ghi) - max(lo, glo))
+def partition_to_config(config: ParallelConfig, part: Partition, tables: Tables) -> ParallelConfig:
+    """Solver output -> blocks per chunk and a recompute mode per block. In each chunk, a
+    group's first units recompute fully, the next selectively; a unit's blocks share its mode
+    (Tables.unit_blocks)."""
+    units = tables.unit_blocks or tuple((i,) for i in range(tables.num_layers))
+    unit_mode: dict[int, str] = {}
+    for k in range(len(part.cuts) - 1):
+        for g, group in enumerate(tables.groups):
+            held = range(max(part.cuts[k], group.lo), min(part.cuts[k + 1], group.hi))
             f, s = part.full[k][g], part.selective[k][g]
-            modes += ["full"] * f + ["selective"] * s + ["none"] * (n - f - s)
+            for i, unit in enumerate(held):
+                unit_mode[unit] = "full" if i < f else "selective" if i < f + s else "none"
+    modes = [""] * sum(len(blocks) for blocks in units)
+    for unit, mode in unit_mode.items():
+        for block in units[unit]:
+            modes[block] = mode
+    counts = tuple(sum(len(units[u]) for u in range(a, b)) for a, b in zip(part.cuts, part.cuts[1:]))
     return replace(config, stage_layers=counts, layer_recompute=tuple(modes), stage_recompute=None)
 
 
@@ -153,7 +160,6 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
         slack = rounding_s(most_slots, graph.num_layers)
         bounds.append((bound - slack, key))
     bounds.sort()
-    runs = block_runs(graph, cache)
     band = request.equivalence_band
     kept: dict[tuple, Candidate] = {}
     threshold = float("inf")
@@ -186,7 +192,7 @@ def search(graph: ModelGraph, cluster, request: Request, top: int = 3,
             if not _worth_solving(lower_s, config, threshold, band, preferred):
                 continue
             solved += 1
-            cand, proven, lowered = _solve_fitting(graph, tables, config, cluster, runs,
+            cand, proven, lowered = _solve_fitting(graph, tables, config, cluster,
                                                    max(1.0, time_limit_s / 10), cache)
             all_optimal &= proven
             edge_resolved += lowered
@@ -250,7 +256,7 @@ def _edge_notes(count: int) -> list[str]:
             "margin might be faster, so the result is labelled FEASIBLE, not OPTIMAL"]
 
 
-def _solve_fitting(graph: ModelGraph, tables, config: ParallelConfig, cluster, runs,
+def _solve_fitting(graph: ModelGraph, tables: Tables, config: ParallelConfig, cluster,
                    time_limit_s: float, cache: CostCache) -> tuple[Candidate | None, bool, bool]:
     """The solver's best partition, estimated exactly. The tables round each memory term to
     the KiB, so at the capacity edge the solver may pick a partition the estimate finds a few
@@ -265,7 +271,7 @@ def _solve_fitting(graph: ModelGraph, tables, config: ParallelConfig, cluster, r
         part = solve_partition(tables, time_limit_s=time_limit_s)
         if part is None:
             return None, not lowered, lowered
-        cand_config = partition_to_config(config, part, runs)
+        cand_config = partition_to_config(config, part, tables)
         est = estimate_candidate(graph, cand_config, cluster, cache)
         if est.feasible:
             exact = part.status == "OPTIMAL" and tables.tail_ns is not None and not lowered

@@ -23,6 +23,7 @@ from typing import Iterator
 
 from autoplan.config import FLOAT8_RECIPES, PRECISIONS, ParallelConfig, async_tp_problem, schedule_problem
 from autoplan.errors import UserError
+from autoplan.solve.tables import pipeline_units
 from autoplan.trace.graph import ModelGraph
 
 FIXABLE = {"dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "zero": int,
@@ -221,6 +222,8 @@ def outer_configs(graph: ModelGraph, request: Request) -> Iterator[ParallelConfi
             for pp in pick("pp", divisors(n // (tp * cp))):
                 if (n // (tp * cp)) % pp or pp_reason(graph, pp, 1, tp):
                     continue
+                if "pp" not in fixed and pp > pipeline_units(graph):
+                    continue  # the search cuts a periodic stack between periods (tables.block_units)
                 dp = n // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
                     continue
@@ -245,7 +248,8 @@ def _inner(graph: ModelGraph, request: Request, dp: int, tp: int, pp: int, cp: i
                 if per_rank % mb:
                     continue
                 m = per_rank // mb
-                for schedule, vpp in _schedule_options(pp, m, graph.num_layers, zero, fixed):
+                units = graph.num_layers if "vpp" in fixed else pipeline_units(graph)
+                for schedule, vpp in _schedule_options(pp, m, units, zero, fixed):
                     for precision in request.precisions:
                         for offload in _offloads(zero, fixed, request.allow_offload):
                             yield ParallelConfig(

@@ -10,6 +10,7 @@ moves. The exact numbers of the chosen plan always come from `cost.estimate`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 from autoplan.config import ParallelConfig
 from autoplan.cost import CostCache, layer_cost
@@ -33,21 +34,75 @@ def _kib(nbytes: float) -> int:
     return round(nbytes / MEMORY_UNIT_B)
 
 
-def block_runs(graph: ModelGraph, cache: CostCache | None = None) -> list[tuple[int, int, str]]:
-    """Contiguous runs (lo, hi, segment name) of identical blocks in execution order (kept in
-    a search's `cache`: every table of the search asks)."""
-    cache = or_no_cache(cache)
-    return list(cache.get(("block_runs", id(graph)), lambda: tuple(_block_runs(graph)), graph))
+@dataclass(frozen=True)
+class Units:
+    """What the partition solver places, in its order: `runs` (lo, hi, unit) of identical units,
+    lo and hi counted in units, a unit named by its blocks' segment names; and per unit the
+    indices (in execution order) of the blocks it stands for."""
+
+    runs: tuple[tuple[int, int, tuple[str, ...]], ...]
+    blocks: tuple[tuple[int, ...], ...]
 
 
-def _block_runs(graph: ModelGraph) -> list[tuple[int, int, str]]:
-    runs: list[tuple[int, int, str]] = []
-    for index, (_, name) in enumerate(graph.layer_order):
-        if runs and runs[-1][2] == name and runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], index + 1, name)
+MANY_RUNS = 4  # CP-SAT's model grows with every run; more than these, a periodic stack is placed by periods
+
+
+def block_units(graph: ModelGraph, cache: CostCache | None = None, chunks: int = 1) -> Units:
+    """The units of a pipeline of `chunks` chunks (kept in a search's `cache`: every table of
+    the search asks). With one chunk there is nothing to cut: each block is a unit, and blocks
+    of one kind form one run wherever they sit, so a stack that interleaves its kinds (Jamba's
+    Mamba and attention layers, Llama-4's dense and MoE layers) is as small a model as one that
+    does not. With more, units are the blocks in execution order, or the periods of a stack
+    that interleaves its kinds periodically in more than MANY_RUNS runs: the solver then cuts
+    stages only between periods (if there are at least `chunks` of them), and the blocks of a
+    period share one recomputation mode."""
+    names = [name for _, name in graph.layer_order]
+    return or_no_cache(cache).get(("block_units", id(graph), chunks), lambda: _block_units(names, chunks), graph)
+
+
+def pipeline_units(graph: ModelGraph) -> int:
+    """How many units a pipeline's search cuts between: the blocks, or a periodic stack's periods."""
+    if "pipeline_units" not in graph.memo:
+        graph.memo["pipeline_units"] = len(_block_units([name for _, name in graph.layer_order], 2).blocks)
+    return graph.memo["pipeline_units"]
+
+
+def _block_units(names: list[str], chunks: int) -> Units:
+    singles = [(i,) for i in range(len(names))]
+    if chunks == 1:
+        first: dict[str, int] = {}
+        for index, name in enumerate(names):
+            first.setdefault(name, index)
+        singles.sort(key=lambda unit: first[names[unit[0]]])
+    elif len(_runs([(name,) for name in names])) > MANY_RUNS:
+        period = _period(names)
+        if period and len(names) // period >= chunks:
+            periods = [tuple(range(i, i + period)) for i in range(0, len(names), period)]
+            return Units(_runs([tuple(names[b] for b in unit) for unit in periods]), tuple(periods))
+    return Units(_runs([(names[unit[0]],) for unit in singles]), tuple(singles))
+
+
+def _runs(units: list[tuple[str, ...]]) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
+    runs: list[tuple[int, int, tuple[str, ...]]] = []
+    for index, unit in enumerate(units):
+        if runs and runs[-1][2] == unit and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1, unit)
         else:
-            runs.append((index, index + 1, name))
-    return runs
+            runs.append((index, index + 1, unit))
+    return tuple(runs)
+
+
+def _period(names: list[str]) -> int:
+    """The shortest p < len(names) such that `names` is its first p repeated; 0 if none."""
+    for p in range(1, len(names) // 2 + 1):
+        if len(names) % p == 0 and names == names[:p] * (len(names) // p):
+            return p
+    return 0
+
+
+def _unit_costs(graph: ModelGraph, config: ParallelConfig, cluster, unit: tuple[str, ...], mode: str,
+                cache: CostCache | None) -> list:
+    return [layer_cost(graph.segment(name), graph, config, cluster, mode, cache=cache) for name in unit]
 
 
 def allowed_modes(config: ParallelConfig, fixed_recompute: str | None) -> tuple[str, ...]:
@@ -56,18 +111,17 @@ def allowed_modes(config: ParallelConfig, fixed_recompute: str | None) -> tuple[
 
 def _group_tables(graph: ModelGraph, config: ParallelConfig, cluster,
                   cache: CostCache | None) -> tuple[list[GroupTable], float]:
-    """Per group of identical blocks: its table, and the largest ZeRO-3 gather of any block."""
+    """Per run of identical units: its table, and the largest ZeRO-3 gather of any block."""
     groups = []
     largest_gather = 0.0
-    for lo, hi, name in block_runs(graph, cache):
-        block = graph.segment(name)
-        costs = {mode: layer_cost(block, graph, config, cluster, mode, cache=cache) for mode in MODES}
-        largest_gather = max(largest_gather, costs["none"].zero3_gather_params)
+    for lo, hi, unit in block_units(graph, cache, num_virtual_stages(config)).runs:
+        costs = {mode: _unit_costs(graph, config, cluster, unit, mode, cache) for mode in MODES}
+        largest_gather = max([largest_gather, *(c.zero3_gather_params for c in costs["none"])])
         groups.append(GroupTable(
-            name=name, lo=lo, hi=hi,
-            time_ns={m: _ns(c.time_s) for m, c in costs.items()},
-            state_kib=_kib(costs["none"].state_bytes),
-            activation_kib={m: _kib(c.activation_bytes) for m, c in costs.items()},
+            name="+".join(unit), lo=lo, hi=hi,
+            time_ns={m: sum(_ns(c.time_s) for c in cs) for m, cs in costs.items()},
+            state_kib=sum(_kib(c.state_bytes) for c in costs["none"]),
+            activation_kib={m: sum(_kib(c.activation_bytes) for c in cs) for m, cs in costs.items()},
         ))
     return groups, largest_gather
 
@@ -100,14 +154,16 @@ def build_tables(graph: ModelGraph, config: ParallelConfig, cluster,
                                                  max(largest_gather, pre.zero3_gather_params, post.zero3_gather_params))
     in_flight = _in_flight(config)
     tail = _even_partition_tail_s(graph, config, cluster, cache) if with_tail else 0.0
+    units = block_units(graph, cache, chunks)
     return Tables(
-        num_layers=graph.num_layers, pp=config.pp, vpp=chunks // config.pp, groups=groups,
+        num_layers=len(units.blocks), pp=config.pp, vpp=chunks // config.pp, groups=groups,
         slots=pipeline_slots(config),
         in_flight=in_flight, capacity_kib=_kib(cost_hw.usable_memory_bytes(cluster)),
         fixed_time_ns=[_ns(t) for t in fixed_time], fixed_state_kib=[_kib(b) for b in fixed_state],
         fixed_activation_kib=[_kib(b) for b in fixed_act], fixed_sync_ns=[_ns(tail)] * config.pp,
         modes=modes,
         tail_ns=None if with_tail or not tail_table else rank_tail_ns(graph, config, cluster, pre, post, cache),
+        unit_blocks=units.blocks,
     )
 
 
@@ -142,13 +198,13 @@ def least_memory_kib(graph: ModelGraph, config: ParallelConfig, cache: CostCache
     the memory terms alone: the search bounds every ZeRO/offload variant of every family by
     it, and most are ruled out before any time is costed."""
     groups, largest_gather = [], 0.0
-    for lo, hi, name in block_runs(graph, cache):
-        block = graph.segment(name)
-        states = layer_states(block, graph, config, DEFAULT_RUNTIME, cache)
-        largest_gather = max(largest_gather, states.zero3_gather_params)
-        least_act = min(_kib(activation_bytes(block, graph, config, mode, True, DEFAULT_RUNTIME, cache))
-                        for mode in MODES)
-        groups.append((hi - lo, _kib(states.state_bytes), least_act))
+    for lo, hi, unit in block_units(graph, cache, num_virtual_stages(config)).runs:
+        blocks = [graph.segment(name) for name in unit]
+        states = [layer_states(block, graph, config, DEFAULT_RUNTIME, cache) for block in blocks]
+        largest_gather = max([largest_gather, *(s.zero3_gather_params for s in states)])
+        least_act = min(sum(_kib(activation_bytes(block, graph, config, mode, True, DEFAULT_RUNTIME, cache))
+                            for block in blocks) for mode in MODES)
+        groups.append((hi - lo, sum(_kib(s.state_bytes) for s in states), least_act))
     ends = []
     for block in (graph.pre, graph.post):
         states = layer_states(block, graph, config, DEFAULT_RUNTIME, cache)
@@ -162,15 +218,15 @@ def least_memory_kib(graph: ModelGraph, config: ParallelConfig, cache: CostCache
 
 def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre,
                  post, cache: CostCache | None = None) -> tuple[RankTails, ...] | None:
-    """Per rank, by blocks held of each run (`RankTails`): the step-end time (exposed DP sync +
+    """Per rank, by units held of each run (`RankTails`): the step-end time (exposed DP sync +
     optimizer, `cost.step`) of the rank. These read only the rank's parameter counts and
     backward time, which recomputation does not change (checked: None otherwise)."""
-    blocks = []
-    for _, _, name in block_runs(graph, cache):
-        costs = [layer_cost(graph.segment(name), graph, config, cluster, mode, cache=cache) for mode in MODES]
-        if len({(c.bwd_s, c.dense_params, c.expert_params) for c in costs}) != 1:
+    units = []
+    for _, _, unit in block_units(graph, cache, num_virtual_stages(config)).runs:
+        costs = [_unit_costs(graph, config, cluster, unit, mode, cache) for mode in MODES]
+        if len({tuple((c.bwd_s, c.dense_params, c.expert_params) for c in cs) for cs in costs}) != 1:
             return None
-        blocks.append(costs[0])
+        units.append(costs[0])
     chunks = num_virtual_stages(config)
     last_rank = (chunks - 1) % config.pp
     rows: dict[tuple, RankTails] = {}
@@ -178,7 +234,7 @@ def rank_tail_ns(graph: ModelGraph, config: ParallelConfig, cluster, pre,
         key = (rank == 0, rank == last_rank)
         if key not in rows:
             ends = tuple(c for c, here in zip((pre, post), key) if here)
-            rows[key] = RankTails(lambda counts, ends=ends: _ns(_tail_s(config, cluster, blocks, counts, ends)))
+            rows[key] = RankTails(lambda counts, ends=ends: _ns(_tail_s(config, cluster, units, counts, ends)))
     return tuple(rows[(rank == 0, rank == last_rank)] for rank in range(config.pp))
 
 
@@ -200,18 +256,21 @@ class RankTails:
         return self.of((n,))
 
 
-def _tail_s(config: ParallelConfig, cluster, blocks: list, counts: tuple[int, ...], ends: tuple) -> float:
-    """`step.dp_sync_s + step.optimizer_s` of a rank with counts[g] blocks like blocks[g] and
-    the embedding/head `ends`: they read only the sums of parameters and backward time, and
-    the largest layer."""
-    held = [(block, n) for block, n in zip(blocks, counts) if n]
-    layers = [block for block, _ in held] + list(ends)
+def _tail_s(config: ParallelConfig, cluster, units: list[list], counts: tuple[int, ...], ends: tuple) -> float:
+    """`step.dp_sync_s + step.optimizer_s` of a rank with counts[g] units like units[g] (the
+    layer costs of a unit's blocks) and the embedding/head `ends`: they read only the sums of
+    parameters and backward time, and the largest layer."""
+    held = [(unit, n) for unit, n in zip(units, counts) if n]
+    layers = [c for unit, _ in held for c in unit] + list(ends)
+
+    def total(field: str) -> float:
+        return sum(n * getattr(c, field) for unit, n in held for c in unit) + sum(getattr(c, field) for c in ends)
+
     stage = StageCost(
         stage_index=0, physical_stage=0, layers=(), fwd_s=0.0,
-        bwd_s=sum(n * b.bwd_s for b, n in held) + sum(c.bwd_s for c in ends), recompute_s=0.0, comm_s={},
+        bwd_s=total("bwd_s"), recompute_s=0.0, comm_s={},
         comm_total_s={}, in_flight=0.0, memory_bytes={}, model_flops=0.0, hardware_flops=0.0,
-        dense_params=sum(n * b.dense_params for b, n in held) + sum(c.dense_params for c in ends),
-        expert_params=sum(n * b.expert_params for b, n in held) + sum(c.expert_params for c in ends),
+        dense_params=total("dense_params"), expert_params=total("expert_params"),
         largest_block_params=max((c.dense_params + c.expert_params for c in layers), default=0.0))
     return dp_sync_s([stage], config, cluster) + optimizer_s([stage], config, cluster)
 

@@ -86,6 +86,13 @@ LAYOUT_FAMILIES = {
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                          {"layer_types": ["attention", "attention"], "num_local_experts": 4,
                           "num_experts_per_tok": 2, "shared_intermediate_size": 64}),
+    # a Mamba layer, then an attention layer with routed experts; the final norm named
+    # final_layernorm
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+               "num_experts": 4, "num_experts_per_tok": 2, "use_mamba_kernels": False}),
+    # a short-convolution layer, then an attention layer; the final norm named embedding_norm
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"]}),
 }
 
 

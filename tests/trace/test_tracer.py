@@ -428,3 +428,26 @@ def test_a_head_narrower_than_the_token_embedding_is_refused():
         model = NarrowHeadModel()
     with pytest.raises(UserError, match="predicts over 60 tokens, but its token embedding reads 65"):
         trace_model(model, tokens(2, 16), token_labels=True)
+
+
+# Llama-4 Maverick's stack: a dense layer, then an MoE layer, in turn (the fourth without rotary)
+LLAMA4_INTERLEAVED = dict(model_type="llama4_text", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=64, intermediate_size_mlp=128,
+                          num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                          vocab_size=256, max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
+                          eos_token_id=0)
+
+
+def test_a_stack_that_interleaves_block_kinds_is_ordered_as_it_runs_and_offered_a_pipeline(tmp_path):
+    # the blocks were listed kind by kind (0, 2, 1, 3): every pipeline split of the list had
+    # its stages out of order, and the probe refused pipeline parallelism for the model
+    pytest.importorskip("transformers")
+    import json
+
+    from autoplan.trace.load import load_graph
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA4_INTERLEAVED))
+    graph = load_graph(f"hf:{tmp_path}", 16)[0]
+    assert [path for path, _ in graph.layer_order] == [f"model.layers.{i}" for i in range(4)]
+    assert [graph.segment(name).kind for _, name in graph.layer_order] == ["dense", "moe", "dense", "moe"]
+    assert "pp" not in graph.refused
