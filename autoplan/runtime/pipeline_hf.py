@@ -98,10 +98,15 @@ class StageGap(nn.Identity):
 
 class _OtherStageLayer(nn.Module):
     """A decoder layer held by another stage: returns the hidden states unchanged, as the
-    family's layers return them (alone, or first in a tuple)."""
+    family's layers return them (alone, or first in a tuple). It keeps the layer's plain
+    attributes (strings, numbers), which a base model's loop may read off each layer to pick
+    its mask (Nemotron-H's `block_type`)."""
 
-    def __init__(self, in_tuple: bool) -> None:
+    def __init__(self, in_tuple: bool, layer: nn.Module | None = None) -> None:
         super().__init__()
+        for name, value in vars(layer or nn.Module()).items():
+            if not name.startswith("_") and isinstance(value, (str, int, float, bool)) and name != "training":
+                setattr(self, name, value)
         self.in_tuple = in_tuple
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -171,18 +176,24 @@ def base_model_name(model: nn.Module) -> str:
 
 
 def _parts(model: nn.Module) -> _Parts:
-    """A verified family's parts; else the common layout, with the final norm under the first
-    of the names families give it that the base model holds (the tiny copy checks the guess)."""
+    """A verified family's parts; else the common layout, with the token embedding and the
+    final norm under the first of the names families give them that the base model holds
+    (the tiny copy checks the guess)."""
     if model.config.model_type in _FAMILIES:
         return _FAMILIES[model.config.model_type]
     base = getattr(model, base_model_name(model), None)
-    held = [name for name in _FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)]
-    return _Parts(norm=held[0]) if held else _Parts()
+
+    def held(names: tuple[str, ...]) -> str:
+        return next((n for n in names if isinstance(getattr(base, n, None), nn.Module)), names[0])
+
+    return _Parts(embed=held(_EMBEDDINGS), norm=held(_FINAL_NORMS))
 
 
-# final norms of families with the common layout: Jamba's, RecurrentGemma's, and LFM2's (named
-# for the embedding, applied after the last block)
-_FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "embedding_norm")
+# names of the common layout's parts in other families: Nemotron-H's embeddings and norm_f,
+# Jamba's final_layernorm, RecurrentGemma's final_norm, and LFM2's final norm (named for the
+# embedding, applied after the last block)
+_EMBEDDINGS = ("embed_tokens", "embeddings")
+_FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "norm_f", "embedding_norm")
 
 
 # a tiny copy's sizes, where its config has the field (the rest keep the model's values)
@@ -314,7 +325,7 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
     shells = []
     for k, paths in enumerate(stages):
         first, last = k == 0, k == len(stages) - 1
-        layers = nn.ModuleList(layer if path in paths else _OtherStageLayer(parts.layer_tuple)
+        layers = nn.ModuleList(layer if path in paths else _OtherStageLayer(parts.layer_tuple, layer)
                                for layer, path in zip(blocks, layer_paths))
         later_embed = _PassEmbeddings() if parts.stem else None
         children = {**_with_child(decoder, parts.layers, layers),

@@ -93,6 +93,9 @@ LAYOUT_FAMILIES = {
                "num_experts": 4, "num_experts_per_tok": 2, "use_mamba_kernels": False}),
     # a short-convolution layer, then an attention layer; the final norm named embedding_norm
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"]}),
+    # a Mamba-2 layer, then an attention layer, whose mask the base model picks by each layer's
+    # block_type; the embedding named embeddings, the final norm norm_f
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {"layers_block_type": ["mamba", "attention"]}),
 }
 
 
