@@ -101,7 +101,7 @@ def build_segments(model: nn.Module, rec, groups, first_path: dict[str, str],
     ops: list[OpInfo] = rec.ops
     block_nodes = [i for i, op in enumerate(ops) if any(op.name.startswith(p + ".") for p in first_path.values())]
     top_ops = [op for op in ops if not any(op.name.startswith(p + ".") for p in first_path.values())]
-    layer_order = [(path, block_of[path]) for path in _execution_order(model, block_of)]
+    layer_order = [(path, block_of[path]) for path in execution_order(model, block_of)]
     first_block = min(block_nodes) if block_nodes else len(ops)
     pre_ops = [op for op in top_ops if ops.index(op) < first_block]
     post_ops = [op for op in top_ops if ops.index(op) >= first_block]
@@ -131,7 +131,7 @@ def build_segments(model: nn.Module, rec, groups, first_path: dict[str, str],
     return [pre, *segments, post], layer_order
 
 
-def _execution_order(model: nn.Module, block_of: dict[str, str]) -> list[str]:
+def execution_order(model: nn.Module, block_of: dict[str, str]) -> list[str]:
     """Every block copy in call order: the order the model registers them in, which is the
     call order for the stacks autoplan recognises (a ModuleList iterated in a for loop).
     `block_of` lists copies group by group, and a stack may interleave its groups (Jamba's

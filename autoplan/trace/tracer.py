@@ -31,7 +31,7 @@ from autoplan.runtime.transposed_linear import is_transposed_linear
 from autoplan.runtime.model_io import attention_window, logits_of, token_vocab
 from autoplan.trace.ops import classify, gemm_mnk, is_norm_type, shape_of, tensor_bytes, tensors_in
 from autoplan.trace.autocast import MetaAutocast
-from autoplan.trace.blocks import build_segments, find_block_groups
+from autoplan.trace.blocks import build_segments, execution_order, find_block_groups
 from autoplan.trace.recorder import (FunctionRecorder, ModuleStack, fresh_like,
                                      install_module_hooks, record_module_inputs, restore_forwards,
                                      skip_copies)
@@ -351,9 +351,9 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
                                                         (example_kwargs or {}).items()}) if image else 0
     groups = find_block_groups(module)
     block_of = {path: group for group, paths in groups.items() for path in paths}
+    order = execution_order(module, block_of)
     # in the model's own dtype, as the runtime hands the values on (its buffers stay fp32)
-    side_values = [] if kwargs else pipeline_side_values(module, own_dtype_args, list(block_of), batch,
-                                                         seq, bool(image))
+    side_values = [] if kwargs else pipeline_side_values(module, own_dtype_args, order, batch, seq, bool(image))
     module = module.to(dtype=TRACE_DTYPE)
     with MetaAutocast(TRACE_DTYPE):  # as the job runs a 16-bit plan: under torch.autocast
         try:

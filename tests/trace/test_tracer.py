@@ -303,6 +303,47 @@ def test_a_value_carrying_a_gradient_is_handed_on_per_sample():
     assert graph.pipeline_side_values == [(skip,)] * 2
 
 
+def test_the_cuts_of_a_stack_that_interleaves_block_kinds_follow_the_order_it_runs():
+    # two block classes in turn, each reading the embedding output beside the hidden states:
+    # the cuts were computed over the blocks listed kind by kind, whose stages the split could
+    # not cut, so no cut named the skip the runtime hands on
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+        def forward(self, x, x0):
+            return x + self.down(self.up(x0))
+
+    class Narrow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x, x0):
+            return x + self.proj(x0)
+
+    class MixedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(256, 64)
+            self.layers = nn.ModuleList([Wide(), Narrow(), Wide(), Narrow()])
+
+        def forward(self, ids):
+            x = x0 = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x, x0)
+            return x
+
+    with torch.device("meta"):
+        model = MixedLM()
+    graph = trace_model(model, tokens(2, 16), probe_runtime=False)
+    assert [path for path, _ in graph.layer_order] == [f"layers.{i}" for i in range(4)]
+    skip = SideValue(elements=2 * 16 * 64, dtype="float32", element_bytes=4, requires_grad=True,
+                     batch_power=1, seq_power=1)
+    assert graph.pipeline_side_values == [(skip,)] * 3
+
+
 def test_a_hugging_face_split_hands_on_the_hidden_states_alone():
     # the runtime splits a Hugging Face causal LM into shells (runtime/pipeline_hf.py), each
     # stage building its own rotary embedding from the positions: nothing else crosses
