@@ -27,7 +27,14 @@ embedding std 1.0 gives losses of 23; its dp2 run alone ends 1.3e-3 apart in a g
 Of 16 more (`--settings chosen,tp2_full`: SarvamMoE, Aria, Cohere2, CTRL, EXAONE-4, GPT-Neo,
 GLM-4, Phi, VaultGemma, OLMo-3, Moshi, HRM, BigBird, BART, InternLM3, Jais2) one was wrong:
 Moshi at tp2 (losses 1.9e-3 apart from the first step), whose MLP views its [gate | up]
-column as (batch, seq, 2, ffn); split per part since (trace/facts.py), 8.6e-8.
+column as (batch, seq, 2, ffn); split per part since (trace/facts.py), 8.6e-8. Of 34 more
+(2026-12-07, `--settings chosen,tp2_full`: Apertus-1.5, BEAM, Ergo, Falcon-Mamba, Flint, GPT-SW3,
+GPT-NeoX-Japanese, Granite-SWA, GraniteMoE-SWA, Hunyuan-V4, HyperCLOVA X, three Inkling text
+models, IQuest-Coder, Kolibri, Laguna, Lara-mini, LFM3, Mellum, MiniMax-M3 text, Ministral-3,
+ModernBERT decoder, nanochat, Param2-MoE, Qwen3.5 and its MoE, Qwen4-exp, Solar-Open, CWM,
+BigBird-Pegasus, Blenderbot, Blenderbot-small, MVP: chosen only) every job that trained was
+within 2.6e-7 in losses and 4.5e-5 in norms (Hunyuan-V4); 14 refused tp2 at plan time, each
+naming why.
 
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble
