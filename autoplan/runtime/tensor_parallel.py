@@ -41,6 +41,7 @@ from autoplan.runtime.expert_parallel import is_moe_layer
 from autoplan.runtime.inline_colwise import InlineColwiseParallel
 from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
 from autoplan.runtime.head_inputs import HEAD_INPUTS, slice_head_inputs
+from autoplan.runtime.head_parameters import HEAD_PARAMETERS, shard_head_parameters
 from autoplan.runtime.global_attention import GLOBAL_QKV, GlobalFusedColwiseParallel, shard_head_tables
 from autoplan.runtime.kv_replication import KV_STYLE, KVColwiseParallel, local_kv_heads
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED, ColwiseLocalInput, replicate_module
@@ -106,6 +107,16 @@ class GatherFirstAndOwnHeads(GatherFirstInput):
                             f"{type(module).__name__}'s per-head inputs {self.names}.")
         super()._apply(module, device_mesh)
         slice_head_inputs(module, self.heads, self.names, device_mesh)
+        return module
+
+
+class GatherFirstAndShardHeadParameters(GatherFirstInput):
+    """GatherFirstInput for an attention holding parameters of one value per head (GPT-OSS's
+    sinks): each rank holds and reads its heads' values (head_parameters.py)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        shard_head_parameters(module, device_mesh)
         return module
 
 
@@ -273,6 +284,8 @@ def style_for(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         return ShardedRMSNorm()
     if name == "prepare_input":
         return GatherFirstInput(seq)
+    if name == HEAD_PARAMETERS:
+        return GatherFirstAndShardHeadParameters(seq)
     if name.partition(":")[0] == HEAD_INPUTS:
         return GatherFirstAndOwnHeads(name, seq)
     if name == "vocab_embedding":

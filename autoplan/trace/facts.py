@@ -41,7 +41,10 @@ tensors to (batch * heads, ...) (BLOOM; `_unfold_heads`).
 An attention its model hands a tensor of every head beside the hidden states (ALiBi's bias,
 as old-layout Falcon's mask or MPT's position_bias; recorder.record_module_inputs names it)
 takes the rank's heads of that input ("head_inputs:<heads>:<input>", runtime/head_inputs.py)
-where it would only gather its input ("prepare_input").
+where it would only gather its input ("prepare_input"). An attention module whose own
+parameters, read between its columns and its row, are vectors of one value per head
+(attention sinks) holds and reads its heads' values ("head_parameters",
+runtime/head_parameters.py).
 
 An `nn.MultiheadAttention` (q, k, v packed in `in_proj_weight`, attention and `out_proj`
 inside one call) is a column/row pair by itself: the runtime splits it by heads as one
@@ -58,6 +61,7 @@ import torch.nn as nn
 
 from autoplan.runtime.fused_projection import holds_head_count
 from autoplan.runtime.head_inputs import HEAD_INPUTS, head_inputs_of, head_inputs_style
+from autoplan.runtime.head_parameters import HEAD_PARAMETERS
 from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED
 from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
@@ -621,13 +625,31 @@ def _with_parameter_readers(module: nn.Module, pairs: list[dict], by_name: dict)
     for pair in pairs:
         linears = {by_name[n].module for n in [*pair["column"], pair["row"]]}
         owners = [path for path in pair.get("parameter_owners", []) if not _head_tables_on_dtensors(module, pair, path)]
+        per_head = [path for path in owners if _holds_head_vectors(module, pair, path, by_name)]
+        owners = [path for path in owners if path not in per_head]
         own = [path for path in owners if path not in linears and _holds_only_its_own(module, path)]
         if len(own) < len(owners):
             pair = {**pair, "parameters_in_region": [p for p in owners if p not in own]}
-        elif own:
-            pair = {**pair, "replicated": sorted({*pair.get("replicated", []), *own})}
+        elif own or per_head:
+            pair = {**pair, "replicated": sorted({*pair.get("replicated", []), *own}), "head_parameters": per_head}
         out.append(pair)
     return out
+
+
+def _holds_head_vectors(block: nn.Module, pair: dict, path: str, by_name: dict) -> bool:
+    """`path` is the plain attention module holding the pair's q, k and v columns, and its own
+    parameters are vectors of one value per head of its attention (GPT-OSS's sinks): the runtime
+    shards them by heads (runtime/head_parameters.py)."""
+    attention = pair.get("attention") or []
+    if pair["kind"] != "attention" or not attention or pair.get("column_style", "colwise") != "colwise":
+        return False
+    if not attention[0].input_shapes or len(attention[0].input_shapes[0]) != 4:
+        return False
+    holder = _common_parent([by_name[n].module.rpartition(".")[0] for n in pair["column"]])
+    sub = _submodule_at(block, path)
+    heads = attention[0].input_shapes[0][1]
+    own = list(sub.parameters(recurse=False)) if sub is not None else []
+    return path == holder and bool(own) and all(p.dim() == 1 and p.shape[0] == heads for p in own)
 
 
 def _head_tables_on_dtensors(block: nn.Module, pair: dict, path: str) -> bool:
@@ -790,10 +812,11 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str,
         # the module holding the column linears gathers their input: not the pair's common
         # parent, which can also add the residual (BERT's attention holds its output's
         # dense + LayerNorm(x + residual)) and would hand on the residual gathered, as a DTensor
-        parent = _relative(_common_parent([c.rpartition(".")[0] for c in columns]), first)
+        holder = _common_parent([c.rpartition(".")[0] for c in columns])
+        parent = _relative(holder, first)
         if parent:  # a pair written inline in the block: its column linears gather their input,
             # a gather of the block's input would hand the residual stream on as a DTensor
-            styles[parent] = "prepare_input"
+            styles[parent] = HEAD_PARAMETERS if holder in pair.get("head_parameters", ()) else "prepare_input"
     head_norms = {n for pair in pairs for n in pair.get("head_norms", [])}
     sharded = {m for pair in pairs for m in pair.get("sharded_norms", [])}
     replicated = {m for pair in pairs for m in pair.get("replicated", [])}

@@ -161,6 +161,13 @@ CONFIGS = {
                   dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                        num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=1,
                        pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # an attention sink per head (one logit joining each head's softmax), a parameter of the
+    # attention module read between its q/k/v columns and its output row; eager attention,
+    # the sinks' only path in transformers
+    "hf_granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM",
+                       dict(_COMMON, num_key_value_heads=2, attn_implementation="eager",
+                            layer_types=["full_attention", "sliding_attention"], sliding_window=256,
+                            pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     # Moshi's text decoder: one fc1 computes [gate | up], which its MLP views as (batch, seq,
     # 2, ffn) and reads [..., 0, :] and [..., 1, :]
     "hf_moshi": ("MoshiConfig", "MoshiForCausalLM",
@@ -215,7 +222,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_llama4": "model.layers", "hf_moshi": "model.layers",
                "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers",
                "hf_bitnet": "model.layers", "hf_bloom": "transformer.h", "hf_mpt": "transformer.blocks",
-               "hf_falcon_alibi": "transformer.h"}
+               "hf_falcon_alibi": "transformer.h", "hf_granite_swa": "model.layers"}
 
 
 def build(kind: str, **overrides):

@@ -258,6 +258,9 @@ CONFIGS = {
         # gradients summed over the tp ranks
         "hf_apertus_tp2_traced": ("hf_apertus", functools.partial(
             traced_plan_dict, "hf_apertus", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # GraniteSWA's attention sinks: each rank holds and reads its heads' sinks
+        "hf_granite_swa_tp2_traced": ("hf_granite_swa", functools.partial(
+            traced_plan_dict, "hf_granite_swa", tp=2, optimizer=PARITY_OPTIMIZER)),
         # one K/V head, tp=2: each rank computes it from a replicated k/v weight
         "hf_gemma_mqa_tp2_traced": ("hf_gemma_mqa", functools.partial(
             traced_plan_dict, "hf_gemma_mqa", tp=2, optimizer=PARITY_OPTIMIZER)),
