@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -142,10 +142,10 @@ def hf_split_problem(model: nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         return "it is not a Hugging Face model"
-    problem = _layout_problem(model, _parts(model))
+    problem = _layout_problem(model, _named_parts(model))
     if model_type in SPLIT_MODEL_TYPES:
         return problem
-    problem = problem or tiny_copy_problem(type(model), config.to_json_string())
+    problem = problem or tiny_copy_problem(type(model), config.to_json_string(), _parts(model).layer_tuple)
     if problem is not None:
         return (f"the pipeline split of Hugging Face models is verified for "
                 f"{', '.join(SPLIT_MODEL_TYPES)}, and for other families of their layout "
@@ -176,6 +176,15 @@ def base_model_name(model: nn.Module) -> str:
 
 
 def _parts(model: nn.Module) -> _Parts:
+    """A verified family's parts; else the common layout's names (`_named_parts`), its layers'
+    output alone or first in a tuple, whichever its tiny copy checks out with."""
+    parts = _named_parts(model)
+    if model.config.model_type in _FAMILIES:
+        return parts
+    return replace(parts, layer_tuple=_layers_in_tuple(type(model), model.config.to_json_string()))
+
+
+def _named_parts(model: nn.Module) -> _Parts:
     """A verified family's parts; else the common layout, with the token embedding and the
     final norm under the first of the names families give them that the base model holds
     (the tiny copy checks the guess)."""
@@ -187,6 +196,15 @@ def _parts(model: nn.Module) -> _Parts:
         return next((n for n in names if isinstance(getattr(base, n, None), nn.Module)), names[0])
 
     return _Parts(embed=held(_EMBEDDINGS), norm=held(_FINAL_NORMS))
+
+
+@functools.lru_cache(maxsize=None)
+def _layers_in_tuple(model_class: type, config_json: str) -> bool:
+    """Whether the base model reads each layer's output as `outputs[0]` (Falcon-H1): its tiny
+    copy fails with layers held by other stages returning the hidden states alone, and checks
+    out with them returning a tuple."""
+    return (tiny_copy_problem(model_class, config_json, False) is not None
+            and tiny_copy_problem(model_class, config_json, True) is None)
 
 
 # names of the common layout's parts in other families: Nemotron-H's embeddings and norm_f,
@@ -204,9 +222,10 @@ _TINY_LAYERS, _TINY_TOKENS, _TINY_MAX_PARAMETERS = 2, 8, 20_000_000
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
+def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = False) -> str | None:
     """None when a copy of the model at tiny sizes (two layers, the config's other fields
-    kept), its dropouts at 0.1, split into one stage per layer and chained in one process in
+    kept), its dropouts at 0.1, split into one stage per layer (the common layout's parts,
+    layers held elsewhere returning a tuple where `layer_tuple`) and chained in one process in
     training mode from one seed, gives the whole copy's logits: a module applied on two stages
     or on none (an embedding scale, a dropout drawing twice) moves them by far more than
     rounding. Else what failed."""
@@ -227,7 +246,8 @@ def tiny_copy_problem(model_class: type, config_json: str) -> str | None:
                 whole = model(input_ids=ids, position_ids=positions[None], use_cache=False).logits
                 torch.manual_seed(1)
                 x = ids
-                for shell in split_hf_stages(model, [[p] for p in hf_block_paths(model)], positions, False):
+                parts = replace(_named_parts(model), layer_tuple=layer_tuple)
+                for shell in split_hf_stages(model, [[p] for p in hf_block_paths(model)], positions, False, parts):
                     x = shell(x)
     except Exception as exc:  # a config the shrinking breaks, or a forward the shells cannot run
         return f"its tiny copy failed ({type(exc).__name__}: {str(exc)[:200]})"
@@ -262,7 +282,7 @@ def _decoder(base: nn.Module | None, parts: _Parts) -> nn.Module | None:
 
 def hf_block_paths(model: nn.Module) -> list[str]:
     """The full paths of the decoder blocks of a model `hf_split_problem` accepts."""
-    parts = _parts(model)
+    parts = _named_parts(model)
     prefix = ".".join(n for n in (base_model_name(model), parts.decoder, parts.layers) if n)
     return [f"{prefix}.{i}" for i in range(len(_get(model, prefix)))]
 
@@ -312,11 +332,11 @@ def _stage_forward(root: nn.Module, prefix: str, first: bool, last: bool, positi
 
 
 def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.Tensor,
-                    zigzag: bool) -> list[nn.Module]:
+                    zigzag: bool, parts: _Parts | None = None) -> list[nn.Module]:
     """One shell per (virtual) stage, holding the decoder layers the plan gives it.
     `zigzag`: the positions are a context-parallel rank's (flag, not read from the tensor,
-    so the split also runs on fake tensors)."""
-    parts = _parts(model)
+    so the split also runs on fake tensors). `parts`: the family's (`_parts`) unless given."""
+    parts = parts or _parts(model)
     prefix = base_model_name(model)
     base = getattr(model, prefix)
     decoder = _decoder(base, parts)

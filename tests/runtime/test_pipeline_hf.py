@@ -96,6 +96,9 @@ LAYOUT_FAMILIES = {
     # a Mamba-2 layer, then an attention layer, whose mask the base model picks by each layer's
     # block_type; the embedding named embeddings, the final norm norm_f
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {"layers_block_type": ["mamba", "attention"]}),
+    # attention and Mamba-2 side by side in each layer; the base model reads a layer's output as
+    # `outputs[0]`, so a layer held by another stage returns a tuple (found by the tiny copy)
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {"mamba_d_ssm": 64, "mamba_n_heads": 4}),
 }
 
 
