@@ -1,5 +1,5 @@
-"""Parameters of an attention module that hold one value per head (GPT-OSS's attention sinks,
-one logit per head that joins each head's softmax), under tensor parallelism.
+"""Parameters of an attention module that hold one value per head (GraniteSWA's attention
+sinks, one logit per head that joins each head's softmax), under tensor parallelism.
 
 A rank runs its share of the heads: its q, k and v columns are those heads' (colwise), and
 the attention module reads its own per-head parameter between them and the row-parallel

@@ -102,9 +102,9 @@ class _OtherStageLayer(nn.Module):
     attributes (strings, numbers), which a base model's loop may read off each layer to pick
     its mask (Nemotron-H's `block_type`)."""
 
-    def __init__(self, in_tuple: bool, layer: nn.Module | None = None) -> None:
+    def __init__(self, in_tuple: bool, layer: nn.Module) -> None:
         super().__init__()
-        for name, value in vars(layer or nn.Module()).items():
+        for name, value in vars(layer).items():
             if not name.startswith("_") and isinstance(value, (str, int, float, bool)) and name != "training":
                 setattr(self, name, value)
         self.in_tuple = in_tuple

@@ -111,7 +111,7 @@ class GatherFirstAndOwnHeads(GatherFirstInput):
 
 
 class GatherFirstAndShardHeadParameters(GatherFirstInput):
-    """GatherFirstInput for an attention holding parameters of one value per head (GPT-OSS's
+    """GatherFirstInput for an attention holding parameters of one value per head (GraniteSWA's
     sinks): each rank holds and reads its heads' values (head_parameters.py)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -63,7 +63,7 @@ def block_units(graph: ModelGraph, cache: CostCache | None = None, chunks: int =
 def pipeline_units(graph: ModelGraph) -> int:
     """How many units a pipeline's search cuts between: the blocks, or a periodic stack's periods."""
     if "pipeline_units" not in graph.memo:
-        graph.memo["pipeline_units"] = len(_block_units([name for _, name in graph.layer_order], 2).blocks)
+        graph.memo["pipeline_units"] = len(block_units(graph, chunks=2).blocks)
     return graph.memo["pipeline_units"]
 
 

@@ -638,14 +638,14 @@ def _with_parameter_readers(module: nn.Module, pairs: list[dict], by_name: dict)
 
 def _holds_head_vectors(block: nn.Module, pair: dict, path: str, by_name: dict) -> bool:
     """`path` is the plain attention module holding the pair's q, k and v columns, and its own
-    parameters are vectors of one value per head of its attention (GPT-OSS's sinks): the runtime
+    parameters are vectors of one value per head of its attention (GraniteSWA's sinks): the runtime
     shards them by heads (runtime/head_parameters.py)."""
     attention = pair.get("attention") or []
     if pair["kind"] != "attention" or not attention or pair.get("column_style", "colwise") != "colwise":
         return False
     if not attention[0].input_shapes or len(attention[0].input_shapes[0]) != 4:
         return False
-    holder = _common_parent([by_name[n].module.rpartition(".")[0] for n in pair["column"]])
+    holder = _columns_holder([by_name[n].module for n in pair["column"]])
     sub = _submodule_at(block, path)
     heads = attention[0].input_shapes[0][1]
     own = list(sub.parameters(recurse=False)) if sub is not None else []
@@ -765,6 +765,11 @@ def _tokens(op: OpInfo) -> int:
     return numel
 
 
+def _columns_holder(columns: list[str]) -> str:
+    """The module holding a pair's column linears (the attention module of q, k and v)."""
+    return _common_parent([c.rpartition(".")[0] for c in columns])
+
+
 def _common_parent(paths: list[str]) -> str:
     parts = [p.split(".") for p in paths]
     common = []
@@ -812,7 +817,7 @@ def _block_styles(block_ops: list[OpInfo], pairs: list[dict], first: str,
         # the module holding the column linears gathers their input: not the pair's common
         # parent, which can also add the residual (BERT's attention holds its output's
         # dense + LayerNorm(x + residual)) and would hand on the residual gathered, as a DTensor
-        holder = _common_parent([c.rpartition(".")[0] for c in columns])
+        holder = _columns_holder(columns)
         parent = _relative(holder, first)
         if parent:  # a pair written inline in the block: its column linears gather their input,
             # a gather of the block's input would hand the residual stream on as a DTensor
@@ -869,7 +874,7 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
             # its attention builds a tensor of its head count, or views q, k and v by one it
             # holds: the runtime gives it the rank's
             columns = [module_of[c] for c in pair["column"]]
-            parent = _common_parent([c.rpartition(".")[0] for c in columns])
+            parent = _columns_holder(columns)
             if not (counted_heads or holds_head_count(model.get_submodule(parent), block.heads)):
                 continue
             for path in (_relative(c, first) for c in columns):
