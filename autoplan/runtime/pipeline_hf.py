@@ -145,7 +145,8 @@ def hf_split_problem(model: nn.Module) -> str | None:
     problem = _layout_problem(model, _named_parts(model))
     if model_type in SPLIT_MODEL_TYPES:
         return problem
-    problem = problem or tiny_copy_problem(type(model), config.to_json_string(), _parts(model).layer_tuple)
+    problem = problem or tiny_copy_problem(type(model), config.to_json_string(), _parts(model).layer_tuple,
+                                           *tiny_layers(model))
     if problem is not None:
         return (f"the pipeline split of Hugging Face models is verified for "
                 f"{', '.join(SPLIT_MODEL_TYPES)}, and for other families of their layout "
@@ -181,7 +182,8 @@ def _parts(model: nn.Module) -> _Parts:
     parts = _named_parts(model)
     if model.config.model_type in _FAMILIES:
         return parts
-    return replace(parts, layer_tuple=_layers_in_tuple(type(model), model.config.to_json_string()))
+    return replace(parts, layer_tuple=_layers_in_tuple(type(model), model.config.to_json_string(),
+                                                       *tiny_layers(model)))
 
 
 def _named_parts(model: nn.Module) -> _Parts:
@@ -199,12 +201,40 @@ def _named_parts(model: nn.Module) -> _Parts:
 
 
 @functools.lru_cache(maxsize=None)
-def _layers_in_tuple(model_class: type, config_json: str) -> bool:
+def _layers_in_tuple(model_class: type, config_json: str, layers: int, kinds: int) -> bool:
     """Whether the base model reads each layer's output as `outputs[0]` (Falcon-H1): its tiny
     copy fails with layers held by other stages returning the hidden states alone, and checks
     out with them returning a tuple."""
-    return (tiny_copy_problem(model_class, config_json, False) is not None
-            and tiny_copy_problem(model_class, config_json, True) is None)
+    return (tiny_copy_problem(model_class, config_json, False, layers, kinds) is not None
+            and tiny_copy_problem(model_class, config_json, True, layers, kinds) is None)
+
+
+def layer_kind(layer: nn.Module) -> tuple[tuple[str, str], ...]:
+    """What a layer is built of: its modules' names and classes (Jamba's Mamba and attention
+    layers, Llama-4's dense and routed feed-forwards in one layer class)."""
+    return tuple((name, type(module).__name__) for name, module in layer.named_modules())
+
+
+def _per_layer_fields(config) -> list[tuple]:
+    """Each layer's values of the config's per-layer lists (layer_types, no_rope_layers)."""
+    count = config.num_hidden_layers
+    lists = [v for v in vars(config).values() if isinstance(v, list) and len(v) == count]
+    return [tuple(str(values[i]) for values in lists) for i in range(count)]
+
+
+def tiny_layers(model: nn.Module) -> tuple[int, int]:
+    """How many leading layers a tiny copy keeps to hold a layer of every kind the model has
+    (built of other modules, or given other per-layer config values; at least two, at most
+    _MAX_TINY_LAYERS), and how many kinds of modules the model's layers are built of."""
+    layers = _get(model, ".".join(n for n in (base_model_name(model), _named_parts(model).decoder,
+                                               _named_parts(model).layers) if n)) or ()
+    fields = _per_layer_fields(model.config)
+    first_of_kind: dict[tuple, int] = {}
+    for index, layer in enumerate(layers):
+        first_of_kind.setdefault((layer_kind(layer), fields[index] if index < len(fields) else ()), index)
+    needed = max(first_of_kind.values(), default=0) + 1
+    return (min(max(_TINY_LAYERS, needed), _MAX_TINY_LAYERS),
+            len({layer_kind(layer) for layer in layers}))
 
 
 # names of the common layout's parts in other families: Nemotron-H's embeddings and norm_f,
@@ -218,24 +248,31 @@ _FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "norm_f", "embedding_no
 _TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16,
                "vocab_size": 256, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
                "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
-_TINY_LAYERS, _TINY_TOKENS, _TINY_MAX_PARAMETERS = 2, 8, 20_000_000
+_TINY_LAYERS, _MAX_TINY_LAYERS, _TINY_TOKENS, _TINY_MAX_PARAMETERS = 2, 16, 8, 20_000_000
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = False) -> str | None:
-    """None when a copy of the model at tiny sizes (two layers, the config's other fields
-    kept), its dropouts at 0.1, split into one stage per layer (the common layout's parts,
+def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = False,
+                      layers: int = _TINY_LAYERS, kinds: int = 1) -> str | None:
+    """None when a copy of the model at tiny sizes (its first `layers` layers, as many as hold
+    a layer of every kind the model has: `tiny_layers`, which also counts the `kinds` of
+    modules its layers are built of; the config's other fields kept),
+    its dropouts at 0.1, split into one stage per layer (the common layout's parts,
     layers held elsewhere returning a tuple where `layer_tuple`) and chained in one process in
     training mode from one seed, gives the whole copy's logits: a module applied on two stages
     or on none (an embedding scale, a dropout drawing twice) moves them by far more than
     rounding. Else what failed."""
     config = model_class.config_class.from_dict(special_floats_read_back(json.loads(config_json)))
     try:
-        shrink_config(config)
+        shrink_config(config, layers)
         with torch.device("meta"):
-            size = sum(p.numel() for p in model_class(config).parameters())
+            shape = model_class(config)
+        size = sum(p.numel() for p in shape.parameters())
         if size > _TINY_MAX_PARAMETERS:
             return f"its tiny copy keeps {size:,} parameters (a size field autoplan does not shrink)"
+        if len({layer_kind(_get(shape, path)) for path in hf_block_paths(shape)}) < kinds:
+            return (f"its tiny copy's first {layers} layers lack a kind of layer the model has "
+                    f"(the model brings one in after its first {_MAX_TINY_LAYERS} layers)")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = model_class(config).float().train()
@@ -256,22 +293,22 @@ def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = F
     return None
 
 
-def shrink_config(config) -> None:
-    """`config` at tiny sizes, in place: fields that count per layer cut to two layers."""
-    layers = config.num_hidden_layers
+def shrink_config(config, layers: int = _TINY_LAYERS) -> None:
+    """`config` at tiny sizes, in place: fields that count per layer cut to `layers` layers."""
+    model_layers = config.num_hidden_layers
     for name, value in _TINY_SIZES.items():
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, value)
     if isinstance(getattr(config, "num_key_value_heads", None), int):
         config.num_key_value_heads = 1 if config.num_key_value_heads == 1 else 2
     for name, value in list(vars(config).items()):
-        if isinstance(value, list) and len(value) == layers:
-            setattr(config, name, value[:_TINY_LAYERS])
+        if isinstance(value, list) and len(value) == model_layers:
+            setattr(config, name, value[:layers])
         elif "dropout" in name and isinstance(value, float):
             setattr(config, name, 0.1)
         elif name.endswith("token_id") and isinstance(value, int) and value >= config.vocab_size:
             setattr(config, name, 0)
-    config.num_hidden_layers = _TINY_LAYERS
+    config.num_hidden_layers = layers
     config.use_cache = False
 
 

@@ -143,3 +143,61 @@ def test_the_tiny_copy_refuses_a_family_whose_base_model_acts_on_the_embeddings(
     pipeline_hf.tiny_copy_problem.cache_clear()
     problem = hf_split_problem(model)
     assert problem is not None and "other logits chained stage by stage" in problem
+
+
+def test_the_tiny_copy_holds_a_layer_of_every_kind_the_model_has(monkeypatch):
+    # Nemotron-H with its attention layer third: a split that goes wrong for attention layers
+    # alone (here, a layer held by another stage doubling them) is refused, though a copy of
+    # the first two layers (both Mamba-2) would check out
+    import transformers
+
+    import autoplan.runtime.pipeline_hf as pipeline_hf
+
+    config = transformers.NemotronHConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+        use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        layers_block_type=["mamba", "mamba", "attention", "mamba"])
+    with torch.device("meta"):
+        model = transformers.NemotronHForCausalLM(config)
+    assert pipeline_hf.tiny_layers(model) == (3, 2)
+    original = pipeline_hf._OtherStageLayer.forward
+
+    def wrong_for_attention(self, hidden_states, *args, **kwargs):
+        scale = 2 if getattr(self, "block_type", None) == "full_attention" else 1
+        return original(self, hidden_states * scale, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_hf._OtherStageLayer, "forward", wrong_for_attention)
+    pipeline_hf.tiny_copy_problem.cache_clear()
+    pipeline_hf._layers_in_tuple.cache_clear()
+    assert "other logits" in hf_split_problem(model)
+    pipeline_hf.tiny_copy_problem.cache_clear()
+    pipeline_hf._layers_in_tuple.cache_clear()
+
+
+def test_a_tiny_copy_keeps_the_layers_up_to_the_first_of_each_kind():
+    import transformers
+
+    from autoplan.runtime.pipeline_hf import tiny_layers
+
+    def jamba(**fields):
+        config = transformers.JambaConfig(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=256, num_experts=4, num_experts_per_tok=2, **fields)
+        with torch.device("meta"):
+            return transformers.JambaForCausalLM(config)
+
+    # routed experts at odd layers, attention at layer 5 only: Mamba with an MLP (layer 0),
+    # Mamba with experts (1), attention with experts (5)
+    assert tiny_layers(jamba(num_hidden_layers=8, attn_layer_period=8, attn_layer_offset=5,
+                             expert_layer_period=2, expert_layer_offset=1)) == (6, 3)
+    # one kind of modules, but a per-layer config list: Gemma-3's first full-attention layer
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=256, sliding_window_pattern=6)
+    with torch.device("meta"):
+        model = transformers.Gemma3ForCausalLM(config)
+    assert model.config.layer_types[5] == "full_attention" and tiny_layers(model) == (6, 1)
+    # a kind brought in deeper than the copy goes: cut at 16 and refused by the copy itself
+    assert tiny_layers(jamba(num_hidden_layers=40, attn_layer_period=40, attn_layer_offset=30,
+                             expert_layer_period=2, expert_layer_offset=1))[0] == 16
