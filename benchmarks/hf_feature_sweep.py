@@ -35,9 +35,9 @@ ModernBERT decoder, nanochat, Param2-MoE, Qwen3.5 and its MoE, Qwen4-exp, Solar-
 BigBird-Pegasus, Blenderbot, Blenderbot-small, MVP: chosen only) every job that trained was
 within 2.6e-7 in losses and 4.5e-5 in norms (Hunyuan-V4); 14 refused tp2 at plan time, each
 naming why. Of 8 more (TrOCR, RemBERT, XLM-RoBERTa-XL, RoBERTa-PreLayerNorm, BERT-generation,
-CamemBERT, Data2Vec-text, XLM-RoBERTa) every job was within 2.6e-7 and 8.2e-7; TrOCR, RemBERT
-and RoBERTa-PreLayerNorm refused tp2 (the last with torch's KeyError from a SequenceParallel
-style the trace gives modules that hold others).
+CamemBERT, Data2Vec-text, XLM-RoBERTa) every job was within 2.6e-7 and 8.2e-7; TrOCR and RemBERT
+refused tp2. RoBERTa-PreLayerNorm refused it too until its classes, named for a norm, stopped
+counting as norms (trace/ops.is_norm_type); its tp2 since: 8.6e-8 and 8.9e-8.
 
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble

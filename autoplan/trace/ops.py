@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -102,9 +103,16 @@ def function_kind(name: str, module_type: str = "") -> str:
 
 
 def is_norm_type(module_type: str) -> bool:
-    """A normalisation module by its class name (HF's RMSNorm classes, a hand-written LayerNorm):
-    its elementwise work counts as norm."""
-    return module_type.endswith("Norm") or "LayerNorm" in module_type or "RMSNorm" in module_type
+    """A normalisation module by its class name (HF's RMSNorm classes, a hand-written LayerNorm,
+    Nemotron's LayerNorm1P, a gated RMSNorm, LayerNorm2d): its elementwise work counts as norm.
+    The name must end in the norm: a family named for one (RoBERTa-PreLayerNorm's Embeddings,
+    SelfOutput, Layer, LMHead) holds modules, whose own ops are the residual adds."""
+    return _NORM_CLASS.search(module_type) is not None
+
+
+# "...Norm", optionally followed by what the classes add to it (a gate, an activation, per head,
+# "1P", "2d")
+_NORM_CLASS = re.compile(r"Norm(alization)?(Gated|Activation|PerHead|\d\w*)?$")
 
 
 def gemm_mnk(kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],

@@ -692,3 +692,40 @@ def test_norm_modules_sharded_by_sequence_parallelism_leave_it_offered():
         graph = _trace(block)
         assert graph.tp_styles["layers.*"]["attn_norm"] == "sequence_parallel"
         assert graph.sp_problem == "" and graph.sequence_shardable
+
+
+def test_a_family_named_for_a_norm_holds_modules_not_norms():
+    # RoBERTa-PreLayerNorm's Embeddings, SelfOutput, Layer and LMHead classes carry "LayerNorm"
+    # in their names: their own ops (the residual adds) are no norm, and a module that holds
+    # others takes no sequence parallel style (torch's SequenceParallel re-registers its
+    # parameters by dotted name, a KeyError that refused TP for the whole family)
+    import transformers
+
+    from autoplan.trace.capability import probe_plans
+
+    config = transformers.RobertaPreLayerNormConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=128, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.RobertaPreLayerNormForMaskedLM(config)
+    graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
+    leaves = {path for path, sub in model.named_modules() if not list(sub.children())}
+    gathers = {"prepare_input"}  # a holder of column linears gathers their input
+    for key, styles in graph.tp_styles.items():
+        prefix = key.replace("*", "0") + "." if key else ""
+        held = {path: style for path, style in styles.items() if prefix + path not in leaves}
+        assert set(held.values()) <= gathers, (key, held)
+    assert graph.tp_styles[""]["roberta_prelayernorm.LayerNorm"] == "final_norm"
+    blocks = {f"roberta_prelayernorm.encoder.layer.{i}" for i in range(2)}
+    assert "tp" in probe_plans(graph, 32, blocks) and "tp" not in graph.refused, graph.refused
+
+
+@pytest.mark.parametrize("name,norm", [
+    ("LlamaRMSNorm", True), ("NemotronLayerNorm1P", True), ("LayerNorm2d", True),
+    ("Qwen3NextRMSNormGated", True), ("DetrFrozenBatchNorm2d", True), ("T5LayerNorm", True),
+    ("RobertaPreLayerNormEmbeddings", False), ("RobertaPreLayerNormSelfOutput", False),
+    ("Wav2Vec2LayerNormConvLayer", False), ("InklingNormedEmbedding", False)])
+def test_a_norm_module_is_named_for_the_norm_it_ends_in(name, norm):
+    from autoplan.trace.ops import is_norm_type
+
+    assert is_norm_type(name) is norm
