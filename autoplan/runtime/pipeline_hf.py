@@ -87,6 +87,8 @@ _FAMILIES = {
     "opt": _Parts(decoder="decoder", norm="final_layer_norm", first_stage_only=("embed_positions", "project_in"),
                   last_stage_only=("project_out",), optional=("final_layer_norm", "project_in", "project_out")),
     "bert": _Parts(embed="embeddings", layers="encoder.layer", norm="", head="cls", stem=True),
+    # the base model scales the embeddings by its `normalizer` buffer before the first block
+    "recurrent_gemma": _Parts(norm="final_norm", later_stage_values=(("normalizer", 1.0),)),
 }
 SPLIT_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
@@ -330,6 +332,13 @@ def _get(module: nn.Module, dotted: str) -> nn.Module | None:
     return module
 
 
+def _no_op_value(value, no_op: float):
+    """`no_op` in the form of the base model's `value`: a float, or a buffer of its shape and
+    dtype (RecurrentGemma's `normalizer`, never saved: a stage's own copy does not reach a
+    checkpoint)."""
+    return torch.full_like(value, no_op) if isinstance(value, torch.Tensor) else no_op
+
+
 def _with_child(module: nn.Module, dotted: str, child: nn.Module) -> dict[str, nn.Module]:
     """The children of `module` that put `child` at the dotted path, the modules on the way
     shelled (their other children shared)."""
@@ -397,7 +406,7 @@ def split_hf_stages(model: nn.Module, stages: list[list[str]], positions: torch.
                 children[name] = _NoPositions() if isinstance(module, nn.Embedding) else StageGap()
         stage_decoder = _shell(decoder, children)
         for name, no_op in parts.later_stage_values if not first else ():
-            setattr(stage_decoder, name, no_op)
+            setattr(stage_decoder, name, _no_op_value(getattr(decoder, name), no_op))
         stage_base = _shell(base, _with_child(base, parts.decoder, stage_decoder)) if parts.decoder else stage_decoder
         root = _shell(model, {prefix: stage_base,
                               parts.head: getattr(model, parts.head) if last else StageGap()})

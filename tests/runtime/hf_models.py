@@ -199,6 +199,12 @@ CONFIGS = {
                {"d_model": 64, "n_layers": LAYERS, "n_heads": 4, "vocab_size": 256, "max_seq_len": 256,
                 "expansion_ratio": 2, "resid_pdrop": 0.0, "emb_pdrop": 0.0, "use_cache": False,
                 "tie_word_embeddings": False, "attn_implementation": "eager"}),
+    # a recurrent (RG-LRU) block, then a local attention one; the base model scales the
+    # embeddings by its `normalizer` buffer, and the head is tied
+    "hf_recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
+                           dict(_COMMON, num_key_value_heads=1, head_dim=16, lru_width=64,
+                                attention_window_size=8, block_types=["recurrent", "attention"],
+                                tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
     "hf_falcon_alibi": ("FalconConfig", "FalconForCausalLM",
                         dict(_COMMON, alibi=True, new_decoder_architecture=False, multi_query=False,
                              parallel_attn=False, num_kv_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
@@ -222,7 +228,8 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_llama4": "model.layers", "hf_moshi": "model.layers",
                "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers",
                "hf_bitnet": "model.layers", "hf_bloom": "transformer.h", "hf_mpt": "transformer.blocks",
-               "hf_falcon_alibi": "transformer.h", "hf_granite_swa": "model.layers"}
+               "hf_falcon_alibi": "transformer.h", "hf_granite_swa": "model.layers",
+               "hf_recurrent_gemma": "model.layers"}
 
 
 def build(kind: str, **overrides):

@@ -188,6 +188,9 @@ CONFIGS = {
         "hf_gemma_pp2": ("hf_gemma", P("hf_gemma", pp=2, schedule="1f1b")),  # scaled embedding
         "hf_mistral_pp2": ("hf_mistral", P("hf_mistral", pp=2, schedule="1f1b")),
         "hf_mamba_pp2": ("hf_mamba", P("hf_mamba", pp=2, schedule="1f1b")),  # a state-space model
+        # the embedding scale (a buffer) applied once, on stage 0; a recurrent block, then a
+        # local attention one; the tied head on the last stage
+        "hf_recurrent_gemma_pp2": ("hf_recurrent_gemma", P("hf_recurrent_gemma", pp=2, schedule="1f1b")),
         "hf_gptj_pp2": ("hf_gptj", P("hf_gptj", pp=2, schedule="1f1b")),
         # the embedding multiplier applied once (stage 0), the tied head on the last stage
         "hf_granite_pp2": ("hf_granite", P("hf_granite", pp=2, schedule="1f1b")),

@@ -28,6 +28,7 @@ FAMILY_KINDS = {
     "mamba": "hf_mamba", "mistral": "hf_mistral", "mixtral": "hf_mixtral", "olmo2": "hf_olmo2",
     "opt": "hf_opt", "phi3": "hf_phi3", "qwen2": "hf_qwen2", "qwen2_moe": "hf_qwen2moe", "qwen3": "hf_qwen3",
     "stablelm": "hf_stablelm", "starcoder2": "hf_starcoder2", "bloom": "hf_bloom", "mpt": "hf_mpt",
+    "recurrent_gemma": "hf_recurrent_gemma",
 }
 TOKENS = 16
 
