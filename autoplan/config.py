@@ -23,7 +23,7 @@ OFFLOAD = ("none", "optimizer", "params", "both")
 TP_STYLES = ("colwise", "rowwise", "rowwise_copy", "sequence_parallel", "final_norm", "prepare_input",
              "vocab_embedding", "whole_embedding", "vocab_head", "head_norm", "colwise_qkv", "colwise_gate_up", "colwise_kv",
              "colwise_heads", "head_embedding", "colwise_qkv_global", "mha_heads", "sharded_rms_norm",
-             "replicated", "colwise_local", "head_inputs", "head_parameters")
+             "replicated", "colwise_local", "head_inputs", "head_parameters", "moe")
 # the styles that name their attention's head counts, "<style>:<heads>,<kv_heads>"
 HEAD_COUNTED = ("colwise_qkv", "colwise_kv", "colwise_heads", "colwise_qkv_global", "mha_heads")
 

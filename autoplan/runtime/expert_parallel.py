@@ -14,7 +14,13 @@ Three expert layouts are sharded, the first two stacked (E, ...) so that EP slic
   per-expert nn.ModuleList     called by the layer's own Python loop: each ep rank keeps its
                                experts' modules (same names) and the layer's forward runs the
                                user's loop around one all-to-all (expert_list.py).
-Other layouts (a ModuleDict, biased or interleaved fused weights) are refused with a reason
+  other stacked experts  an `experts` module of parameters stacked by expert (E, ...) only,
+                         E its `num_experts`, called as experts(hidden_states, indices,
+                         weights) (GPT-OSS: biases, [gate, up] interleaved, a clamped SwiGLU):
+                         the same dispatch, each rank running the module's own forward on the
+                         tokens it received, with its local experts and their count in place
+                         of the whole stack's.
+Other layouts (a ModuleDict, experts holding submodules) are refused with a reason
 (`expert_parallel_supported`), so the planner can leave ep at 1.
 
 The stacked expert weights become DTensors sharded on dim 0 over the ep axis, so DCP saves
@@ -37,6 +43,7 @@ other parameter.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -83,12 +90,38 @@ def _fused_layout_problem(experts: nn.Module) -> str | None:
     return None
 
 
+def _stacked_layout_problem(experts: nn.Module) -> str | None:
+    """None when `experts` holds only parameters stacked by expert, (E, ...) with E its
+    `num_experts`, and its forward takes (hidden_states, indices, weights): its own forward
+    then runs any subset of its experts (`_own_forward_on`)."""
+    params = dict(experts.named_parameters(recurse=False))
+    stacks = {p.shape[0] if p.ndim else 0 for p in params.values()}
+    if not params or next(experts.children(), None) is not None or len(stacks) != 1 \
+            or getattr(experts, "num_experts", None) not in stacks:
+        return (f"its experts hold parameters {sorted(params)} and modules "
+                f"{[n for n, _ in experts.named_children()]}: neither transformers' fused layout "
+                f"({list(_FUSED_PARAMS)}) nor parameters stacked by expert alone, their first "
+                "dimension its num_experts")
+    try:
+        inputs = list(inspect.signature(experts.forward).parameters)
+    except (TypeError, ValueError):
+        inputs = []
+    if len(inputs) != 3:
+        return f"its experts' forward takes {inputs}, not (hidden_states, indices, weights)"
+    return None
+
+
 def num_experts_of(module: nn.Module) -> int:
     if isinstance(module, MoE):
         return module.num_experts
     if isinstance(module.experts, nn.ModuleList):
         return len(module.experts)
-    return module.experts.gate_up_proj.shape[0]
+    return _stack_size(module.experts)
+
+
+def _stack_size(experts: nn.Module) -> int:
+    """How many experts a stacked `experts` module holds (the global count once sharded)."""
+    return experts.num_experts if hasattr(experts, "num_experts") else experts.gate_up_proj.shape[0]
 
 
 def expert_parallel_supported(module: nn.Module) -> str | None:
@@ -103,7 +136,13 @@ def expert_parallel_supported(module: nn.Module) -> str | None:
                 "of experts or stacked (E, ...) expert weights")
     if not isinstance(experts, nn.Module):
         return "it has no `experts` submodule (not an MoE layer the runtime knows)"
-    return _fused_layout_problem(experts)
+    fused = _fused_layout_problem(experts)
+    return fused and _stacked_layout_problem(experts)
+
+
+# the TP style of an MoE layer: token-wise, it runs on the rank's tokens with its weights whole
+# (a router and experts of any layout; expert parallelism is another question, is_moe_layer)
+TOKEN_WISE_MOE = "moe"
 
 
 def is_moe_layer(module: nn.Module) -> bool:
@@ -149,8 +188,9 @@ def _shard(owner: nn.Module, names: tuple[str, ...], axis: DeviceMesh) -> list[n
     return params
 
 
-def _fused_expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup):
-    """experts(hidden_states, top_k_index, top_k_weights) with this rank's experts only."""
+def _fused_experts_on(experts: nn.Module):
+    """run_local(tokens, counts) of transformers' fused layout: act(gate) * up, then down, per
+    local expert, as transformers computes them."""
 
     def run_local(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         gate_up, down = (compute_weight(w, tokens) for w in (experts.gate_up_proj, experts.down_proj))
@@ -160,12 +200,50 @@ def _fused_expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup)
             outputs.append(F.linear(experts.act_fn(gate) * up, down[index]))
         return torch.cat(outputs)
 
+    return run_local
+
+
+def _own_forward_on(experts: nn.Module):
+    """run_local(tokens, counts) of stacked experts: the module's own forward, each received
+    token routed to its local expert with weight 1 (the caller weighs the outputs)."""
+    own = type(experts).forward
+
+    def run_local(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        local = torch.arange(len(counts), device=tokens.device)
+        index = torch.repeat_interleave(local, torch.tensor(counts, device=tokens.device))[:, None]
+        with _holding_local_experts(experts, tokens, len(counts)):
+            return own(experts, tokens, index, torch.ones(index.shape, dtype=tokens.dtype, device=tokens.device))
+
+    return run_local
+
+
+@contextlib.contextmanager
+def _holding_local_experts(experts: nn.Module, tokens: torch.Tensor, count: int):
+    """While the module's own forward runs: its parameters are this rank's experts as plain
+    tensors (the gradient flows back to the sharded parameters), and its expert count theirs."""
+    params, total = dict(experts._parameters), experts.num_experts
+    experts._parameters.update({name: compute_weight(p, tokens) for name, p in params.items()})
+    experts.num_experts = count
+    try:
+        yield
+    finally:
+        experts._parameters.update(params)
+        experts.num_experts = total
+
+
+def _expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup, run_local):
+    """experts(hidden_states, top_k_index, top_k_weights) with this rank's experts only: the
+    tokens dispatched to the experts' ranks, `run_local` there, the outputs weighed and summed
+    per token."""
+
+    num_experts = _stack_size(experts)
+
     def forward(hidden_states, top_k_index, top_k_weights):
         top_k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of_slot = order // top_k
-        counts = torch.bincount(flat, minlength=experts.gate_up_proj.shape[0])
+        counts = torch.bincount(flat, minlength=num_experts)
         out = dispatch_to_owners(hidden_states[token_of_slot], counts, group, run_local)
         out = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, token_of_slot,
@@ -191,9 +269,12 @@ def apply_expert_parallel(model: nn.Module, ep_modules: list[str], ep_mesh: Devi
             sharded += apply_list_expert_parallel(moe, axis, path)
             continue
         else:
-            _shard(moe.experts, _FUSED_PARAMS, axis)
+            fused = _fused_layout_problem(moe.experts) is None
+            run_local = _fused_experts_on(moe.experts) if fused else _own_forward_on(moe.experts)
+            _shard(moe.experts, _FUSED_PARAMS if fused else
+                   tuple(n for n, _ in moe.experts.named_parameters(recurse=False)), axis)
             # an instance attribute: the class (and every other model) keeps its own forward
-            moe.experts.forward = _fused_expert_parallel_forward(moe.experts, axis.get_group())
+            moe.experts.forward = _expert_parallel_forward(moe.experts, axis.get_group(), run_local)
         sharded.append(moe.experts)
     return sharded
 

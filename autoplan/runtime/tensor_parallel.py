@@ -37,7 +37,7 @@ from autoplan.config import TP_STYLES, head_inputs_parts  # noqa: F401 (TP_STYLE
 from autoplan.errors import UserError
 from autoplan.runtime import rng
 from autoplan.runtime.data_parallel import allreduce_grads
-from autoplan.runtime.expert_parallel import is_moe_layer
+from autoplan.runtime.expert_parallel import TOKEN_WISE_MOE, is_moe_layer
 from autoplan.runtime.inline_colwise import InlineColwiseParallel
 from autoplan.runtime.fused_projection import FusedColwiseParallel, head_counts_of, localise_head_counts
 from autoplan.runtime.head_inputs import HEAD_INPUTS, slice_head_inputs
@@ -321,7 +321,7 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
                           sequence_parallel: bool, dropout_shard: int | None = None) -> list[nn.Module]:
     """parallelize_module with every style of the plan that exists in this (stage) module.
 
-    MoE layers marked "prepare_input" are token-wise, so with SP they simply run on this
+    MoE layers (style "moe") are token-wise, so with SP they simply run on this
     rank's sequence shard (no gather, no re-shard; EP all-to-all works per tp rank). Their
     weights stay plain replicas whose gradients cover only the local tokens, as do those of
     the "replicated" down-projections of a latent attention (their gradients come from this
@@ -347,7 +347,8 @@ def apply_tensor_parallel(model: nn.Module, table: dict[str, dict[str, str]], tp
             replicate_module(modules[path])
             token_local.append(modules[path])
             continue
-        if name == "prepare_input" and is_moe_layer(modules[path]):
+        # (a plan written before the MoE style had one: "prepare_input" on an MoE layer)
+        if name == TOKEN_WISE_MOE or (name == "prepare_input" and is_moe_layer(modules[path])):
             if sequence_parallel:
                 modules[path].register_forward_pre_hook(_on_first_input(local_part), with_kwargs=True)
                 token_local.append(modules[path])

@@ -59,6 +59,7 @@ from collections import defaultdict
 import torch.fx as fx
 import torch.nn as nn
 
+from autoplan.runtime.expert_parallel import TOKEN_WISE_MOE
 from autoplan.runtime.fused_projection import holds_head_count
 from autoplan.runtime.head_inputs import HEAD_INPUTS, head_inputs_of, head_inputs_style
 from autoplan.runtime.head_parameters import HEAD_PARAMETERS
@@ -887,7 +888,7 @@ def add_parallelism_facts(mg: ModelGraph, model: nn.Module, gm: fx.GraphModule, 
                 styles[path] = "head_embedding"
         moe = _moe_module(model.get_submodule(first))
         if moe is not None:  # token-wise: the runtime runs it on this rank's sequence shard
-            styles[moe[0]] = "prepare_input"
+            styles[moe[0]] = TOKEN_WISE_MOE
         unstyled += _unstyled_parameters(block_ops, styles, first, moe[0] if moe is not None else None, aliases)
         for scope in block_scopes(model, block.paths):
             table[scope] = dict(styles)

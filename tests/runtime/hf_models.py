@@ -168,6 +168,12 @@ CONFIGS = {
                        dict(_COMMON, num_key_value_heads=2, attn_implementation="eager",
                             layer_types=["full_attention", "sliding_attention"], sliding_window=256,
                             pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # GPT-OSS: attention sinks, an eager mask the model builds from the length it sees (TP
+    # without SP), and routed experts with biases and a clamped SwiGLU, run token-wise
+    "hf_gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                   dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=2, attn_implementation="eager", sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"])),
     # Moshi's text decoder: one fc1 computes [gate | up], which its MLP views as (batch, seq,
     # 2, ffn) and reads [..., 0, :] and [..., 1, :]
     "hf_moshi": ("MoshiConfig", "MoshiForCausalLM",
@@ -229,7 +235,7 @@ BLOCK_LISTS = {"hf_llama": "model.layers", "hf_mixtral": "model.layers",
                "hf_roberta_untied": "roberta.encoder.layer", "hf_granitemoe": "model.layers",
                "hf_bitnet": "model.layers", "hf_bloom": "transformer.h", "hf_mpt": "transformer.blocks",
                "hf_falcon_alibi": "transformer.h", "hf_granite_swa": "model.layers",
-               "hf_recurrent_gemma": "model.layers"}
+               "hf_recurrent_gemma": "model.layers", "hf_gpt_oss": "model.layers"}
 
 
 def build(kind: str, **overrides):

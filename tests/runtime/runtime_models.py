@@ -236,7 +236,7 @@ def llama_tp_styles(layers: int = 4, moe: bool = False, prefix: str = "") -> dic
                        f"{p}.self_attn.q_proj": "colwise", f"{p}.self_attn.k_proj": "colwise",
                        f"{p}.self_attn.v_proj": "colwise", f"{p}.self_attn.o_proj": "rowwise",
                        f"{p}.post_attention_layernorm": "sequence_parallel",
-                       f"{p}.mlp": "prepare_input"})
+                       f"{p}.mlp": "moe" if moe else "prepare_input"})
         if not moe:
             styles.update({f"{p}.mlp.gate_proj": "colwise", f"{p}.mlp.up_proj": "colwise",
                            f"{p}.mlp.down_proj": "rowwise"})

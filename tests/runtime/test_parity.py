@@ -264,6 +264,11 @@ CONFIGS = {
         # GraniteSWA's attention sinks: each rank holds and reads its heads' sinks
         "hf_granite_swa_tp2_traced": ("hf_granite_swa", functools.partial(
             traced_plan_dict, "hf_granite_swa", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # the same sinks, and routed experts of a layout EP does not shard, run token-wise
+        "hf_gpt_oss_tp2_traced": ("hf_gpt_oss", functools.partial(
+            traced_plan_dict, "hf_gpt_oss", tp=2, optimizer=PARITY_OPTIMIZER)),
+        # its experts under EP: each rank runs the module's own forward on its experts
+        "hf_gpt_oss_ep2_zero3": ("hf_gpt_oss", P("hf_gpt_oss", dp=2, ep=2, zero_stage=3)),
         # one K/V head, tp=2: each rank computes it from a replicated k/v weight
         "hf_gemma_mqa_tp2_traced": ("hf_gemma_mqa", functools.partial(
             traced_plan_dict, "hf_gemma_mqa", tp=2, optimizer=PARITY_OPTIMIZER)),

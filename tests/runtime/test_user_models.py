@@ -117,9 +117,12 @@ def test_expert_parallel_supports_fused_hf_experts_and_names_what_it_refuses():
     keyed.experts = nn.ModuleDict({"a": nn.Linear(16, 16)})
     assert "nn.ModuleDict" in expert_parallel_supported(keyed)
     assert "no `experts`" in expert_parallel_supported(mixtral.model.layers[0].self_attn)
+    # GPT-OSS's layout (biases, (E, H, 2I) weights, [gate, up] interleaved): its own forward
+    # runs each rank's experts
+    assert expert_parallel_supported(_meta("hf_gpt_oss").model.layers[0].mlp) is None
     experts = mixtral.model.layers[0].mlp.experts
-    experts.has_bias = True  # a layout variant whose math the EP forward does not do
-    assert "layout variant" in expert_parallel_supported(mixtral.model.layers[0].mlp)
+    experts.scale = nn.Parameter(torch.ones(()))  # a parameter not stacked by expert
+    assert "stacked by expert" in expert_parallel_supported(mixtral.model.layers[0].mlp)
 
 
 def test_ep_plan_on_a_module_list_moe_exits_with_the_module_and_reason():

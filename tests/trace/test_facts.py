@@ -275,7 +275,7 @@ def test_moe_layer_of_a_block_class_runs_on_sequence_shards():
         model = build_model(config)
     graph = trace_model(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
     # without it a tp>1 job feeds the router a sequence-sharded DTensor and fails in step 1
-    assert graph.tp_styles["layers.*"]["mlp"] == "prepare_input"
+    assert graph.tp_styles["layers.*"]["mlp"] == "moe"
     assert graph.tp_styles["layers.*"]["self_attn.o_proj"] == "rowwise"
 
 
@@ -335,7 +335,7 @@ MOE_BLOCK_STYLES = {
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
     "self_attn.o_proj": "rowwise", "self_attn": "prepare_input",
     "input_layernorm": "sequence_parallel", "post_attention_layernorm": "sequence_parallel",
-    "mlp": "prepare_input"}
+    "mlp": "moe"}
 
 
 @pytest.mark.parametrize("name", sorted(MOE_HEADS))
