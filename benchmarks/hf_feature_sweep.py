@@ -37,7 +37,10 @@ within 2.6e-7 in losses and 4.5e-5 in norms (Hunyuan-V4); 14 refused tp2 at plan
 naming why. Of 8 more (TrOCR, RemBERT, XLM-RoBERTa-XL, RoBERTa-PreLayerNorm, BERT-generation,
 CamemBERT, Data2Vec-text, XLM-RoBERTa) every job was within 2.6e-7 and 8.2e-7; TrOCR and RemBERT
 refused tp2. RoBERTa-PreLayerNorm refused it too until its classes, named for a norm, stopped
-counting as norms (trace/ops.is_norm_type); its tp2 since: 8.6e-8 and 8.9e-8.
+counting as norms (trace/ops.is_norm_type); its tp2 since: 8.6e-8 and 8.9e-8. GPT-OSS,
+GraniteMoE-SWA and MiniMax-M3's text model, refused tp2 while an MoE layer's TP style was tied to
+EP's expert layouts (trace/facts.py: style "moe"), train at tp2_full and tp2_selective within
+8.6e-8 in losses and 7.9e-7 in norms.
 
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble
