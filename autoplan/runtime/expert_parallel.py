@@ -19,7 +19,7 @@ Three expert layouts are sharded, the first two stacked (E, ...) so that EP slic
                          weights) (GPT-OSS: biases, [gate, up] interleaved, a clamped SwiGLU):
                          the same dispatch, each rank running the module's own forward on the
                          tokens it received, with its local experts and their count in place
-                         of the whole stack's.
+                         of the whole stack's (expert_stack.py).
 Other layouts (a ModuleDict, experts holding submodules) are refused with a reason
 (`expert_parallel_supported`), so the planner can leave ep at 1.
 
@@ -43,7 +43,6 @@ other parameter.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
@@ -56,6 +55,7 @@ from torch.distributed.tensor import DTensor, Shard
 from autoplan.errors import UserError
 from autoplan.models.moe import MoE, compute_weight, dispatch_to_owners
 from autoplan.runtime.expert_list import apply_list_expert_parallel, module_list_problem
+from autoplan.runtime.expert_stack import own_forward_on, stacked_layout_problem
 from autoplan.runtime.mesh import local_part
 from autoplan.runtime.tying import shares_outside, tied_groups
 
@@ -90,27 +90,6 @@ def _fused_layout_problem(experts: nn.Module) -> str | None:
     return None
 
 
-def _stacked_layout_problem(experts: nn.Module) -> str | None:
-    """None when `experts` holds only parameters stacked by expert, (E, ...) with E its
-    `num_experts`, and its forward takes (hidden_states, indices, weights): its own forward
-    then runs any subset of its experts (`_own_forward_on`)."""
-    params = dict(experts.named_parameters(recurse=False))
-    stacks = {p.shape[0] if p.ndim else 0 for p in params.values()}
-    if not params or next(experts.children(), None) is not None or len(stacks) != 1 \
-            or getattr(experts, "num_experts", None) not in stacks:
-        return (f"its experts hold parameters {sorted(params)} and modules "
-                f"{[n for n, _ in experts.named_children()]}: neither transformers' fused layout "
-                f"({list(_FUSED_PARAMS)}) nor parameters stacked by expert alone, their first "
-                "dimension its num_experts")
-    try:
-        inputs = list(inspect.signature(experts.forward).parameters)
-    except (TypeError, ValueError):
-        inputs = []
-    if len(inputs) != 3:
-        return f"its experts' forward takes {inputs}, not (hidden_states, indices, weights)"
-    return None
-
-
 def num_experts_of(module: nn.Module) -> int:
     if isinstance(module, MoE):
         return module.num_experts
@@ -137,7 +116,7 @@ def expert_parallel_supported(module: nn.Module) -> str | None:
     if not isinstance(experts, nn.Module):
         return "it has no `experts` submodule (not an MoE layer the runtime knows)"
     fused = _fused_layout_problem(experts)
-    return fused and _stacked_layout_problem(experts)
+    return fused and stacked_layout_problem(experts)
 
 
 # the TP style of an MoE layer: token-wise, it runs on the rank's tokens with its weights whole
@@ -203,34 +182,6 @@ def _fused_experts_on(experts: nn.Module):
     return run_local
 
 
-def _own_forward_on(experts: nn.Module):
-    """run_local(tokens, counts) of stacked experts: the module's own forward, each received
-    token routed to its local expert with weight 1 (the caller weighs the outputs)."""
-    own = type(experts).forward
-
-    def run_local(tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        local = torch.arange(len(counts), device=tokens.device)
-        index = torch.repeat_interleave(local, torch.tensor(counts, device=tokens.device))[:, None]
-        with _holding_local_experts(experts, tokens, len(counts)):
-            return own(experts, tokens, index, torch.ones(index.shape, dtype=tokens.dtype, device=tokens.device))
-
-    return run_local
-
-
-@contextlib.contextmanager
-def _holding_local_experts(experts: nn.Module, tokens: torch.Tensor, count: int):
-    """While the module's own forward runs: its parameters are this rank's experts as plain
-    tensors (the gradient flows back to the sharded parameters), and its expert count theirs."""
-    params, total = dict(experts._parameters), experts.num_experts
-    experts._parameters.update({name: compute_weight(p, tokens) for name, p in params.items()})
-    experts.num_experts = count
-    try:
-        yield
-    finally:
-        experts._parameters.update(params)
-        experts.num_experts = total
-
-
 def _expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup, run_local):
     """experts(hidden_states, top_k_index, top_k_weights) with this rank's experts only: the
     tokens dispatched to the experts' ranks, `run_local` there, the outputs weighed and summed
@@ -270,7 +221,7 @@ def apply_expert_parallel(model: nn.Module, ep_modules: list[str], ep_mesh: Devi
             continue
         else:
             fused = _fused_layout_problem(moe.experts) is None
-            run_local = _fused_experts_on(moe.experts) if fused else _own_forward_on(moe.experts)
+            run_local = _fused_experts_on(moe.experts) if fused else own_forward_on(moe.experts)
             _shard(moe.experts, _FUSED_PARAMS if fused else
                    tuple(n for n, _ in moe.experts.named_parameters(recurse=False)), axis)
             # an instance attribute: the class (and every other model) keeps its own forward
