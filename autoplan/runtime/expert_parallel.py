@@ -1,6 +1,6 @@
 """Expert parallelism: each ep rank keeps num_experts/ep experts of every MoE layer.
 
-Three expert layouts are sharded, the first two stacked (E, ...) so that EP slices dim 0:
+Four expert layouts are sharded, the first two and the last stacked (E, ...) so that EP slices dim 0:
   autoplan.models.moe.MoE      GroupedExperts w_gate/w_up/w_down; the layer dispatches itself
                                once `ep_group` is set.
   Hugging Face fused experts   an `experts` module holding `gate_up_proj` (E, 2I, H) and
@@ -186,7 +186,6 @@ def _expert_parallel_forward(experts: nn.Module, group: dist.ProcessGroup, run_l
     """experts(hidden_states, top_k_index, top_k_weights) with this rank's experts only: the
     tokens dispatched to the experts' ranks, `run_local` there, the outputs weighed and summed
     per token."""
-
     num_experts = _stack_size(experts)
 
     def forward(hidden_states, top_k_index, top_k_weights):

@@ -219,7 +219,9 @@ def layer_kind(layer: nn.Module) -> tuple[tuple[str, str], ...]:
 
 def _per_layer_fields(config) -> list[tuple]:
     """Each layer's values of the config's per-layer lists (layer_types, no_rope_layers)."""
-    count = config.num_hidden_layers
+    count = getattr(config, "num_hidden_layers", None)
+    if not isinstance(count, int):
+        return []
     lists = [v for v in vars(config).values() if isinstance(v, list) and len(v) == count]
     return [tuple(str(values[i]) for values in lists) for i in range(count)]
 
