@@ -153,8 +153,9 @@ def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: in
     integer attribute named for heads (not a head's size) that holds the model's q or k/v
     head count becomes the rank's (heads/tp; kv_heads/tp, or `local_kv` where K/V heads are
     replicated, kv_replication.py), one named for groups holding q heads per K/V head
-    (transformers' `num_key_value_groups`) the rank's ratio, and one named for a split
-    holding the fused projection's q width (`q_width`; GPT-2's `split_size`) the rank's
+    (transformers' `num_key_value_groups`) the rank's ratio, and one named for a split or
+    for all heads holding the q projection's width (`q_width`; GPT-2's `split_size`,
+    RemBERT's `all_head_size`, which its forward views the attention's output by) the rank's
     width (module docstring)."""
     local_kv = kv_heads // tp if local_kv is None else local_kv
     local = {heads: heads // tp, kv_heads: local_kv}
@@ -164,7 +165,7 @@ def localise_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: in
         for name, value in list(vars(owner).items()):
             if type(value) is not int:
                 continue
-            if "split" in name and q_width and value == q_width:
+            if ("split" in name or "all_head" in name) and q_width and value == q_width:
                 setattr(owner, name, q_width // tp)
             elif names_a_head_count(name) and value in local:
                 setattr(owner, name, local[value])

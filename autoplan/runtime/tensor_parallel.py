@@ -420,11 +420,14 @@ def _localise_attention(modules: dict[str, nn.Module], plan: dict[str, ParallelS
     for path, style in plan.items():
         name = getattr(style, "style", "")
         found = head_counts_of(name, "colwise_qkv", KV_STYLE, "colwise_heads")
-        if found:  # a fused projection's q part is heads / (heads + 2 kv_heads) of its rows
+        if found:  # a fused projection's q part is heads / (heads + 2 kv_heads) of its rows; of
+            # separate q, k and v projections q is the widest
             heads, kv_heads = found
             fused = head_counts_of(name, "colwise_qkv") is not None
-            q_width = output_features(modules[path]) * heads // (heads + 2 * kv_heads) if fused else 0
-            counts[path.rpartition(".")[0]] = (heads, kv_heads, q_width)
+            q_width = output_features(modules[path]) * heads // (heads + 2 * kv_heads) if fused \
+                else output_features(modules[path])
+            parent = path.rpartition(".")[0]
+            counts[parent] = (heads, kv_heads, max(q_width, counts.get(parent, (0, 0, 0))[2]))
     for path, (heads, kv_heads, q_width) in counts.items():
         localise_head_counts(modules[path], heads, kv_heads, tp, local_kv_heads(kv_heads, tp), q_width)
 

@@ -7,7 +7,7 @@ from collections import OrderedDict
 import torch.nn as nn
 
 from autoplan.trace.facts import block_tp_facts
-from autoplan.trace.fallback import expert_matrices, moe_facts
+from autoplan.trace.fallback import expert_matrices, moe_layer_facts
 from autoplan.trace.graph import BlockInfo, OpInfo
 from autoplan.trace.ops import MHA_TARGETS, mha_parts
 
@@ -179,7 +179,7 @@ def _with_block_facts(info: BlockInfo, module: nn.Module, ops: list[OpInfo],
     experts, top_k = 0, 0
     expert_params = 0
     for sub in module.modules():
-        e, k = moe_facts(sub) if sub is not module else (0, 0)
+        e, k = moe_layer_facts(sub) if sub is not module else (0, 0)
         if e:
             experts, top_k = e, k
 

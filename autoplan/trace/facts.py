@@ -67,7 +67,7 @@ from autoplan.runtime.mha_parallel import MHA_STYLE, mha_split_problem
 from autoplan.runtime.latent_attention import COLWISE_LOCAL, REPLICATED
 from autoplan.runtime.sharded_norm import SHARDED_RMS_NORM, is_plain_rms_norm
 from autoplan.runtime.tying import tied_groups
-from autoplan.trace.fallback import moe_facts
+from autoplan.trace.fallback import moe_layer_facts
 from autoplan.trace.graph import ModelGraph, OpInfo
 from autoplan.trace.recorder import func_name
 from autoplan.trace.ops import MHA_TARGETS, per_head_matmul
@@ -1027,7 +1027,7 @@ def _moe_module(block: nn.Module) -> tuple[str, int, int] | None:
     for path, sub in block.named_modules():
         if path == "":
             continue
-        experts, top_k = moe_facts(sub)
+        experts, top_k = moe_layer_facts(sub)
         if experts:
             return path, experts, top_k
     return None

@@ -59,6 +59,16 @@ def moe_facts(module: nn.Module) -> tuple[int, int]:
     return experts, top_k or 1
 
 
+def moe_layer_facts(module: nn.Module) -> tuple[int, int]:
+    """`moe_facts` of a module that routes tokens to its experts: it, or its router among its
+    children (GPT-OSS's MLP, Qwen2-MoE's block), states an expert count or top-k. Stacked 3-D
+    weights alone are not experts: RecurrentGemma's recurrence holds (heads, d, d) blocks and
+    mixes the sequence; taken for a token-wise MoE it would run on a rank's share of the tokens."""
+    stated = _attr(module, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is not None or any(
+        _attr(child, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is not None for child in module.children())
+    return moe_facts(module) if stated else (0, 0)
+
+
 def routes_tokens(module: nn.Module) -> bool:
     """A module that states a routing attribute (expert count or top-k) and has experts, and
     is not the model around its MoE layers: Hugging Face's MixtralForCausalLM states the

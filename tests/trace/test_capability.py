@@ -369,7 +369,12 @@ def test_a_state_the_traced_forward_leaves_on_a_module_does_not_stop_the_probe()
     with torch.device("meta"):
         model = transformers.RecurrentGemmaForCausalLM(config)
     graph = trace_model(model, (torch.zeros(1, 32, dtype=torch.long, device="meta"),))
-    assert "temporal_block.linear_y" in graph.refused["tp"], graph.refused  # the probe's own reason
+    assert "tp" not in graph.refused, graph.refused  # the probe ran its copy of the model
+    # its recurrence's (heads, d, d) blocks are no experts: taken for a token-wise MoE, it would
+    # run on a rank's share of the tokens under SP (its convolution refuses SP here anyway)
+    assert graph.expert_parallel == [] and "ep" not in graph.refused
+    assert not any("temporal_block" in path for styles in graph.tp_styles.values() for path in styles)
+    assert "conv_1d" in graph.refused["sp"]
 
 
 def test_a_token_mixer_outside_attention_refuses_cp_and_sp():
