@@ -40,7 +40,8 @@ refused tp2. RoBERTa-PreLayerNorm refused it too until its classes, named for a 
 counting as norms (trace/ops.is_norm_type); its tp2 since: 8.6e-8 and 8.9e-8. GPT-OSS,
 GraniteMoE-SWA and MiniMax-M3's text model, refused tp2 while an MoE layer's TP style was tied to
 EP's expert layouts (trace/facts.py: style "moe"), train at tp2_full and tp2_selective within
-8.6e-8 in losses and 7.9e-7 in norms.
+8.6e-8 in losses and 7.9e-7 in norms. RemBERT, refused tp2 while its attention viewed its output
+by the whole model's all_head_size, trains at tp2_full within 1.9e-7 and 1.4e-6.
 
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble

@@ -59,6 +59,18 @@ def test_phi3_attention_reads_the_ranks_head_counts_from_its_own_config_copy():
     assert attention.config._attn_implementation == config._attn_implementation
 
 
+def test_an_attention_that_views_its_output_by_all_heads_width_gets_the_ranks_width():
+    # RemBERT views its context as (batch, seq, all_head_size): the rank holds half the heads
+    import transformers
+
+    config = transformers.RemBertConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                                        intermediate_size=128, vocab_size=256)
+    attention = transformers.models.rembert.modeling_rembert.RemBertSelfAttention(config)
+    localise_head_counts(attention, heads=4, kv_heads=4, tp=2, q_width=64)
+    assert (attention.num_attention_heads, attention.all_head_size) == (2, 32)
+    assert attention.attention_head_size == 16  # per head: unchanged
+
+
 def test_a_plan_names_the_qkv_style_with_its_head_counts():
     from autoplan.config import tp_style_known
 
