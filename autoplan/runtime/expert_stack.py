@@ -69,15 +69,12 @@ def _split_run_problem(experts: nn.Module) -> str | None:
         return (f"its experts are too large to check on a copy of {_CHECK_EXPERTS} (more than "
                 f"{_CHECK_MAX_ELEMENTS:,} elements), and their own forward is run per rank only "
                 "once checked")
-    module = copy.copy(experts)
-    module.__dict__ = dict(vars(experts))
     # real values on the CPU, also where the caller runs on fake tensors (the plan-time probe,
     # `autoplan check`'s dry run) or under a meta device
     with unset_fake_temporarily(), torch.device("cpu"), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        module._parameters = {name: nn.Parameter(torch.randn(_CHECK_EXPERTS, *shape, device="cpu") * 0.1)
-                              for name, shape in shapes}
-        module.num_experts = _CHECK_EXPERTS
+        module = _copy_holding(experts, {name: torch.randn(_CHECK_EXPERTS, *shape, device="cpu") * 0.1
+                                    for name, shape in shapes})
         for width in sorted({size for _, shape in shapes for size in shape}):
             # the hidden size: one of the stack's dimensions, the one its forward runs on
             tokens = torch.randn(_CHECK_TOKENS, width)
@@ -106,13 +103,20 @@ def _run_each_expert_alone(module: nn.Module, tokens: torch.Tensor, index: torch
     out = torch.zeros_like(tokens)
     for expert in range(module.num_experts):
         rows, slots = torch.nonzero(index == expert, as_tuple=True)
-        alone = copy.copy(module)
-        alone.__dict__ = dict(vars(module))
-        alone._parameters = {n: nn.Parameter(p[expert:expert + 1]) for n, p in module._parameters.items()}
-        alone.num_experts = 1
+        alone = _copy_holding(module, {n: p[expert:expert + 1] for n, p in module._parameters.items()})
         result = own_forward_on(alone)(tokens[rows], [len(rows)])
         out.index_add_(0, rows, result * weights[rows, slots, None])
     return out
+
+
+def _copy_holding(experts: nn.Module, stacks: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow copy of `experts` (its attributes, its code) holding `stacks` as its
+    parameters and their count as its `num_experts`."""
+    module = copy.copy(experts)
+    module.__dict__ = dict(vars(experts))
+    module._parameters = {name: nn.Parameter(stack) for name, stack in stacks.items()}
+    module.num_experts = next(iter(stacks.values())).shape[0]
+    return module
 
 
 def own_forward_on(experts: nn.Module):

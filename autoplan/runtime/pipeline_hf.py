@@ -147,8 +147,10 @@ def hf_split_problem(model: nn.Module) -> str | None:
     problem = _layout_problem(model, _named_parts(model))
     if model_type in SPLIT_MODEL_TYPES:
         return problem
-    problem = problem or tiny_copy_problem(type(model), config.to_json_string(), _parts(model).layer_tuple,
-                                           *tiny_layers(model))
+    if problem is None:
+        config_json, layers = config.to_json_string(), tiny_layers(model)
+        layer_tuple = _layers_in_tuple(type(model), config_json, *layers)
+        problem = tiny_copy_problem(type(model), config_json, layer_tuple, *layers)
     if problem is not None:
         return (f"the pipeline split of Hugging Face models is verified for "
                 f"{', '.join(SPLIT_MODEL_TYPES)}, and for other families of their layout "
@@ -230,8 +232,7 @@ def tiny_layers(model: nn.Module) -> tuple[int, int]:
     """How many leading layers a tiny copy keeps to hold a layer of every kind the model has
     (built of other modules, or given other per-layer config values; at least two, at most
     _MAX_TINY_LAYERS), and how many kinds of modules the model's layers are built of."""
-    layers = _get(model, ".".join(n for n in (base_model_name(model), _named_parts(model).decoder,
-                                               _named_parts(model).layers) if n)) or ()
+    layers = _layers_of(model)
     fields = _per_layer_fields(model.config)
     first_of_kind: dict[tuple, int] = {}
     for index, layer in enumerate(layers):
@@ -274,7 +275,7 @@ def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = F
         size = sum(p.numel() for p in shape.parameters())
         if size > _TINY_MAX_PARAMETERS:
             return f"its tiny copy keeps {size:,} parameters (a size field autoplan does not shrink)"
-        if len({layer_kind(_get(shape, path)) for path in hf_block_paths(shape)}) < kinds:
+        if len({layer_kind(layer) for layer in _layers_of(shape)}) < kinds:
             return (f"its tiny copy's first {layers} layers lack a kind of layer the model has "
                     f"(the model brings one in after its first {_MAX_TINY_LAYERS} layers)")
         with torch.random.fork_rng(devices=[]):
@@ -326,6 +327,11 @@ def hf_block_paths(model: nn.Module) -> list[str]:
     parts = _named_parts(model)
     prefix = ".".join(n for n in (base_model_name(model), parts.decoder, parts.layers) if n)
     return [f"{prefix}.{i}" for i in range(len(_get(model, prefix)))]
+
+
+def _layers_of(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a model `hf_split_problem` accepts (`hf_block_paths`)."""
+    return [_get(model, path) for path in hf_block_paths(model)]
 
 
 def _get(module: nn.Module, dotted: str) -> nn.Module | None:

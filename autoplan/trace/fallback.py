@@ -64,9 +64,13 @@ def moe_layer_facts(module: nn.Module) -> tuple[int, int]:
     children (GPT-OSS's MLP, Qwen2-MoE's block), states an expert count or top-k. Stacked 3-D
     weights alone are not experts: RecurrentGemma's recurrence holds (heads, d, d) blocks and
     mixes the sequence; taken for a token-wise MoE it would run on a rank's share of the tokens."""
-    stated = _attr(module, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is not None or any(
-        _attr(child, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is not None for child in module.children())
+    stated = _states_routing(module) or any(_states_routing(child) for child in module.children())
     return moe_facts(module) if stated else (0, 0)
+
+
+def _states_routing(module: nn.Module) -> bool:
+    """Whether `module` states an expert count or top-k."""
+    return _attr(module, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is not None
 
 
 def routes_tokens(module: nn.Module) -> bool:
@@ -74,7 +78,7 @@ def routes_tokens(module: nn.Module) -> bool:
     is not the model around its MoE layers: Hugging Face's MixtralForCausalLM states the
     expert count (for its load-balancing loss), and its stack of identical decoder layers
     would pass for a list of experts."""
-    if _attr(module, _EXPERT_COUNT_ATTRS + _TOP_K_ATTRS) is None:
+    if not _states_routing(module):
         return False
     return moe_facts(module)[0] > 0 and not _holds_moe_layers(module)
 
