@@ -1,6 +1,7 @@
 """What a MoE module looks like from its structure: its routed experts (a ModuleList of
-identical modules, or 3-D parameters whose first dim is the expert count), their count and
-top-k. Its cost is never derived from this: routing modules are run on meta under balanced
+identical modules, 3-D parameters whose first dim is the expert count, or 2-D parameters of
+the experts' matrices stacked along dim 0 by a module that states the count), their count
+and top-k. Its cost is never derived from this: routing modules are run on meta under balanced
 routing (`routing.py`) and measured like every other op.
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 
-_EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "n_experts")
+_EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "n_experts",
+                       "moe_num_experts")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "k", "n_activated_experts")
 
 
@@ -40,7 +42,27 @@ def expert_matrices(module: nn.Module, num_experts: int | None) -> tuple[list[tu
                 and (num_experts is None or param.shape[0] == num_experts)):
             matrices.append((int(param.shape[1]), int(param.shape[2])))
             ids.add(id(param))
+    for param, experts in flattened_experts(module):
+        if id(param) not in ids:
+            matrices.append((int(param.shape[0]) // experts, int(param.shape[1])))
+            ids.add(id(param))
     return matrices, ids
+
+
+def flattened_experts(module: nn.Module) -> list[tuple[nn.Parameter, int]]:
+    """(parameter, expert count) of the experts' matrices stacked along dim 0 in one 2-D
+    parameter (DBRX's w1/v1/w2: (experts x ffn, hidden)): a parameter held directly (not a
+    Linear's weight: a router's or a shared expert's) by a module that states its expert count,
+    at least two rows per expert (a router's (experts, hidden) weight has one)."""
+    found = []
+    for sub in module.modules():
+        experts = _attr(sub, _EXPERT_COUNT_ATTRS)
+        if experts is None or isinstance(sub, nn.Linear):
+            continue
+        for param in sub.parameters(recurse=False):
+            if param.dim() == 2 and param.shape[0] % experts == 0 and param.shape[0] // experts > 1:
+                found.append((param, experts))
+    return found
 
 
 def moe_facts(module: nn.Module) -> tuple[int, int]:
@@ -51,8 +73,9 @@ def moe_facts(module: nn.Module) -> tuple[int, int]:
         return 0, 0
     if experts is None:
         stacked = [int(p.shape[0]) for p in module.parameters() if p.dim() == 3 and id(p) in ids]
+        flat = [e for _, e in flattened_experts(module)]
         lists = [len(m) for m in module.modules() if isinstance(m, nn.ModuleList)]
-        experts = max(stacked + lists, default=1)
+        experts = max(stacked + flat + lists, default=1)
     # the router may hold top-k (HF Qwen2-MoE's gate) rather than the MoE module itself
     top_k = _attr(module, _TOP_K_ATTRS) or next(
         (k for sub in module.children() if (k := _attr(sub, _TOP_K_ATTRS))), None)

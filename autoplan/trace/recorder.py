@@ -67,6 +67,9 @@ class ModuleStack:
     recorder: "FunctionRecorder | None" = None  # folds a MoE module's ops when it returns
     routing_start: int = 0  # index of the running MoE module's first op
     routing_module: nn.Module | None = None
+    # the model's blocks: a module that holds them is the model around its MoE layers, never
+    # one (DBRX's DbrxForCausalLM states the experts' count and top-k for its auxiliary loss)
+    block_paths: frozenset[str] = frozenset()
 
     def current(self) -> str:
         return self.stack[-1][0] if self.stack else ""
@@ -89,7 +92,10 @@ class ModuleStack:
     def _routes(self, module: nn.Module) -> bool:
         key = id(module)
         if key not in self.routers:
-            self.routers[key] = routes_tokens(module)
+            prefix = f"{self.paths[key]}." if self.paths[key] else ""
+            holds_blocks = any(block.startswith(prefix) and block != self.paths[key]
+                               for block in self.block_paths)
+            self.routers[key] = not holds_blocks and routes_tokens(module)
         return self.routers[key]
 
     def pop(self) -> None:

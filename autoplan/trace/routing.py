@@ -6,20 +6,28 @@ With T tokens, E experts and top-k routing, T*k (token, expert) pairs exist what
 router picks, so an expert sees T*k/E tokens on average and the total expert FLOPs and saved
 bytes do not depend on the balance. `nonzero` (torch.where(mask), boolean indexing) returns
 min(numel, ceil(T*k/E)) rows; `bincount` returns E counts; `.item()` / `.tolist()` give
-T*k/E for integers, False for booleans and 0.0 for floats. Outside a MoE module (no expert
-count known) a mask counts as all true, an upper bound, and reading a Python value is an
-error (there is no honest value to give a branch).
+T*k/E for integers, False for booleans and 0.0 for floats. A per-expert vector (E entries,
+or E + 1 with the "no expert" slot of `one_hot(index, E + 1)`) has every expert hit: its
+`nonzero` returns E rows, and a position read from them (`for idx in hit: mask[idx]`, DBRX's
+and transformers' expert loops) is 0: every expert costs the same under balanced routing, and
+T*k/E would index past the experts. Outside a MoE module (no expert count known) a mask counts
+as all true, an upper bound, and reading a Python value is an error (there is no honest value
+to give a branch).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
+# ops whose output is a view of their first argument: a position nonzero returned stays one
+_VIEWS = (aten.select, aten.unbind, aten.slice, aten.squeeze, aten.unsqueeze, aten.view,
+          aten._unsafe_view, aten.alias, aten.reshape)
 
 
 @dataclass
@@ -43,7 +51,9 @@ class RoutingContext:
             self.modules.append(self.module)
 
 
-def _balanced_rows(ctx: RoutingContext, numel: int) -> int:
+def _balanced_rows(ctx: RoutingContext, numel: int, vector: bool = False) -> int:
+    if vector and ctx.experts and numel in (ctx.experts, ctx.experts + 1):
+        return ctx.experts  # which experts are hit: all of them
     per_expert = ctx.routed_per_expert()
     return min(numel, per_expert) if per_expert else numel
 
@@ -58,14 +68,26 @@ class BalancedRouting(TorchDispatchMode):
     def __init__(self, ctx: RoutingContext) -> None:
         super().__init__()
         self.ctx = ctx
+        # nonzero's outputs and their views, by id (a tensor's == is elementwise)
+        self.positions: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def _position(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and self.positions.get(id(x)) is x
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten.nonzero.default:
             self.ctx.note()
             x = args[0]
-            rows = _balanced_rows(self.ctx, x.numel())
-            return torch.zeros((rows, x.dim()), dtype=torch.long, device=x.device)
+            rows = _balanced_rows(self.ctx, x.numel(), vector=x.dim() == 1)
+            out = torch.zeros((rows, x.dim()), dtype=torch.long, device=x.device)
+            self.positions[id(out)] = out
+            return out
+        if func.overloadpacket in _VIEWS and args and self._position(args[0]):
+            out = func(*args, **kwargs)
+            for view in out if isinstance(out, (list, tuple)) else (out,):
+                self.positions[id(view)] = view
+            return out
         if func is aten.bincount.default:
             self.ctx.note()
             x = args[0]
@@ -80,8 +102,8 @@ class BalancedRouting(TorchDispatchMode):
             x = args[0]
             if x.dtype == torch.bool:
                 return False
-            if x.is_floating_point():
-                return 0.0
+            if x.is_floating_point() or self._position(x):
+                return 0.0 if x.is_floating_point() else 0
             return self.ctx.routed_per_expert()
         if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and \
                 any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):

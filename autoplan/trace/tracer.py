@@ -333,6 +333,22 @@ def _refuse_blocks_never_run(module: nn.Module, groups: dict[str, list[str]],
         f"whose forward calls every block.")
 
 
+def _refuse_uncosted_blocks(module: nn.Module, segments, name: str) -> None:
+    """A trace that left a block with linears no FLOPs, or a segment fewer than no parameters,
+    attributed the model's ops to the wrong modules: every plan of it would be costed wrong
+    (DBRX's, before the trace knew its experts' layout, cost 0 s a block), so it is refused."""
+    wrong = [s.name for s in segments if s.parameters < 0]
+    wrong += [s.name for s in segments if s.kind not in ("pre", "post") and s.forward_flops == 0
+              and any(isinstance(m, nn.Linear) for m in module.get_submodule(s.paths[0]).modules())]
+    if wrong:
+        raise UserError(
+            f"autoplan's trace of {name} could not attribute its costs to its parts ({', '.join(wrong)}: "
+            f"no FLOPs for linears that run, or fewer than no parameters), so every plan of it would "
+            f"be costed wrong and none is made. This is a limit of autoplan's trace for this model "
+            f"(most often a layout of MoE experts it does not know): please report it with the "
+            f"model's config or file.")
+
+
 def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
                  example_kwargs: dict | None, probe_runtime: bool, user_batch: bool = False,
                  token_labels: bool = False) -> ModelGraph:
@@ -370,6 +386,7 @@ def _trace_model(module: nn.Module, example_inputs: tuple | dict, *, name: str,
         graph.add_node(op.name, op=op)
     graph.add_edges_from((a, b) for a, b in rec.edges if a in graph and b in graph)
     segments, layer_order = build_segments(module, rec, groups, first_path, block_of)
+    _refuse_uncosted_blocks(module, segments, type(module).__name__)
     params = sum(p.numel() for p in module.parameters())
     emb = sum(p.numel() for m in module.modules() if isinstance(m, nn.Embedding)
               for p in m.parameters(recurse=False))
@@ -416,7 +433,8 @@ def _trace_by_running(module: nn.Module, args: tuple, kwargs: dict, block_of: di
     paths: dict[int, str] = {}
     for path, sub in module.named_modules():
         paths.setdefault(id(sub), path)
-    stack = ModuleStack(paths, {p: type(m).__name__ for p, m in module.named_modules()}, routing)
+    stack = ModuleStack(paths, {p: type(m).__name__ for p, m in module.named_modules()}, routing,
+                        block_paths=frozenset(block_of))
     first_path, blocks = skip_copies(module, block_of)
     module_inputs: dict[str, list[tuple]] = {}
     handles = [*install_module_hooks(stack), *record_module_inputs(module, module_inputs)]
