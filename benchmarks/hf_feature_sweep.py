@@ -43,9 +43,27 @@ EP's expert layouts (trace/facts.py: style "moe"), train at tp2_full and tp2_sel
 8.6e-8 in losses and 7.9e-7 in norms. RemBERT, refused tp2 while its attention viewed its output
 by the whole model's all_head_size, trains at tp2_full within 1.9e-7 and 1.4e-6.
 
+Context and expert parallelism (2026-12-07). `cp2` (ring attention) over 13 of FAMILIES:
+llama_tied, qwen3, gpt2, gpt_neox, olmo2, stablelm and bert within 1.7e-7 in losses and 4.2e-6
+in norms; gemma2 (soft-capped eager attention), bloom, mpt, falcon_alibi (ALiBi) and t5
+(relative bias) refused at plan time; phi3 ended 3.5e-5 and 2.4e-3 apart after 3 steps from an
+equal step 0 (loss 0, norm 7e-8), its rounding amplified as its dp2 run's is (1.8e-4 in a norm),
+while the parity suite's hf_phi3_cp2, every weight compared after 4 steps, is within 8.6e-8,
+3.9e-7 and 2.5e-6. `ep2` (dp2 x ep2) over 22 MoE families: Mixtral, DeepSeek-V3, OLMoE,
+Qwen2-MoE, Qwen3-MoE, Granite-MoE, GraniteMoE-shared, ERNIE-4.5-MoE, GLM-4-MoE, FlexOlmo,
+MiniMax, MiniMax-M2, AfMoE, Cohere2-MoE, EXAONE-MoE, MiniCPM5-MoE, Param2-MoE, Sarvam-MoE,
+GPT-OSS, Qwen3-Next, and DeepSeek-V2 and GLM-4-MoE-lite (tiny configs written out: the shrunk
+defaults give MLA other head counts than its K/V) within 3.4e-7 in losses and 3.4e-6 in norms;
+Llama-4's experts (routed outside their module) refused EP at plan time, JetMoE and
+LongCat-Flash refused at plan time (their forwards read values). DBRX's experts, stacked along
+dim 0 of 2-D weights, were not found, and its model (which states the expert count) was costed
+as one routing module: blocks of no FLOPs, planned with exit 0; the trace now finds them
+(trace/fallback.flattened_experts), refuses EP for the layout and plans the rest.
+
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble
     python benchmarks/hf_feature_sweep.py --families olmoe,jamba --settings chosen,tp2_full
+    python benchmarks/hf_feature_sweep.py --families qwen3_moe,gpt_oss --settings cp2,ep2
 """
 
 from __future__ import annotations
@@ -108,6 +126,8 @@ SETTINGS = {
     "pp2_interleaved": ["pp=2", "vpp=2", "schedule=interleaved-1f1b", "micro-batch=1"],
     "pp2_zero_bubble": ["pp=2", "schedule=zero-bubble", "micro-batch=1"],
     "zero3_offload": ["dp=2", "zero=3", "offload=both"],
+    "cp2": ["cp=2"],
+    "ep2": ["dp=2", "ep=2"],
 }
 
 

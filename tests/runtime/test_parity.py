@@ -200,6 +200,8 @@ CONFIGS = {
         "hf_deepseek_v3_cp2": ("hf_deepseek_v3", P("hf_deepseek_v3", cp=2)),
         "hf_gptneox_pp2": ("hf_gptneox", P("hf_gptneox", pp=2, schedule="1f1b")),
         "hf_phi3_pp2": ("hf_phi3", P("hf_phi3", pp=2, schedule="1f1b")),
+        # fused qkv_proj through ring attention: each rank's q, k and v of its zig-zag tokens
+        "hf_phi3_cp2": ("hf_phi3", P("hf_phi3", cp=2)),
         # families outside the verified list, split once a tiny copy of their config checks out
         "hf_apertus_pp2": ("hf_apertus", P("hf_apertus", pp=2, schedule="1f1b")),
         # ternary weights and 8-bit activations (straight-through estimators) under ring attention
