@@ -51,16 +51,17 @@ equal step 0 (loss 0, norm 7e-8), its rounding amplified as its dp2 run's is (1.
 while the parity suite's hf_phi3_cp2, every weight compared after 4 steps, is within 8.6e-8,
 3.9e-7 and 2.5e-6. Over 12 more (transformers' defaults: qwen2, mistral, starcoder2, cohere,
 granite, glm, smollm3, olmo3, exaone4, helium, opt, persimmon) cp2 is within 3.4e-7 and 1.2e-5;
-xglm (eager attention, no SDPA) is refused at plan time. `ep2` (dp2 x ep2) over 22 MoE
-families: Mixtral, DeepSeek-V3, OLMoE, Qwen2-MoE, Qwen3-MoE, Granite-MoE, GraniteMoE-shared,
+xglm (eager attention, no SDPA) is refused at plan time. `ep2` (dp2 x ep2) over 22 MoE families:
+Mixtral, DeepSeek-V3, OLMoE, Qwen2-MoE, Qwen3-MoE, Granite-MoE, GraniteMoE-shared,
 ERNIE-4.5-MoE, GLM-4-MoE, FlexOlmo, MiniMax, MiniMax-M2, AfMoE, Cohere2-MoE, EXAONE-MoE,
-MiniCPM5-MoE, Param2-MoE, Sarvam-MoE, GPT-OSS, Qwen3-Next, and DeepSeek-V2 and GLM-4-MoE-lite (tiny configs written out: the shrunk
-defaults give MLA other head counts than its K/V) within 3.4e-7 in losses and 3.4e-6 in norms;
-Llama-4's experts (routed outside their module) refused EP at plan time, JetMoE and
-LongCat-Flash refused at plan time (their forwards read values). DBRX's experts, stacked along
-dim 0 of 2-D weights, were not found, and its model (which states the expert count) was costed
-as one routing module: blocks of no FLOPs, planned with exit 0; the trace now finds them
-(trace/fallback.flattened_experts), refuses EP for the layout and plans the rest.
+MiniCPM5-MoE, Param2-MoE, Sarvam-MoE, GPT-OSS, Qwen3-Next, and DeepSeek-V2 and GLM-4-MoE-lite
+(tiny configs written out: the shrunk defaults give MLA other head counts than its K/V) within
+3.4e-7 in losses and 3.4e-6 in norms; Llama-4's experts (routed outside their module) refused EP
+at plan time, JetMoE and LongCat-Flash refused at plan time (their forwards read values). DBRX's
+experts, stacked along dim 0 of 2-D weights, were not found, and its model (which states the
+expert count) was costed as one routing module: blocks of no FLOPs, planned with exit 0; the
+trace now finds them (trace/fallback.flattened_experts), refuses EP for the layout and plans the
+rest.
 
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble
