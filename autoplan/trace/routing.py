@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 # ops whose output is a view of their first argument: a position nonzero returned stays one
+# (reshape is not among them: it reaches a dispatch mode as view or _unsafe_view)
 _VIEWS = (aten.select, aten.unbind, aten.slice, aten.squeeze, aten.unsqueeze, aten.view,
-          aten._unsafe_view, aten.alias, aten.reshape)
+          aten._unsafe_view, aten.alias)
 
 
 @dataclass
@@ -102,8 +103,10 @@ class BalancedRouting(TorchDispatchMode):
             x = args[0]
             if x.dtype == torch.bool:
                 return False
-            if x.is_floating_point() or self._position(x):
-                return 0.0 if x.is_floating_point() else 0
+            if x.is_floating_point():
+                return 0.0
+            if self._position(x):  # an expert's position: the first, as each costs the same
+                return 0
             return self.ctx.routed_per_expert()
         if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and \
                 any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
