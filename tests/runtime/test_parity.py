@@ -94,7 +94,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -468,6 +470,23 @@ def reference(kind: str, data_path=None, float8: str | None = None, micro_batch:
                               micro_batch=micro_batch)
 
 
+def _launch(torchrun, tmp, world: int, configs: list[dict], attempt: int) -> tuple[dict, str]:
+    """One torchrun launch of `configs`: (results of the cases that finished, the launch's
+    output tail if it failed, else "")."""
+    (tmp / f"configs{attempt}.json").write_text(json.dumps(configs))
+    out = tmp / f"results{attempt}.json"
+    # 5-20 s a case on 2 loaded cores, and the world-4 launch runs about 80 of them
+    proc = torchrun("parity_worker.py", world, tmp / f"configs{attempt}.json", out,
+                    tmp / "run", timeout=300 + 30 * len(configs))
+    results = json.loads(out.read_text()) if out.exists() else {}
+    # the rank that died first often printed its reason before the others' tracebacks
+    return results, "" if proc.returncode == 0 else proc.stdout[-4000:] + proc.stderr[-30000:]
+
+
+# torchrun's report of a rank killed by a signal (exitcode: -11 is SIGSEGV)
+SIGNAL_DEATH = re.compile(r"exitcode\s*:\s*-\d+")
+
+
 def _run_world(torchrun, tmp_path_factory, world: int, token_file, names: set[str]) -> dict:
     tmp = tmp_path_factory.mktemp(f"parity{world}")
     configs, unbuilt = [], {}
@@ -481,16 +500,21 @@ def _run_world(torchrun, tmp_path_factory, world: int, token_file, names: set[st
     for config in configs:
         if config["name"] in TOKEN_FILE_CONFIGS:
             config["data"] = str(token_file)
-    (tmp / "configs.json").write_text(json.dumps(configs))
-    # 5-20 s a case on 2 loaded cores, and the world-4 launch runs about 80 of them
-    proc = torchrun("parity_worker.py", world, tmp / "configs.json", tmp / "results.json",
-                    tmp / "run", timeout=300 + 30 * len(configs))
-    results = json.loads((tmp / "results.json").read_text()) if (tmp / "results.json").exists() else {}
+    results, failure = _launch(torchrun, tmp, world, configs, 0)
+    left = [c for c in configs if c["name"] not in results]
+    if left and SIGNAL_DEATH.search(failure):
+        # A rank killed by a native crash is not a wrong result: one launch runs up to 75 plans,
+        # and torch 2.13's gloo once died of SIGSEGV in a collective's wait after 53 of 56
+        # (2026-12-07; every case passed when run again). The cases it left run once more, in
+        # a fresh launch; a wrong result, an exception or a second crash still fails.
+        warnings.warn(f"parity world {world}: a rank died of a signal; {len(left)} cases run "
+                      f"again in a new launch. Its output:\n{failure[-3000:]}")
+        more, failure = _launch(torchrun, tmp, world, left, 1)
+        results.update(more)
     for name in results:
         results[name]["state_path"] = str(tmp / "run" / f"{name}.pt")
-    if proc.returncode != 0:
-        # the rank that died first often printed its reason before the others' tracebacks
-        results["__failure__"] = proc.stdout[-4000:] + proc.stderr[-30000:]
+    if failure:
+        results["__failure__"] = failure
     return {**results, "__unbuilt__": unbuilt}
 
 
