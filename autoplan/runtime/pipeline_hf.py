@@ -302,7 +302,9 @@ def shrink_config(config, layers: int = _TINY_LAYERS) -> None:
     """`config` at tiny sizes, in place: fields that count per layer cut to `layers` layers."""
     model_layers = config.num_hidden_layers
     for name, value in _TINY_SIZES.items():
-        if isinstance(getattr(config, name, None), int):
+        # a size some configs derive (Falcon's head_dim: a property of hidden size and heads)
+        derived = getattr(getattr(type(config), name, None), "fset", 0) is None
+        if isinstance(getattr(config, name, None), int) and not derived:
             setattr(config, name, value)
     if isinstance(getattr(config, "num_key_value_heads", None), int):
         config.num_key_value_heads = 1 if config.num_key_value_heads == 1 else 2

@@ -202,3 +202,17 @@ def test_a_tiny_copy_keeps_the_layers_up_to_the_first_of_each_kind():
     # a kind brought in deeper than the copy goes: cut at 16 and refused by the copy itself
     assert tiny_layers(jamba(num_hidden_layers=40, attn_layer_period=40, attn_layer_offset=30,
                              expert_layer_period=2, expert_layer_offset=1))[0] == 16
+
+
+def test_a_size_the_config_derives_is_left_to_it():
+    """Falcon's head_dim is a property (hidden size / heads, no setter): the tiny copy sets the
+    sizes it is derived from, and the copy is built instead of failing on the assignment."""
+    import transformers
+
+    from autoplan.runtime.pipeline_hf import shrink_config
+
+    config = transformers.FalconConfig()
+    shrink_config(config)
+    assert (config.hidden_size, config.num_attention_heads, config.head_dim) == (64, 4, 16)
+    with torch.device("meta"):
+        transformers.FalconForCausalLM(config)
