@@ -243,27 +243,20 @@ def test_two_launches_at_once_one_runs_and_one_is_refused(two_rank_job, tmp_path
     assert [row["step"] for row in metrics(run)] == [0, 1, 2, 3]
 
 
-def _token_file(path: Path, values: list[int] | None, dtype=torch.int16) -> Path:
-    path.write_bytes(b"" if values is None else torch.tensor(values, dtype=dtype).numpy().tobytes())
+def _token_file(path: Path, values: list[int], dtype=torch.int16) -> Path:
+    path.write_bytes(torch.tensor(values, dtype=dtype).numpy().tobytes())
     return path
 
 
+# a file that is not there, and one whose ids only the scan of the whole file finds; what the
+# other bad files are named (empty, too short, ragged) is test_units.py's, in one process
 @pytest.mark.parametrize("case,message", [
     ("missing", "is not a file"),
-    ("empty", "holds 0 uint16 tokens"),
-    ("short", "holds 10 uint16 tokens"),
-    ("ragged", "not a whole number of uint16 tokens"),
     ("id_too_large", "holds token id 30000"),
 ])
 def test_bad_token_file_stops_before_the_ranks_start(two_rank_job, tmp_path, case, message):
     data = tmp_path / "tokens.bin"
-    if case == "empty":
-        _token_file(data, None)
-    elif case == "short":
-        _token_file(data, list(range(10)))
-    elif case == "ragged":
-        data.write_bytes(b"\x01\x00" * 200 + b"\x01")
-    elif case == "id_too_large":
+    if case == "id_too_large":
         _token_file(data, [1, 2, 3] * 100 + [30000] + [4] * 100)
     start = time.monotonic()
     result = run_script(two_rank_job / "launch.sh", "--steps", 2, "--data", data, "--run-dir",

@@ -215,6 +215,22 @@ def test_token_file_checks_size_and_every_id(tmp_path):
         check_token_file(str(path), 256, seq_len=400)
 
 
+@pytest.mark.parametrize("content,message", [
+    (b"", "holds 0 uint16 tokens"),
+    (b"\x01\x00" * 10, "holds 10 uint16 tokens"),
+    (b"\x01\x00" * 200 + b"\x01", "not a whole number of uint16 tokens"),
+])
+def test_a_token_file_too_short_or_ragged_is_refused_naming_its_size(tmp_path, content, message):
+    """(launch.sh stops on such a file before any rank starts: tests/codegen/test_faults.py)"""
+    from autoplan.errors import UserError
+    from autoplan.runtime.data import check_token_file
+
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        check_token_file(str(path), 256, seq_len=16)
+
+
 class _PositionsDefaultNone(torch.nn.Module):
     """A decoder whose forward numbers the tokens itself when `position_ids` is None, the
     way a pipeline calls it (the first stage gets the token ids alone)."""
