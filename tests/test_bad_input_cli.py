@@ -186,3 +186,24 @@ def test_output_files_make_their_folder_and_refuse_a_link(tmp_path, run_cli, com
     code, _, err = run_cli(*command, "-o", str(tmp_path / "linked" / name), "--force")
     assert code == 2 and "symbolic link" in err and "Traceback" not in err
     assert target.read_text() == "the user's file\n"
+
+
+@pytest.mark.parametrize("command", [
+    ["plan", "tiny-gpt", "--global-batch", "16", "-o", "plan.json"],
+    ["estimate", "tiny-gpt", "--global-batch", "16"],
+    ["generate", "tiny-gpt", "--global-batch", "16", "-o", "job"],
+])
+@pytest.mark.parametrize("cluster,words", [
+    (["--gpu", "h999", "--gpus", "8"], "Unknown GPU 'h999'"),
+    (["--gpu", "h100", "--gpus", "0"], "--gpus must be a positive number"),
+])
+def test_a_mistyped_cluster_is_answered_before_torch_is_imported(tmp_path, command, cluster, words):
+    """The cluster is checked before the planner's imports (torch: about 3 s of a 3-25 s
+    command), so a typo in --gpu or --gpus is answered at once."""
+    code = ("import sys; from autoplan.cli import main\n"
+            "try:\n    main()\nfinally:\n    print('torch imported:', 'torch' in sys.modules)")
+    result = run_killable([sys.executable, "-c", code, *command, *cluster],
+                          timeout=SECONDS_LIMIT, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr
+    assert "torch imported: False" in result.stdout, result.stdout

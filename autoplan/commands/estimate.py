@@ -133,8 +133,6 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
             sequence_parallel, compile_blocks, plan_path, trust_plan_model, from_deepspeed, from_megatron, from_torchtitan, as_json) -> None:
     """Predict step time, tokens/s, MFU and memory per GPU of MODEL under one configuration
     (given by the options, a plan.json, or your DeepSpeed / Megatron-LM / torchtitan config)."""
-    from autoplan.cost import estimate
-
     chosen = chosen_import(from_deepspeed, from_megatron, from_torchtitan)
     imported = None
     if chosen:
@@ -166,6 +164,8 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
         if global_batch is None:
             raise UserError("give the global batch in sequences with --global-batch G")
         cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
+        from autoplan.cost import estimate  # after the cluster: a mistyped GPU is answered without torch
+
         graph, _, seq = load_graph(model, seq_len)
         config = config_from_options(gpus, dp, tp, pp, cp, ep, zero, offload, micro_batch,
                                      global_batch, seq, recompute, schedule, vpp, precision,

@@ -44,8 +44,6 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
 
     Either plan now (the options of `autoplan plan`) or take a plan file with --plan.
     """
-    from autoplan.models.sources import load_model
-
     versions = parse_stack_versions(stack_versions)
     if output and Path(output).exists() and not Path(output).is_dir():
         raise UserError(f"output path {output} is a file, not a directory; give -o a directory "
@@ -66,7 +64,6 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
         plan, loaded = checked.plan, checked.loaded
         takes_images = loaded.takes_images
     else:
-        takes_images = load_model(model, seq_len=seq_len).takes_images
         if gpus is None or global_batch is None:
             raise UserError("give the cluster and batch to plan for (--gpu NAME --gpus N "
                             "--global-batch B, as for `autoplan plan`), or a plan file with --plan FILE")
@@ -78,6 +75,10 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
 
             raise NoFeasiblePlan(infeasible_report(job))
         plan = job.plan
+        # torch's import (about 3 s) after the arguments' checks and the cluster's
+        from autoplan.models.sources import load_model
+
+        takes_images = load_model(model, seq_len=seq_len).takes_images
         loaded = load_model(model, seq_len=plan.seq_len) if plan.model.source == "file" else None
     _refuse_unscored_images(plan, takes_images, model)
     model_class = type(loaded.module).__name__ if loaded is not None else ""

@@ -33,12 +33,15 @@ def plan_options(func):
 def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
              global_batch, seq_len, objective, fix, precision, top, quiet, time_limit=None, image_size=None,
              compile_blocks=False):
-    from autoplan.solve.api import plan_job, resolve_cluster
+    from autoplan.hardware import resolve_cluster
+
+    # before the planner's imports (torch, about 3 s): a mistyped GPU or count is answered at once
+    cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
+    from autoplan.solve.api import plan_job
     from autoplan.trace.load import load_graph, require_blocks
     from autoplan.solve.space import parse_fix
 
     fixed = parse_fix(fix)
-    cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
     graph, ref, seq = load_graph(model, seq_len, image_size)
     require_blocks(graph, model)
     limit = {} if time_limit is None else {"time_limit_s": _positive_time_limit(time_limit)}
@@ -80,8 +83,6 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
             seq_len, image_size, objective, fix, precision, compile_blocks, time_limit, top, as_json, output_format,
             stack_versions, output, force, compare_with):
     """Find the provably best parallel plan for MODEL on a cluster and explain it."""
-    from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
-
     if as_json and output_format not in ("text", "json"):
         raise UserError(f"--json and --format {output_format} ask for two outputs; give one of them")
     export = output_format if output_format in EXPORT_FORMATS else None
@@ -92,6 +93,8 @@ def command(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, mem
     job = run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
                    global_batch, seq_len, objective, fix, precision, top, quiet=as_json or export is not None,
                    time_limit=time_limit, image_size=image_size, compile_blocks=compile_blocks)
+    from autoplan.solve.explain import explain, infeasible_report, job_json, render_job
+
     if job.plan is None:
         report = infeasible_report(job)
         if as_json:
