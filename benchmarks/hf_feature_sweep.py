@@ -51,7 +51,10 @@ equal step 0 (loss 0, norm 7e-8), its rounding amplified as its dp2 run's is (1.
 while the parity suite's hf_phi3_cp2, every weight compared after 4 steps, is within 8.6e-8,
 3.9e-7 and 2.5e-6. Over 12 more (transformers' defaults: qwen2, mistral, starcoder2, cohere,
 granite, glm, smollm3, olmo3, exaone4, helium, opt, persimmon) cp2 is within 3.4e-7 and 1.2e-5;
-xglm (eager attention, no SDPA) is refused at plan time. `ep2` (dp2 x ep2) over 22 MoE families:
+xglm (eager attention, no SDPA) is refused at plan time. Over 5 more (falcon, whose
+head_dim, a property of its config, the tiny-copy sizes now leave to it; seed_oss, arcee,
+gemma, llama) cp2 is within 1.7e-7 and 1.8e-6; hunyuan_v1_dense's default config does not
+build in transformers itself (head_dim None) and is refused at plan time naming that. `ep2` (dp2 x ep2) over 22 MoE families:
 Mixtral, DeepSeek-V3, OLMoE, Qwen2-MoE, Qwen3-MoE, Granite-MoE, GraniteMoE-shared,
 ERNIE-4.5-MoE, GLM-4-MoE, FlexOlmo, MiniMax, MiniMax-M2, AfMoE, Cohere2-MoE, EXAONE-MoE,
 MiniCPM5-MoE, Param2-MoE, Sarvam-MoE, GPT-OSS, Qwen3-Next, and DeepSeek-V2 and GLM-4-MoE-lite
