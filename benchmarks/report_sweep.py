@@ -18,7 +18,8 @@ def main() -> None:
     from autoplan.hardware import load_prices
     from autoplan.report.accuracy import published_runs_error
     from autoplan.report.formatting import duration, usd
-    from autoplan.report.sweep import gpu_prices, parse_counts, parse_gpus, run_sweep
+    from autoplan.report.arguments import gpu_prices, parse_counts, parse_gpus
+    from autoplan.report.sweep import run_sweep
     from autoplan.trace.load import load_graph
 
     parser = argparse.ArgumentParser()

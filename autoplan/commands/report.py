@@ -31,8 +31,8 @@ def _format(fmt: str | None, output: str | None) -> str:
 
 
 def _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes):
+    from autoplan.report.arguments import check_positive
     from autoplan.report.goodput import GoodputAssumptions
-    from autoplan.report.sweep import check_positive
 
     base = GoodputAssumptions()
     for name, value in (("--failure-rate", failure_rate), ("--checkpoint-gb-per-s", checkpoint_gb_per_s)):
@@ -50,7 +50,7 @@ def _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes):
 def _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth):
     """(GPU list, GPUs per node, NIC GB/s) of the sweep: --gpu names, or the GPU of a --hardware file
     with its node size and NIC rate (the command line overrides either)."""
-    from autoplan.report.sweep import parse_gpus
+    from autoplan.report.arguments import parse_gpus
 
     if gpu and hardware:
         raise UserError("give either --gpu NAMES or --hardware FILE, not both: a hardware file describes one "
@@ -77,9 +77,7 @@ def _check_priced_gpus_are_known(price_overrides: dict[str, float], gpu_list) ->
 def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top, prices,
                precision, assumptions, error, price_list, budget, deadline, time_limit, memory_headroom,
                inter_node_bandwidth, show_progress, price_overrides):
-    from autoplan.report.sweep import check_positive, gpu_prices, parse_counts, run_sweep
-    from autoplan.trace.load import load_graph, require_blocks
-    from autoplan.solve.space import parse_fix
+    from autoplan.report.arguments import check_positive, gpu_prices, parse_counts
 
     if not model or not (gpu or hardware) or not gpus or global_batch is None or tokens is None:
         raise UserError("a sweep needs MODEL, --tokens N, --gpu NAMES (or --hardware FILE), --gpus COUNTS and "
@@ -92,11 +90,16 @@ def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_p
         check_positive("--gpus-per-node", gpus_per_node)
     if top < 0:
         raise UserError(f"--top must be zero or more runners-up, got {top}.")
-    fixed = parse_fix(fix)
     gpu_list, per_node, nic = _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth)
     _check_priced_gpus_are_known(price_overrides, gpu_list)
     counts = parse_counts(gpus)
     usd = gpu_prices(gpu_list, prices)  # every price before any work
+    # the planner (torch, about 3 s) once the arguments above are known to be good
+    from autoplan.report.sweep import run_sweep
+    from autoplan.trace.load import load_graph, require_blocks
+    from autoplan.solve.space import parse_fix
+
+    fixed = parse_fix(fix)
     graph, ref, seq = load_graph(model, seq_len)  # traced once, reused for every cluster
     require_blocks(graph, model)
     kwargs = dict(seq_len=seq, global_batch=global_batch, tokens=tokens, prices=usd, precision=precision,
@@ -169,7 +172,7 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
     given, else of the model the plan names).
     """
     from autoplan.report.accuracy import published_runs_error
-    from autoplan.report.sweep import parse_tokens
+    from autoplan.report.arguments import parse_tokens
 
     fmt = _format(fmt, output)
     out = Path(output) if output else None
@@ -197,12 +200,12 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
         sweep = None
         doc = plan_dict(detail, tokens=n_tokens, assumptions=assumptions, error=error, price_list=prices.name)
     else:
-        from autoplan.report.document import fastest_detail, sweep_dict
-
         show = fmt != "json" and sys.stderr.isatty()
         sweep = _run_sweep(model, n_tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top,
                            prices, precision, assumptions, error, prices.name, budget, deadline, time_limit,
                            memory_headroom, inter_node_bandwidth, show, parse_price_options(price))
+        from autoplan.report.document import fastest_detail, sweep_dict
+
         detail = fastest_detail(sweep)
         doc = sweep_dict(sweep)
     _emit(doc, fmt, out, force, sweep, detail)

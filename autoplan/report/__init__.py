@@ -1,5 +1,8 @@
 """`autoplan report`: one training job planned on many clusters, priced for the whole run.
 
+- arguments.py: the command's token counts, GPU counts and names and prices, checked before
+  anything imports torch (a mistyped GPU is answered at once).
+
 - sweep.py: plan every (GPU type, count) on one traced graph, price it, Pareto frontier,
   recommendations (fastest, cheapest, under --budget, under --deadline).
 - goodput.py: checkpoints, interruptions and restarts (Young/Daly interval, Llama 3 failure rate).
@@ -9,10 +12,3 @@
 - document.py: the report as plain data (JSON); charts.py, render_files.py, render_terminal.py:
   SVG charts, HTML/Markdown (templates/report.*.j2) and rich tables.
 """
-
-from autoplan.report.goodput import Goodput, GoodputAssumptions
-from autoplan.report.sweep import (Row, RunCost, Sweep, pareto_frontier, parse_tokens, plan_row, price_run,
-                                   recommendations, run_sweep)
-
-__all__ = ["Goodput", "GoodputAssumptions", "Row", "RunCost", "Sweep", "pareto_frontier",
-           "parse_tokens", "plan_row", "price_run", "recommendations", "run_sweep"]
