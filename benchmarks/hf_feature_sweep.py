@@ -60,7 +60,12 @@ nemotron_h and zamba are refused cp2 at plan time (a mixer other than attention 
 rank's tokens); zamba2 is refused at plan time (its forward reads values); lfm2's tiny copy
 keeps two attention layers and trains within 8.6e-8 (with a conv layer it is refused cp2,
 naming model.layers.0.conv); bamba's, granitemoehybrid's and mamba2's shrunk defaults do not
-build (a "not built" row), nor does lfm2_moe's default in transformers. `ep2` (dp2 x ep2) over 22 MoE families:
+build (a "not built" row), nor does lfm2_moe's default in transformers. `ep2` over 10 more MoE
+types (2026-12-07): GraniteMoE-SWA, Qwen3.5-MoE text and Jamba within 8.6e-8 in losses and
+1.2e-7 in norms; PhiMoE 5.9e-4 and 2.9e-3, its Gumbel-sampled routing (README: Limits, as
+under `chosen`); dots1's and hunyuan_v1_moe's defaults do not build in transformers; GLM-MoE-DSA
+refused (its forward reads values); the text halves of GLM-4V-MoE and Qwen3-VL-MoE and
+switch_transformers refused, naming the class to put in the config's architectures list. `ep2` (dp2 x ep2) over 22 MoE families:
 Mixtral, DeepSeek-V3, OLMoE, Qwen2-MoE, Qwen3-MoE, Granite-MoE, GraniteMoE-shared,
 ERNIE-4.5-MoE, GLM-4-MoE, FlexOlmo, MiniMax, MiniMax-M2, AfMoE, Cohere2-MoE, EXAONE-MoE,
 MiniCPM5-MoE, Param2-MoE, Sarvam-MoE, GPT-OSS, Qwen3-Next, and DeepSeek-V2 and GLM-4-MoE-lite
