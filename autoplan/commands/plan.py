@@ -10,6 +10,7 @@ import click
 from autoplan.codegen.exports import EXPORTS, parse_stack_versions, render_export
 from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
+from autoplan.hardware import resolve_cluster
 from autoplan.importers import compare_with_option
 from autoplan.planfile import write_plan
 
@@ -33,8 +34,6 @@ def plan_options(func):
 def run_plan(model, gpu, hardware, gpus, gpus_per_node, inter_node_bandwidth, memory_headroom,
              global_batch, seq_len, objective, fix, precision, top, quiet, time_limit=None, image_size=None,
              compile_blocks=False):
-    from autoplan.hardware import resolve_cluster
-
     # before the planner's imports (torch, about 3 s): a mistyped GPU or count is answered at once
     cluster = resolve_cluster(gpu, hardware, gpus, gpus_per_node, memory_headroom, inter_node_bandwidth)
     from autoplan.solve.api import plan_job

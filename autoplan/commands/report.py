@@ -13,6 +13,7 @@ from autoplan.commands import options as o
 from autoplan.errors import NoFeasiblePlan, UserError
 from autoplan.files import write_output
 from autoplan.hardware import GB, load_hardware_file, load_prices, parse_price_options
+from autoplan.report.arguments import check_positive, gpu_prices, parse_counts, parse_gpus, parse_tokens
 
 FORMATS = ("terminal", "md", "html", "json")
 SUFFIX_FORMATS = {".md": "md", ".markdown": "md", ".html": "html", ".htm": "html", ".json": "json",
@@ -31,7 +32,6 @@ def _format(fmt: str | None, output: str | None) -> str:
 
 
 def _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes):
-    from autoplan.report.arguments import check_positive
     from autoplan.report.goodput import GoodputAssumptions
 
     base = GoodputAssumptions()
@@ -50,8 +50,6 @@ def _assumptions(failure_rate, checkpoint_gb_per_s, restart_minutes):
 def _sweep_gpus(gpu, hardware, gpus_per_node, inter_node_bandwidth):
     """(GPU list, GPUs per node, NIC GB/s) of the sweep: --gpu names, or the GPU of a --hardware file
     with its node size and NIC rate (the command line overrides either)."""
-    from autoplan.report.arguments import parse_gpus
-
     if gpu and hardware:
         raise UserError("give either --gpu NAMES or --hardware FILE, not both: a hardware file describes one "
                         "GPU type (run the report once per file)")
@@ -77,8 +75,6 @@ def _check_priced_gpus_are_known(price_overrides: dict[str, float], gpu_list) ->
 def _run_sweep(model, tokens, seq_len, global_batch, gpu, hardware, gpus, gpus_per_node, fix, top, prices,
                precision, assumptions, error, price_list, budget, deadline, time_limit, memory_headroom,
                inter_node_bandwidth, show_progress, price_overrides):
-    from autoplan.report.arguments import check_positive, gpu_prices, parse_counts
-
     if not model or not (gpu or hardware) or not gpus or global_batch is None or tokens is None:
         raise UserError("a sweep needs MODEL, --tokens N, --gpu NAMES (or --hardware FILE), --gpus COUNTS and "
                         "--global-batch B (or give --plan plan.json for one plan in depth).")
@@ -172,7 +168,6 @@ def command(ctx, model, plan_file, tokens, seq_len, global_batch, gpu, hardware,
     given, else of the model the plan names).
     """
     from autoplan.report.accuracy import published_runs_error
-    from autoplan.report.arguments import parse_tokens
 
     fmt = _format(fmt, output)
     out = Path(output) if output else None

@@ -303,7 +303,8 @@ def shrink_config(config, layers: int = _TINY_LAYERS) -> None:
     model_layers = config.num_hidden_layers
     for name, value in _TINY_SIZES.items():
         # a size some configs derive (Falcon's head_dim: a property of hidden size and heads)
-        derived = getattr(getattr(type(config), name, None), "fset", 0) is None
+        declared = getattr(type(config), name, None)
+        derived = isinstance(declared, property) and declared.fset is None
         if isinstance(getattr(config, name, None), int) and not derived:
             setattr(config, name, value)
     if isinstance(getattr(config, "num_key_value_heads", None), int):
