@@ -114,6 +114,11 @@ QWEN2_MOE_FP32 = (1e-4, 1e-3, 2e-2)
 # within 2e-4. Its scalars' gradients left unsummed over the tp ranks: replicas 1.7e-2 apart,
 # losses 1.9e-5, weights 6.1e-2 (alpha_p).
 APERTUS_FP32 = (1e-5, 1e-4, 1e-2)
+# GPT-OSS's tiny router sits near a tie for one token: the one-process reference itself, its
+# router inputs scaled by 1 + 1e-7 noise, ends 3.8e-5 / 8.2e-4 / 1.7e-2 away (a bias of the
+# expert the token moved to) under 2 of 4 noise seeds, 8.6e-8 / 1.4e-6 / 2.9e-5 under the
+# others; tp2 on an AMD EPYC (2026-12-08) lands on exactly the first figures.
+GPT_OSS_FP32 = (1e-4, 2e-3, 5e-2)
 LOW_PRECISION = (5e-3, 3e-1, 5e-1)
 FP8 = (5e-3, 5e-1, 5e-1)
 # torchao's weight scaling granularity per recipe (rowwise scales each row: "axiswise")
@@ -597,6 +602,7 @@ def test_loss_parity(results, token_file, world, name):
     loss_rtol, norm_rtol, param_rtol = (FP8 if fp8 else LOW_PRECISION if not fp32 else
                                         QWEN2_MOE_FP32 if kind == "hf_qwen2moe" else
                                         APERTUS_FP32 if kind == "hf_apertus" else
+                                        GPT_OSS_FP32 if kind == "hf_gpt_oss" else
                                         BATCH_NORM_FP32 if kind in BATCH_NORM_KINDS else FP32)
     losses, norms = got[name]["losses"], got[name]["grad_norms"]
     assert len(losses) == len(ref.losses)
