@@ -266,10 +266,25 @@ def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = F
     layers held elsewhere returning a tuple where `layer_tuple`) and chained in one process in
     training mode from one seed, gives the whole copy's logits: a module applied on two stages
     or on none (an embedding scale, a dropout drawing twice) moves them by far more than
-    rounding. Else what failed."""
+    rounding. Else what failed.
+
+    A copy that fails to build or run with its heads cut to the tiny head size is made again
+    with the model's own head size: a config that states other per-head sizes (MLA's rotary
+    and latent dimensions, a rotary_dim) is only consistent with the head size it came with."""
+    problem = _tiny_copy_problem(model_class, config_json, layer_tuple, layers, kinds, False)
+    if problem is not None and problem.startswith(_FAILED):
+        problem = _tiny_copy_problem(model_class, config_json, layer_tuple, layers, kinds, True)
+    return problem
+
+
+_FAILED = "its tiny copy failed"
+
+
+def _tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool, layers: int,
+                       kinds: int, keep_head_size: bool) -> str | None:
     config = model_class.config_class.from_dict(special_floats_read_back(json.loads(config_json)))
     try:
-        shrink_config(config, layers)
+        shrink_config(config, layers, keep_head_size)
         with torch.device("meta"):
             shape = model_class(config)
         size = sum(p.numel() for p in shape.parameters())
@@ -292,23 +307,32 @@ def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = F
                 for shell in split_hf_stages(model, [[p] for p in hf_block_paths(model)], positions, False, parts):
                     x = shell(x)
     except Exception as exc:  # a config the shrinking breaks, or a forward the shells cannot run
-        return f"its tiny copy failed ({type(exc).__name__}: {str(exc)[:200]})"
+        return f"{_FAILED} ({type(exc).__name__}: {str(exc)[:200]})"
     if x.shape != whole.shape or not torch.allclose(x, whole, rtol=1e-6, atol=1e-6):
         return "its tiny copy gives other logits chained stage by stage than whole"
     return None
 
 
-def shrink_config(config, layers: int = _TINY_LAYERS) -> None:
-    """`config` at tiny sizes, in place: fields that count per layer cut to `layers` layers."""
+def shrink_config(config, layers: int = _TINY_LAYERS, keep_head_size: bool = False) -> None:
+    """`config` at tiny sizes, in place: fields that count per layer cut to `layers` layers.
+    With `keep_head_size`, the tiny heads keep the model's head size (the hidden size is the
+    tiny head count times it, head_dim untouched)."""
     model_layers = config.num_hidden_layers
-    for name, value in _TINY_SIZES.items():
+    sizes = dict(_TINY_SIZES)
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if keep_head_size and isinstance(heads, int) and isinstance(config.hidden_size, int):
+        head_size = getattr(config, "head_dim", None)
+        head_size = head_size if isinstance(head_size, int) else config.hidden_size // heads
+        del sizes["head_dim"]
+        sizes["hidden_size"] = sizes["num_attention_heads"] * head_size
+    for name, value in sizes.items():
         # a size some configs derive (Falcon's head_dim: a property of hidden size and heads)
         declared = getattr(type(config), name, None)
         derived = isinstance(declared, property) and declared.fset is None
         if isinstance(getattr(config, name, None), int) and not derived:
             setattr(config, name, value)
-    if isinstance(getattr(config, "num_key_value_heads", None), int):
-        config.num_key_value_heads = 1 if config.num_key_value_heads == 1 else 2
+    if isinstance(kv_heads, int):  # one K/V head, one per head (MLA reads them so), or grouped
+        config.num_key_value_heads = 1 if kv_heads == 1 else config.num_attention_heads if kv_heads == heads else 2
     for name, value in list(vars(config).items()):
         if isinstance(value, list) and len(value) == model_layers:
             setattr(config, name, value[:layers])

@@ -216,3 +216,36 @@ def test_a_size_the_config_derives_is_left_to_it():
     assert (config.hidden_size, config.num_attention_heads, config.head_dim) == (64, 4, 16)
     with torch.device("meta"):
         transformers.FalconForCausalLM(config)
+
+
+# DeepSeek-V2-Lite's published sizes: MLA (rotary 64 and nope 128 per head, a 512 K/V latent,
+# no query latent) on 16 heads over a hidden size of 2048, and 64 routed experts
+DEEPSEEK_V2_LITE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+                        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+                        num_hidden_layers=27, vocab_size=102400)
+
+
+def test_a_config_stating_other_head_sizes_is_copied_at_its_own_head_size():
+    """Cut to the tiny head size, DeepSeek-V2-Lite's rotary tables (head_dim, its rotary size)
+    no longer match its queries and its tiny copy fails; the copy is made again with the
+    model's head size, and a real config's pipeline split is accepted instead of refused."""
+    import transformers
+
+    from autoplan.runtime.pipeline_hf import shrink_config
+
+    config = transformers.DeepseekV2Config(**DEEPSEEK_V2_LITE)
+    assert "deepseek_v2" not in SPLIT_MODEL_TYPES
+    cut, kept = config.__class__.from_dict(config.to_dict()), config.__class__.from_dict(config.to_dict())
+    shrink_config(cut)
+    shrink_config(kept, keep_head_size=True)
+    assert (cut.hidden_size, cut.head_dim) == (64, 16)
+    # 4 heads of the model's size; one K/V head per head, as MLA reads them
+    assert (kept.hidden_size, kept.head_dim, kept.num_attention_heads, kept.num_key_value_heads) == (256, 64, 4, 4)
+    ids = torch.randint(0, 256, (1, TOKENS))
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        transformers.DeepseekV2ForCausalLM(cut)(input_ids=ids)
+    with torch.device("meta"):
+        model = transformers.DeepseekV2ForCausalLM(config)
+    assert hf_split_problem(model) is None
