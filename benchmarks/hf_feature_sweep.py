@@ -77,6 +77,19 @@ expert count) was costed as one routing module: blocks of no FLOPs, planned with
 trace now finds them (trace/fallback.flattened_experts), refuses EP for the layout and plans the
 rest.
 
+MLA families (2026-12-08). Their defaults state rotary and latent sizes per head; cut to the tiny
+head size of 16 they did not run, and the tiny-copy check refused a real DeepSeek-V2 config's
+pipeline split for the same reason (pipeline_hf: the copy is now made again at the model's own
+head size). At their own head size: MiniCPM3, GLM-4-MoE-lite, Youtu, Sarvam-MLA and DeepSeek-V3
+at chosen and pp2_zero_bubble, and the first four at tp2_full, within 9.0e-6 in losses and
+4.7e-4 in norms (Sarvam-MLA at tp2, an MoE whose routing flips on rounding; MiniCPM3 at tp2
+7.6e-6 and 6.6e-5, its step-0 loss and norm within 9.7e-8 and 5.4e-7, drifting as its dp2
+zero1 run does: 3.2e-7 and 3.0e-5 after 3 steps); GLM-4-MoE-lite and Sarvam-MLA at
+ep2 within 1.0e-6 and 4.8e-5; LongCat-Flash at chosen 8.5e-8 (its tiny default holds one
+block, so pp2 is refused); CodeGen (its qkv_proj in 4 model-parallel groups) at chosen and
+tp2_full 2.0e-7 and 3.6e-5; AXK2 and DeepSeek-V3.2 at chosen within 8.4e-8, both refusing
+tp2 at plan time, naming why.
+
     python benchmarks/hf_feature_sweep.py                  # everything: about 100 jobs, 1.5 h on 2 cores
     python benchmarks/hf_feature_sweep.py --families llama_tied,mixtral --settings tp2_full,pp2_zero_bubble
     python benchmarks/hf_feature_sweep.py --families olmoe,jamba --settings chosen,tp2_full
@@ -161,17 +174,39 @@ def write_config(family: str, folder: Path) -> Path:
 
 def tiny_default_config(model_type: str):
     """transformers' default config of `model_type` at the tiny-copy check's sizes, with every
-    dropout 0 (a mask drawn on another rank's share of the tokens is not a wrong gradient)."""
+    dropout 0 (a mask drawn on another rank's share of the tokens is not a wrong gradient); its
+    heads at the model's own head size where the tiny one breaks the config (MLA's rotary and
+    latent dimensions, a rotary_dim), as the tiny-copy check does."""
+    for keep_head_size in (False, True):
+        config = _shrunk_default(model_type, keep_head_size)
+        if keep_head_size or _runs(config):
+            return config
+
+
+def _shrunk_default(model_type: str, keep_head_size: bool):
     from transformers import AutoConfig
 
     from autoplan.runtime.pipeline_hf import shrink_config
 
     config = AutoConfig.for_model(model_type)
-    shrink_config(config)
+    shrink_config(config, keep_head_size=keep_head_size)
     for name, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name or name.endswith("_drop")):
             setattr(config, name, 0.0)
     return config
+
+
+def _runs(config) -> bool:
+    """Whether the tiny model of `config` runs a forward (built on CPU: a few million values)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.no_grad():
+            AutoModelForCausalLM.from_config(config)(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    except Exception:
+        return False
+    return True
 
 
 def run_job(config: Path, gpus: int, fixes: list[str], folder: Path, steps: int) -> tuple[list, list] | str:
