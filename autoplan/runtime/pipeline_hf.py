@@ -253,7 +253,8 @@ _FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "norm_f", "embedding_no
 _TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16,
                "vocab_size": 256, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
                "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
-_TINY_LAYERS, _MAX_TINY_LAYERS, _TINY_TOKENS, _TINY_MAX_PARAMETERS = 2, 16, 8, 20_000_000
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok")
+_TINY_LAYERS, _MAX_TINY_LAYERS, _TINY_TOKENS, _TINY_MAX_PARAMETERS = 2, 16, 8, 160_000_000
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,9 +269,10 @@ def tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool = F
     or on none (an embedding scale, a dropout drawing twice) moves them by far more than
     rounding. Else what failed.
 
-    A copy that fails to build or run with its heads cut to the tiny head size is made again
-    with the model's own head size: a config that states other per-head sizes (MLA's rotary
-    and latent dimensions, a rotary_dim) is only consistent with the head size it came with."""
+    A copy that fails to build or run at the tiny sizes is made again with the model's own head
+    size and expert counts (`shrink_config`'s keep_structure): a config that states other sizes
+    in their terms (MLA's rotary and latent dimensions per head, a rotary_dim, grouped routing's
+    expert groups) is only consistent with the ones it came with."""
     problem = _tiny_copy_problem(model_class, config_json, layer_tuple, layers, kinds, False)
     if problem is not None and problem.startswith(_FAILED):
         problem = _tiny_copy_problem(model_class, config_json, layer_tuple, layers, kinds, True)
@@ -281,10 +283,10 @@ _FAILED = "its tiny copy failed"
 
 
 def _tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool, layers: int,
-                       kinds: int, keep_head_size: bool) -> str | None:
+                       kinds: int, keep_structure: bool) -> str | None:
     config = model_class.config_class.from_dict(special_floats_read_back(json.loads(config_json)))
     try:
-        shrink_config(config, layers, keep_head_size)
+        shrink_config(config, layers, keep_structure)
         with torch.device("meta"):
             shape = model_class(config)
         size = sum(p.numel() for p in shape.parameters())
@@ -313,14 +315,18 @@ def _tiny_copy_problem(model_class: type, config_json: str, layer_tuple: bool, l
     return None
 
 
-def shrink_config(config, layers: int = _TINY_LAYERS, keep_head_size: bool = False) -> None:
+def shrink_config(config, layers: int = _TINY_LAYERS, keep_structure: bool = False) -> None:
     """`config` at tiny sizes, in place: fields that count per layer cut to `layers` layers.
-    With `keep_head_size`, the tiny heads keep the model's head size (the hidden size is the
-    tiny head count times it, head_dim untouched)."""
+    With `keep_structure`, only widths and the head count are cut: the tiny heads keep the
+    model's head size (the hidden size is the tiny head count times it, head_dim untouched),
+    and the model keeps its experts and experts per token (each of them tiny)."""
     model_layers = config.num_hidden_layers
     sizes = dict(_TINY_SIZES)
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if keep_head_size and isinstance(heads, int) and isinstance(config.hidden_size, int):
+    if keep_structure:
+        for name in _EXPERT_COUNTS:
+            del sizes[name]
+    if keep_structure and isinstance(heads, int) and isinstance(config.hidden_size, int):
         head_size = getattr(config, "head_dim", None)
         head_size = head_size if isinstance(head_size, int) else config.hidden_size // heads
         del sizes["head_dim"]

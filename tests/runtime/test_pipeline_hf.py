@@ -230,7 +230,8 @@ DEEPSEEK_V2_LITE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_
 def test_a_config_stating_other_head_sizes_is_copied_at_its_own_head_size():
     """Cut to the tiny head size, DeepSeek-V2-Lite's rotary tables (head_dim, its rotary size)
     no longer match its queries and its tiny copy fails; the copy is made again with the
-    model's head size, and a real config's pipeline split is accepted instead of refused."""
+    model's head size and experts, and a real config's pipeline split is accepted instead of
+    refused."""
     import transformers
 
     from autoplan.runtime.pipeline_hf import shrink_config
@@ -239,10 +240,12 @@ def test_a_config_stating_other_head_sizes_is_copied_at_its_own_head_size():
     assert "deepseek_v2" not in SPLIT_MODEL_TYPES
     cut, kept = config.__class__.from_dict(config.to_dict()), config.__class__.from_dict(config.to_dict())
     shrink_config(cut)
-    shrink_config(kept, keep_head_size=True)
+    shrink_config(kept, keep_structure=True)
     assert (cut.hidden_size, cut.head_dim) == (64, 16)
     # 4 heads of the model's size; one K/V head per head, as MLA reads them
     assert (kept.hidden_size, kept.head_dim, kept.num_attention_heads, kept.num_key_value_heads) == (256, 64, 4, 4)
+    # and its experts: routing that groups them (n_group) is stated in their count
+    assert (kept.n_routed_experts, kept.num_experts_per_tok, cut.n_routed_experts) == (64, 6, 4)
     ids = torch.randint(0, 256, (1, TOKENS))
     with pytest.raises(RuntimeError, match="size of tensor"):
         transformers.DeepseekV2ForCausalLM(cut)(input_ids=ids)
