@@ -178,8 +178,9 @@ def write_config(family: str, folder: Path) -> Path:
 def tiny_default_config(model_type: str):
     """transformers' default config of `model_type` at the tiny-copy check's sizes, with every
     dropout 0 (a mask drawn on another rank's share of the tokens is not a wrong gradient); its
-    heads at the model's own head size where the tiny one breaks the config (MLA's rotary and
-    latent dimensions, a rotary_dim), as the tiny-copy check does."""
+    heads at the model's own head size, and its experts kept, where the tiny sizes break the
+    config (MLA's rotary and latent dimensions, a rotary_dim, grouped routing), as the tiny-copy
+    check does."""
     for keep_structure in (False, True):
         config = _shrunk_default(model_type, keep_structure)
         if keep_structure or _runs(config):

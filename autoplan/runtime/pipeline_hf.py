@@ -326,11 +326,11 @@ def shrink_config(config, layers: int = _TINY_LAYERS, keep_structure: bool = Fal
     if keep_structure:
         for name in _EXPERT_COUNTS:
             del sizes[name]
-    if keep_structure and isinstance(heads, int) and isinstance(config.hidden_size, int):
-        head_size = getattr(config, "head_dim", None)
-        head_size = head_size if isinstance(head_size, int) else config.hidden_size // heads
-        del sizes["head_dim"]
-        sizes["hidden_size"] = sizes["num_attention_heads"] * head_size
+        if isinstance(heads, int) and isinstance(config.hidden_size, int):
+            head_size = getattr(config, "head_dim", None)
+            head_size = head_size if isinstance(head_size, int) else config.hidden_size // heads
+            del sizes["head_dim"]
+            sizes["hidden_size"] = sizes["num_attention_heads"] * head_size
     for name, value in sizes.items():
         # a size some configs derive (Falcon's head_dim: a property of hidden size and heads)
         declared = getattr(type(config), name, None)
