@@ -53,7 +53,8 @@ t0 = cpu()
 import autoplan.cli, autoplan.commands.plan, autoplan.solve.api, autoplan.solve.explain, autoplan.trace.load
 import rich.console
 out = {"import": cpu() - t0}
-from autoplan.solve.api import plan_job, resolve_cluster
+from autoplan.hardware import resolve_cluster
+from autoplan.solve.api import plan_job
 from autoplan.solve.explain import explain, render_job
 from autoplan.trace.load import load_graph
 model, gpu, gpus, batch, seq = json.loads(sys.argv[1])

@@ -76,7 +76,7 @@ def _estimate_with_cost_model(plan):
 
     from autoplan.cost.estimate import estimate
     from autoplan.trace.load import load_graph
-    from autoplan.solve.api import resolve_cluster
+    from autoplan.hardware import resolve_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"

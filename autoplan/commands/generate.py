@@ -78,8 +78,8 @@ def command(ctx, model, plan_file, gpu, hardware, gpus, gpus_per_node, inter_nod
         # torch's import (about 3 s) after the arguments' checks and the cluster's
         from autoplan.models.sources import load_model
 
-        takes_images = load_model(model, seq_len=seq_len).takes_images
         loaded = load_model(model, seq_len=plan.seq_len) if plan.model.source == "file" else None
+        takes_images = (loaded or load_model(model, seq_len=seq_len)).takes_images  # a file loaded once
     _refuse_unscored_images(plan, takes_images, model)
     model_class = type(loaded.module).__name__ if loaded is not None else ""
     source = model_source(model, plan.model.source, plan.model.name, model_class)

@@ -8,7 +8,6 @@ from typing import Callable
 from autoplan.cost import CostCache
 from autoplan.cost.profile import FUSED_SCAN_CLASSES
 from autoplan.errors import UserError
-from autoplan.hardware import resolve_cluster  # noqa: F401  (re-exported for scripts that plan)
 from autoplan.trace.graph import ModelGraph, sequence_loop_notes
 from autoplan.plan import ModelRef, Plan
 from autoplan.solve import preference

@@ -179,7 +179,7 @@ def test_calibrate_on_gloo_ranks_writes_a_file_estimate_accepts(torchrun, tmp_pa
     from autoplan.cost import estimate
     from autoplan.config import ParallelConfig
     from autoplan.trace.load import load_graph
-    from autoplan.solve.api import resolve_cluster
+    from autoplan.hardware import resolve_cluster
 
     out = tmp_path / f"cpu{nproc}.toml"
     proc = torchrun(nproc, "calibrate", "--quick", "-o", str(out))
